@@ -1,0 +1,71 @@
+"""Model-free prompt-lookup drafter: continue the most recent earlier occurrence of the
+sequence's last n tokens (n from max_n down to min_n), periodically where the continuation
+reaches the end of the sequence. Its q is one-hot (deterministic)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specserve.drafters.base import DraftProposal
+from specserve.errors import InvalidRequest
+from specserve.sampling import SamplingParams
+
+
+class NgramDrafter:
+    def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 4, name: str = "ngram") -> None:
+        if not (1 <= min_n <= max_n):
+            raise InvalidRequest(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.vocab_size = vocab_size
+        self.min_n = min_n
+        self.max_n = max_n
+        self.name = name
+
+    def start(self) -> NgramSession:
+        return NgramSession(self)
+
+
+class NgramSession:
+    def __init__(self, drafter: NgramDrafter) -> None:
+        self.drafter = drafter
+
+    def propose(
+        self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int
+    ) -> DraftProposal:
+        tokens = lookup(token_ids, k, self.drafter.min_n, self.drafter.max_n)
+        banned = set(sampling.banned_token_ids)
+        if banned:  # a banned token can never be accepted: stop the block before it
+            for i, t in enumerate(tokens):
+                if t in banned:
+                    tokens = tokens[:i]
+                    break
+        return DraftProposal(tokens, None)
+
+    def observe(self, proposal: DraftProposal, num_accepted: int) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+
+def lookup(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier match of the last n tokens."""
+    seq = np.asarray(token_ids, dtype=np.int64)
+    length = len(seq)
+    if k <= 0 or length < 2:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = seq[length - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)  # starts < length-n
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            # The most recent match in periodic text sits right before the end, so its
+            # continuation runs into the proposal itself: extend it with the period.
+            begin = int(hits[-1]) + n
+            out: list[int] = []
+            for j in range(k):
+                i = begin + j
+                out.append(int(seq[i]) if i < length else out[i - length])
+            return out
+    return []

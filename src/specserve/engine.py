@@ -1,0 +1,182 @@
+"""The in-process speculative decoding loop: draft -> verify -> accept -> rollback.
+
+It is the reference the distributed system is checked against: the router runs the same
+round through gRPC and Redis and must produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.drafters.base import Drafter
+from specserve.errors import InvalidRequest
+from specserve.rejection import Verdict, greedy_verify, q_to_dense, rejection_sample
+from specserve.rng import check_seed, fresh_seed
+from specserve.sampling import SamplingParams, greedy_tokens, logits_to_probs
+from specserve.stops import StopChecker
+from specserve.verifier import TargetModel
+
+MAX_K = 32
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int = 4  # K; 0 = plain decoding
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.num_draft_tokens <= MAX_K):
+            raise InvalidRequest(f"K (num_draft_tokens) must be in [0, {MAX_K}], got {self.num_draft_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty")
+        if self.seed is not None:
+            check_seed(self.seed)
+
+
+@dataclass
+class RoundStats:
+    k: int  # draft tokens proposed this round
+    accepted: int
+    emitted: int  # tokens committed from this round (after stops)
+    rejected_position: int | None  # index in the block of the first rejection; None = all accepted
+    draft_ms: float
+    verify_ms: float
+    rollback_tokens: int = 0
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated (committed) tokens, the stopping token included
+    text: str
+    finish_reason: str  # "eos" | "length" | "stop"
+    seed: int
+    rounds: list[RoundStats]
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [r.accepted for r in self.rounds if r.k > 0]
+
+
+class SpecEngine:
+    """generate(prompt, params) for one target and an optional drafter."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter | None, tokenizer) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        if drafter is not None and drafter.vocab_size != target.vocab_size:
+            raise InvalidRequest(
+                f"draft vocabulary size {drafter.vocab_size} != target {target.vocab_size}"
+            )
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequest("the prompt is empty: send at least one token")
+        bad = [t for t in ids if not (0 <= t < self.target.vocab_size)]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})")
+        return ids
+
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        limit = self.target.max_positions
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"context length of {limit} tokens: shorten the prompt or lower max_tokens"
+            )
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: GenerationParams,
+        committed: Sequence[int] = (),
+    ) -> GenerationResult:
+        """Generate after `prompt`. `committed` resumes a generation whose first tokens are
+        already committed (same seed -> the same continuation)."""
+        prompt_ids = self.encode_prompt(prompt)
+        self.check_length(len(prompt_ids), params.max_tokens)
+        params.sampling.check_vocab(self.target.vocab_size)
+        seed = fresh_seed() if params.seed is None else params.seed
+        stops = StopChecker(self.target.eos_token_ids, params.stop, self.tokenizer.decode)
+        generated = [int(t) for t in committed]
+        rounds: list[RoundStats] = []
+        draft = self.drafter.start() if (self.drafter and params.num_draft_tokens > 0) else None
+        target = self.target.start()
+        finish = _already_finished(stops, generated, params.max_tokens)
+        try:
+            while finish is None:
+                finish = self._round(draft, target, prompt_ids, generated, params, seed, stops, rounds)
+        finally:
+            target.release()
+            if draft is not None:
+                draft.release()
+        reason = finish
+        return GenerationResult(
+            prompt_ids, generated, stops.visible_text(generated, reason), reason, seed, rounds
+        )
+
+    def _round(self, draft, target, prompt_ids, generated, params, seed, stops, rounds) -> str | None:
+        context = prompt_ids + generated
+        remaining = params.max_tokens - len(generated)
+        k = min(params.num_draft_tokens, remaining - 1)  # a round emits at most k + 1
+
+        t0 = time.perf_counter()
+        proposal = draft.propose(context, k, params.sampling, seed) if (draft and k > 0) else None
+        draft_tokens = proposal.tokens if proposal else []
+        t1 = time.perf_counter()
+        logits = target.verify(context, draft_tokens)  # [k'+1, V]
+        verdict = self.judge(logits, draft_tokens, proposal.q if proposal else None,
+                             params.sampling, seed, len(context))
+        t2 = time.perf_counter()
+        target.rollback(len(context) + verdict.num_accepted)
+        if draft is not None and proposal is not None:
+            draft.observe(proposal, verdict.num_accepted)
+
+        before = len(generated)
+        generated.extend(verdict.tokens)
+        stop = stops.first_stop(generated, before)
+        reason = None
+        if stop is not None:
+            del generated[stop[0] :]
+            reason = stop[1]
+        elif len(generated) >= params.max_tokens:
+            reason = "length"
+        rounds.append(RoundStats(
+            k=len(draft_tokens), accepted=verdict.num_accepted, emitted=len(generated) - before,
+            rejected_position=verdict.rejected_position, draft_ms=(t1 - t0) * 1e3,
+            verify_ms=(t2 - t1) * 1e3, rollback_tokens=proposal.rollback_tokens if proposal else 0,
+        ))
+        return reason
+
+    def judge(self, logits, draft_tokens, q, sampling: SamplingParams, seed: int, start: int) -> Verdict:
+        """Logits [k+1, V] of the target and the k drafts -> verdict (greedy fast path at T=0)."""
+        k = len(draft_tokens)
+        draft_t = torch.tensor([draft_tokens], dtype=torch.long).reshape(1, k)
+        n = torch.tensor([k])
+        if sampling.greedy:
+            return greedy_verify(greedy_tokens(logits, sampling).unsqueeze(0), draft_t, n)[0]
+        p = logits_to_probs(logits, sampling).unsqueeze(0)  # [1, k+1, V]
+        q_dense = q_to_dense(q, draft_t[0], p.shape[-1]).unsqueeze(0) if q is not None else None
+        return rejection_sample(p, draft_t, n, q_dense, np.array([seed], dtype=np.uint64),
+                                np.array([start], dtype=np.int64))[0]
+
+
+def _already_finished(stops: StopChecker, generated: list[int], max_tokens: int) -> str | None:
+    if generated:
+        stop = stops.first_stop(generated, 0)
+        if stop is not None:
+            del generated[stop[0] :]
+            return stop[1]
+    return "length" if len(generated) >= max_tokens else None

@@ -1,0 +1,18 @@
+"""Domain exceptions. Services map them to gRPC status codes in one place."""
+
+
+class SpecserveError(Exception):
+    """Base class for every error specserve raises on purpose."""
+
+
+class InvalidRequest(SpecserveError, ValueError):
+    """The caller sent something that can never succeed (gRPC INVALID_ARGUMENT)."""
+
+
+class IncompatiblePair(SpecserveError, ValueError):
+    """A draft/target pair that cannot be used together (different vocabularies)."""
+
+
+class NeedsFullPrefix(SpecserveError):
+    """A worker's cached tokens disagree with the request: resend the committed prefix
+    (gRPC FAILED_PRECONDITION)."""

@@ -1,0 +1,1 @@
+"""Builds specserve's own small draft/target pair offline (DESIGN §7)."""

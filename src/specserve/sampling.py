@@ -1,0 +1,104 @@
+"""The one sampling transform shared by the draft and the target.
+
+`logits_to_probs` turns raw logits into the distribution a token is drawn from. The draft
+(q) and the target (p) must use exactly this function with the same parameters, otherwise
+rejection sampling is silently biased (DESIGN §3, invariant 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+    banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(t < 0 for t in self.banned_token_ids):
+            raise InvalidRequest("banned_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.banned_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"banned token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        if len(set(self.banned_token_ids)) >= vocab_size:
+            raise InvalidRequest("banned_token_ids bans the whole vocabulary")
+
+
+def mask_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Banned tokens and top-k/top-p truncation as -inf, temperature applied.
+
+    logits: [..., V] -> [..., V] float32 (a new tensor; the input is not modified).
+    """
+    x = logits.float().clone()
+    if params.banned_token_ids:
+        x[..., list(params.banned_token_ids)] = float("-inf")
+    if params.greedy:
+        return x
+    x = x / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] (float32) under `params`.
+
+    Greedy gives a one-hot on the argmax (first index on ties, as torch.argmax and
+    transformers' greedy search do).
+    """
+    x = mask_logits(logits, params)
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).float()
+    return torch.softmax(x, dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Greedy fast path: logits [..., V] -> argmax ids [...] after banning."""
+    if params.banned_token_ids:
+        return mask_logits(logits, params).argmax(dim=-1)
+    return logits.argmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [N, V] (unnormalised is fine), u [N] float64 in [0, 1) -> ids [N].
+
+    One uniform per token keeps the stream counter-based; the CDF is accumulated in float64
+    so that the fast path and the reference agree bit for bit. Zero-probability tokens are
+    never drawn (their CDF interval is empty).
+    """
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [N, V]
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [N, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [N]
+    # u * total can round up to total: fall back to the last token with mass.
+    last_nonzero = (probs > 0).cumsum(-1).argmax(-1)
+    return torch.minimum(idx, last_nonzero)

@@ -1,0 +1,139 @@
+"""Where a block meets the end: EOS and max_tokens inside a block, K beyond the budget,
+all-rejected and all-accepted rounds, bad prompts."""
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from specserve.drafters.base import DraftProposal
+from specserve.engine import GenerationParams, SpecEngine
+from specserve.errors import InvalidRequest
+from specserve.sampling import SamplingParams
+from specserve.verifier import TargetModel
+
+
+class ScriptedDrafter:
+    """Proposes a fixed continuation (or garbage) regardless of the model: fakes are fine
+    on the draft side because the verdict only depends on the target."""
+
+    name = "scripted"
+
+    def __init__(self, vocab_size: int, script: Sequence[int] | None) -> None:
+        self.vocab_size = vocab_size
+        self.script = script  # full expected sequence (prompt + continuation); None = wrong tokens
+
+    def start(self):
+        return self
+
+    def propose(self, token_ids, k, sampling, seed):
+        if self.script is None:
+            return DraftProposal([(token_ids[-1] + 1) % self.vocab_size] * k, None)
+        n = len(token_ids)
+        return DraftProposal(list(self.script[n : n + k]), None)
+
+    def observe(self, proposal, num_accepted):
+        pass
+
+    def release(self):
+        pass
+
+
+def _greedy_reference(tiny_pair, ids, n):
+    with torch.inference_mode():
+        out = tiny_pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        max_new_tokens=n, do_sample=False)
+    return out[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_pair, eval_prompts):
+    return tiny_pair.tokenizer.encode(eval_prompts[12]["prompt"])
+
+
+def test_all_accepted_plus_bonus_with_an_oracle_drafter(tiny_pair, target_model, prompt_ids):
+    full = _greedy_reference(tiny_pair, prompt_ids, 40)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+    res = engine.generate(prompt_ids, GenerationParams(max_tokens=30, num_draft_tokens=4))
+    assert res.token_ids == full[len(prompt_ids) : len(prompt_ids) + 30]
+    full_rounds = [r for r in res.rounds if r.k == 4]
+    assert full_rounds and all(r.accepted == 4 and r.rejected_position is None and r.emitted == 5 for r in full_rounds)
+
+
+def test_all_rejected_still_emits_one_token_per_round(tiny_pair, target_model, prompt_ids):
+    full = _greedy_reference(tiny_pair, prompt_ids, 12)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, None), tiny_pair.tokenizer)
+    res = engine.generate(prompt_ids, GenerationParams(max_tokens=12, num_draft_tokens=3))
+    assert res.token_ids == full[len(prompt_ids) :]
+    assert all(r.emitted == 1 for r in res.rounds)
+    assert sum(r.rejected_position == 0 for r in res.rounds) >= 10  # the odd lucky guess aside
+
+
+def test_eos_inside_the_block_ends_generation(tiny_pair, prompt_ids):
+    full = _greedy_reference(tiny_pair, prompt_ids, 40)
+    cont = full[len(prompt_ids) :]
+    # pretend the token the target emits at position 2 is EOS (first occurrence)
+    eos = cont[2]
+    first = cont.index(eos)
+    target = TargetModel(tiny_pair.target)
+    target.eos_token_ids = frozenset([eos])
+    engine = SpecEngine(target, ScriptedDrafter(target.vocab_size, full), tiny_pair.tokenizer)
+    res = engine.generate(prompt_ids, GenerationParams(max_tokens=30, num_draft_tokens=6))
+    assert res.finish_reason == "eos"
+    assert res.token_ids == cont[: first + 1]
+    assert res.rounds[-1].k > res.rounds[-1].emitted - 1  # the block went past EOS; its tail was dropped
+
+
+def test_max_tokens_inside_the_block_and_k_beyond_budget(tiny_pair, target_model, prompt_ids):
+    full = _greedy_reference(tiny_pair, prompt_ids, 10)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+    res = engine.generate(prompt_ids, GenerationParams(max_tokens=3, num_draft_tokens=8))
+    assert res.token_ids == full[len(prompt_ids) : len(prompt_ids) + 3]
+    assert res.finish_reason == "length"
+    assert [r.k for r in res.rounds] == [2]  # K clipped to the remaining budget minus the bonus
+    one = engine.generate(prompt_ids, GenerationParams(max_tokens=1, num_draft_tokens=8))
+    assert len(one.token_ids) == 1 and one.rounds[0].k == 0
+
+
+def test_max_tokens_cut_inside_a_sampled_block(tiny_pair, target_model, prompt_ids):
+    full = _greedy_reference(tiny_pair, prompt_ids, 10)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+    for n in range(1, 8):
+        res = engine.generate(prompt_ids, GenerationParams(
+            max_tokens=n, num_draft_tokens=5, sampling=SamplingParams(temperature=0.8), seed=n))
+        assert len(res.token_ids) == n
+
+
+def test_stop_string_across_round_boundaries(tiny_pair, target_model, eval_prompts):
+    tok = tiny_pair.tokenizer
+    ids = tok.encode(eval_prompts[21]["prompt"])  # extraction: long, varied continuation
+    full = _greedy_reference(tiny_pair, ids, 40)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+    plain = engine.generate(ids, GenerationParams(max_tokens=40, num_draft_tokens=2))
+    text = plain.text
+    # a stop string that starts in one round's tokens and ends in a later round's
+    bounds, pos = [], 0
+    for r in plain.rounds:
+        pos += r.emitted
+        bounds.append(len(tok.decode(plain.token_ids[:pos])))
+    cut = next(b for b in bounds if 6 <= b <= len(text) - 4)
+    stop = text[cut - 3 : cut + 3]
+    assert stop.strip(), "pick a visible stop string"
+    res = engine.generate(ids, GenerationParams(max_tokens=40, num_draft_tokens=2, stop=(stop,)))
+    assert res.finish_reason == "stop"
+    assert res.text == text[: text.index(stop)]
+    assert stop in tok.decode(res.token_ids) and len(res.token_ids) < len(plain.token_ids)
+
+
+def test_empty_and_overlong_prompts_are_refused(tiny_pair, target_model):
+    engine = SpecEngine(target_model, None, tiny_pair.tokenizer)
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.generate("", GenerationParams())
+    with pytest.raises(InvalidRequest, match="context length"):
+        engine.generate([5] * target_model.max_positions, GenerationParams(max_tokens=1))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.generate([5, target_model.vocab_size + 3], GenerationParams())
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        GenerationParams(max_tokens=0)
+    with pytest.raises(InvalidRequest, match="K"):
+        GenerationParams(num_draft_tokens=-1)
