@@ -8,39 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
-import torch
+from dataclasses import dataclass
 
 from specserve.drafters.base import Drafter
 from specserve.errors import InvalidRequest
-from specserve.rejection import Verdict, greedy_verify, q_to_dense, rejection_sample
-from specserve.rng import check_seed, fresh_seed
-from specserve.sampling import SamplingParams, greedy_tokens, logits_to_probs
+from specserve.params import GenerationParams
+from specserve.rng import fresh_seed
 from specserve.stops import StopChecker
-from specserve.verifier import TargetModel
-
-MAX_K = 32
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int = 64
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft_tokens: int = 4  # K; 0 = plain decoding
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (0 <= self.num_draft_tokens <= MAX_K):
-            raise InvalidRequest(f"K (num_draft_tokens) must be in [0, {MAX_K}], got {self.num_draft_tokens}")
-        if any(not s for s in self.stop):
-            raise InvalidRequest("stop strings must be non-empty")
-        if self.seed is not None:
-            check_seed(self.seed)
+from specserve.verifier import TargetModel, judge
 
 
 @dataclass
@@ -137,8 +112,8 @@ class SpecEngine:
         draft_tokens = proposal.tokens if proposal else []
         t1 = time.perf_counter()
         logits = target.verify(context, draft_tokens)  # [k'+1, V]
-        verdict = self.judge(logits, draft_tokens, proposal.q if proposal else None,
-                             params.sampling, seed, len(context))
+        verdict = judge(logits, draft_tokens, proposal.q if proposal else None,
+                        params.sampling, seed, len(context))
         t2 = time.perf_counter()
         target.rollback(len(context) + verdict.num_accepted)
         if draft is not None and proposal is not None:
@@ -159,19 +134,6 @@ class SpecEngine:
             verify_ms=(t2 - t1) * 1e3, rollback_tokens=proposal.rollback_tokens if proposal else 0,
         ))
         return reason
-
-    def judge(self, logits, draft_tokens, q, sampling: SamplingParams, seed: int, start: int) -> Verdict:
-        """Logits [k+1, V] of the target and the k drafts -> verdict (greedy fast path at T=0)."""
-        k = len(draft_tokens)
-        draft_t = torch.tensor([draft_tokens], dtype=torch.long).reshape(1, k)
-        n = torch.tensor([k])
-        if sampling.greedy:
-            return greedy_verify(greedy_tokens(logits, sampling).unsqueeze(0), draft_t, n)[0]
-        p = logits_to_probs(logits, sampling).unsqueeze(0)  # [1, k+1, V]
-        q_dense = q_to_dense(q, draft_t[0], p.shape[-1]).unsqueeze(0) if q is not None else None
-        return rejection_sample(p, draft_t, n, q_dense, np.array([seed], dtype=np.uint64),
-                                np.array([start], dtype=np.int64))[0]
-
 
 def _already_finished(stops: StopChecker, generated: list[int], max_tokens: int) -> str | None:
     if generated:

@@ -7,42 +7,11 @@ rejection sampling is silently biased (DESIGN §3, invariant 4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from specserve.errors import InvalidRequest
+from specserve.params import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How a token is drawn. temperature == 0 means greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 disables top-k
-    top_p: float = 1.0  # 1.0 disables top-p
-    banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature > 100.0:
-            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(t < 0 for t in self.banned_token_ids):
-            raise InvalidRequest("banned_token_ids must be non-negative token ids")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def check_vocab(self, vocab_size: int) -> None:
-        bad = [t for t in self.banned_token_ids if t >= vocab_size]
-        if bad:
-            raise InvalidRequest(f"banned token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-        if len(set(self.banned_token_ids)) >= vocab_size:
-            raise InvalidRequest("banned_token_ids bans the whole vocabulary")
+__all__ = ["SamplingParams", "draw", "greedy_tokens", "logits_to_probs", "mask_logits"]
 
 
 def mask_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from specserve.kvcache import CachedLM
+from specserve.params import SamplingParams
+from specserve.rejection import QProbs, Verdict, greedy_verify, q_to_dense, rejection_sample
+from specserve.sampling import greedy_tokens, logits_to_probs
 
 
 class TargetModel:
@@ -48,3 +52,18 @@ class TargetSession:
 
     def release(self) -> None:
         self.lm.reset()
+
+
+def judge(logits: torch.Tensor, draft_tokens: Sequence[int], q: QProbs, sampling: SamplingParams,
+          seed: int, start: int) -> Verdict:
+    """Logits [k+1, V] of the target over the k drafts -> the verdict (greedy fast path at
+    T = 0). `start` is the absolute position of the first draft token."""
+    k = len(draft_tokens)
+    draft_t = torch.tensor([list(draft_tokens)], dtype=torch.long).reshape(1, k)
+    n = torch.tensor([k])
+    if sampling.greedy:
+        return greedy_verify(greedy_tokens(logits, sampling).unsqueeze(0), draft_t, n)[0]
+    p = logits_to_probs(logits, sampling).unsqueeze(0)  # [1, k+1, V]
+    q_dense = q_to_dense(q, draft_t[0], p.shape[-1]).unsqueeze(0) if q is not None else None
+    return rejection_sample(p, draft_t, n, q_dense, np.array([seed], dtype=np.uint64),
+                            np.array([start], dtype=np.int64))[0]

@@ -1,0 +1,1 @@
+"""specserve services: each talks to the others only over the wire (DESIGN §1)."""

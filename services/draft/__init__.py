@@ -1,0 +1,1 @@
+"""The draft worker: a gRPC server around one drafter and a bounded LRU of sessions."""

@@ -1,0 +1,58 @@
+"""`python -m services.draft`: load the drafter, warm up, serve until SIGTERM (drained)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from specserve.config import DraftSettings
+from specserve.serving import GrpcServer
+from specserve.v1 import draft_pb2, draft_pb2_grpc
+
+from services.draft.server import DraftServicer
+
+log = logging.getLogger("specserve.draft")
+
+NGRAM_VOCAB = 1 << 31  # n-gram drafting needs no vocabulary; ids are only range-checked
+
+
+def load_drafter(settings: DraftSettings):
+    from specserve.drafters import HFDrafter, NgramDrafter
+
+    if settings.model == "ngram":
+        return NgramDrafter(NGRAM_VOCAB, settings.ngram_min, settings.ngram_max, name=settings.pool)
+    import torch
+
+    from specserve.loading import load_model
+
+    torch.set_num_threads(settings.torch_threads)
+    return HFDrafter(load_model(settings.model), name=settings.pool)
+
+
+def warm_up(drafter) -> None:
+    from specserve.sampling import SamplingParams
+
+    session = drafter.start()
+    session.propose([0, 1, 2, 1], 2, SamplingParams(), 0)
+    session.release()
+
+
+async def main(settings: DraftSettings) -> None:
+    servicer = DraftServicer(load_drafter(settings), settings.max_sessions)
+    server = GrpcServer(
+        [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,
+        settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
+    await server.start()
+    if settings.port_file:
+        Path(settings.port_file).write_text(str(server.port))
+    warm_up(servicer.drafter)
+    await server.set_serving()
+    log.info("draft pool %s (%s) serving on %s:%d", settings.pool, settings.model, settings.host, server.port)
+    await server.wait_for_termination()
+    log.info("draft worker drained and stopped")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(main(DraftSettings()))

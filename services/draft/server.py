@@ -1,0 +1,65 @@
+"""Draft servicer: Propose reconciles the session to the caller's committed prefix
+(FAILED_PRECONDITION when it needs the full prefix), drafts k tokens, returns them with q."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from specserve.drafters.base import Drafter, DraftSession
+from specserve.errors import InvalidRequest
+from specserve.prefix import CommittedPrefix
+from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specserve.wire import check_k, check_token_ids, q_to_proto, sampling_from_proto
+
+
+@dataclass
+class _Session:
+    prefix: CommittedPrefix
+    draft: DraftSession
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, drafter: Drafter, max_sessions: int) -> None:
+        self.drafter = drafter
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        # One thread runs the model: forwards are serialised (torch threads parallelise each),
+        # and the event loop stays free for health checks and new calls.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+
+    def _session(self, session_id: str) -> _Session:
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            sess = _Session(CommittedPrefix(), self.drafter.start())
+            self.sessions[session_id] = sess
+            while len(self.sessions) > self.max_sessions:  # evict the least recently used
+                _, old = self.sessions.popitem(last=False)
+                old.draft.release()
+        self.sessions.move_to_end(session_id)
+        return sess
+
+    async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:
+        k = check_k(request.k)
+        sampling = sampling_from_proto(request.sampling)
+        sampling.check_vocab(self.drafter.vocab_size)
+        check_token_ids(request.prefix.tokens, self.drafter.vocab_size)
+        sess = self._session(request.session_id)
+        ids = sess.prefix.apply(request.prefix.base_len, request.prefix.base_hash, request.prefix.tokens)
+        if not ids:
+            raise InvalidRequest("the committed prefix is empty: send at least one token")
+        t0 = time.perf_counter()
+        proposal = await asyncio.get_running_loop().run_in_executor(
+            self.executor, sess.draft.propose, list(ids), k, sampling, int(request.seed))
+        return draft_pb2.ProposeResponse(
+            tokens=proposal.tokens, q=q_to_proto(proposal.q), rollback_tokens=proposal.rollback_tokens,
+            draft_ms=(time.perf_counter() - t0) * 1e3, drafter=self.drafter.name)
+
+    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
+        sess = self.sessions.pop(request.session_id, None)
+        if sess is not None:
+            sess.draft.release()
+        return common_pb2.ReleaseResponse(released=sess is not None)

@@ -1,0 +1,53 @@
+"""`python -m services.target`: place the target actor with Ray and keep it there.
+
+With RAY_ADDRESS set (a KubeRay cluster) it joins that cluster; otherwise it starts a local
+Ray head on loopback (no dashboard) and owns it: on SIGTERM it kills the actor and calls
+ray.shutdown(), which stops exactly the Ray processes it started (DESIGN §10: never `ray stop`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from specserve.config import TargetSettings
+
+log = logging.getLogger("specserve.target.launcher")
+
+
+def launch(settings: TargetSettings, info_file: str = "") -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from services.target.actor import TargetWorker
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(namespace=settings.namespace, logging_level=logging.WARNING)
+    else:
+        ray.init(namespace=settings.namespace, include_dashboard=False, num_cpus=max(2, int(settings.num_cpus) + 1),
+                 _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+    options = dict(name=settings.name, lifetime="detached", get_if_exists=True,
+                   num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                   resources=settings.resources or None, max_restarts=settings.max_restarts,
+                   max_task_retries=0)
+    actor = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json())
+    info = ray.get(actor.info.remote())
+    log.info("target actor %s ready at %s (pid %s)", settings.name, info["address"], info["pid"])
+    if info_file:
+        Path(info_file).write_text(json.dumps(info))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping target actor %s", settings.name)
+    ray.kill(actor, no_restart=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    launch(TargetSettings(), os.environ.get("SPECSERVE_TARGET_INFO_FILE", ""))

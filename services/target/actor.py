@@ -1,0 +1,90 @@
+"""The target as a named, detached Ray actor. Its constructor (re-run by Ray after every
+restart) starts a grpc.aio Target server on its own event-loop thread and registers
+host:port in Redis under a heartbeat TTL; routers discover targets there and talk to the
+actor's port directly (DESIGN §4: the Serve proxy is not on the per-round path)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+
+from specserve.config import TargetSettings
+
+log = logging.getLogger("specserve.target")
+
+
+def registry_key(prefix: str, name: str) -> str:
+    return f"{prefix}:target:{name}"
+
+
+class TargetWorker:
+    """Plain class (Ray wraps it with `ray.remote` in the launcher, options from settings)."""
+
+    def __init__(self, settings_json: str) -> None:
+        self.settings = TargetSettings.model_validate_json(settings_json)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.address = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="target-grpc", daemon=True)
+        self._thread.start()
+
+    def info(self, timeout_s: float = 300.0) -> dict:
+        """Blocks until the server is SERVING; returns {"address", "pid"}."""
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"target not ready after {timeout_s} s")
+        if self._error is not None:
+            raise RuntimeError(f"target failed to start: {self._error!r}")
+        return {"address": self.address, "pid": os.getpid()}
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as exc:  # surfaced through info()
+            self._error = exc
+            self._ready.set()
+            log.exception("target worker stopped")
+
+    async def _serve(self) -> None:
+        import redis.asyncio as aioredis
+        import torch
+
+        from specserve.loading import load_model
+        from specserve.serving import GrpcServer
+        from specserve.v1 import target_pb2, target_pb2_grpc
+        from specserve.verifier import TargetModel
+
+        from services.target.server import TargetServicer
+
+        s = self.settings
+        torch.set_num_threads(s.torch_threads)
+        target = TargetModel(load_model(s.model))
+        servicer = TargetServicer(target, s.max_sessions)
+        server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host,
+                            s.port, s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv))
+        await server.start()
+        await asyncio.get_running_loop().run_in_executor(servicer.executor, _warm_up, target)
+        await server.set_serving()
+        self.address = f"{s.host}:{server.port}"
+        redis = aioredis.from_url(s.redis_url)
+        entry = json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name})
+        key = registry_key(s.key_prefix, s.name)
+        await redis.set(key, entry, px=int(s.registry_ttl_s * 1000))
+        log.info("target %s serving on %s (pid %d)", s.name, self.address, os.getpid())
+        self._ready.set()
+        while True:  # heartbeat: the entry expires registry_ttl_s after this process dies
+            await asyncio.sleep(s.heartbeat_s)
+            try:
+                await redis.set(key, entry, px=int(s.registry_ttl_s * 1000))
+            except Exception:  # Redis blips must not kill the worker; the next beat retries
+                log.warning("heartbeat to Redis failed", exc_info=True)
+
+
+def _warm_up(target) -> None:
+    session = target.start()
+    session.verify([0, 1, 2], [3, 4])
+    session.release()

@@ -1,0 +1,73 @@
+"""One settings object per service (environment prefix SPECSERVE_ROUTER_, SPECSERVE_DRAFT_,
+SPECSERVE_TARGET_). The Helm chart's values map one to one onto these names (DESIGN §8)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class DraftSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFT_", frozen=True)
+
+    pool: str = "small"  # the pool name policies refer to
+    model: str = "ngram"  # "ngram", or a Hugging Face model directory / hub id
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port (written to port_file)
+    port_file: str = ""  # where the bound port is written, for launchers
+    max_sessions: int = Field(256, ge=1)  # LRU of per-session KV caches
+    torch_threads: int = Field(1, ge=1)
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    grace_s: float = Field(5.0, ge=0)  # SIGTERM drain
+
+
+class TargetSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_TARGET_", frozen=True)
+
+    model: str = "models/default/target"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "specserve"
+    name: str = "target-0"  # Ray actor name and registry entry
+    namespace: str = "specserve"  # Ray namespace
+    host: str = "127.0.0.1"  # address the actor's gRPC server binds and advertises
+    port: int = 0
+    heartbeat_s: float = Field(1.0, gt=0)
+    registry_ttl_s: float = Field(3.0, gt=0)
+    max_sessions: int = Field(256, ge=1)
+    torch_threads: int = Field(2, ge=1)
+    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"large_gpu": 1}
+    max_restarts: int = Field(-1, ge=-1)  # -1 = restart forever
+    grace_s: float = Field(5.0, ge=0)
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_ROUTER_", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    port_file: str = ""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "specserve"
+    tokenizer: str = "models/default/target"  # directory with tokenizer.json
+    # pool name -> draft replica addresses, e.g. {"small": ["127.0.0.1:7001"], "ngram": [...]}
+    draft_pools: dict[str, list[str]] = Field(default_factory=dict)
+    default_pool: str = "small"
+    default_k: int = Field(4, ge=0, le=32)
+    max_tokens_limit: int = Field(1024, ge=1)
+    max_prompt_tokens: int = Field(768, ge=1)
+    draft_timeout_ms: float = Field(250.0, gt=0)  # per Propose call; then retry/fall back
+    verify_timeout_ms: float = Field(10_000.0, gt=0)
+    target_wait_s: float = Field(30.0, ge=0)  # how long a round waits for a target to appear
+    session_ttl_s: int = Field(3600, ge=1)
+    grace_s: float = Field(10.0, ge=0)
+
+    @field_validator("draft_pools")
+    @classmethod
+    def _pools_have_replicas(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, addrs in v.items():
+            if not addrs:
+                raise ValueError(f"draft pool {name!r} has no replica addresses")
+        return v

@@ -1,0 +1,62 @@
+"""Request parameters, validated on construction. Torch-free, so the router can import it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.errors import InvalidRequest
+
+MAX_K = 32
+MAX_SEED = 1 << 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+    banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(t < 0 for t in self.banned_token_ids):
+            raise InvalidRequest("banned_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.banned_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"banned token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        if len(set(self.banned_token_ids)) >= vocab_size:
+            raise InvalidRequest("banned_token_ids bans the whole vocabulary")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int = 4  # K; 0 = plain decoding
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.num_draft_tokens <= MAX_K):
+            raise InvalidRequest(f"K (num_draft_tokens) must be in [0, {MAX_K}], got {self.num_draft_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty")
+        if self.seed is not None and not (0 <= self.seed < MAX_SEED):
+            raise InvalidRequest(f"seed must be in [0, 2**64), got {self.seed}")
+
+

@@ -1,0 +1,208 @@
+"""A private, throw-away `redis-server` for integration tests and `make run`.
+
+The developer machines already run a Redis on 6379 that belongs to someone else, and a fresh
+machine runs none (DESIGN §10), so specserve starts its own: loopback only, a free port, no
+persistence, in its own process group so a Ctrl-C in the terminal does not reach it before
+we stop it. It is stopped by PID (SIGTERM, then SIGKILL), never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specserve.errors import SpecserveError
+
+INSTALL_HINT = "install it with `sudo apt-get install redis-server` (Debian/Ubuntu)"
+
+
+class RedisServerError(SpecserveError, RuntimeError):
+    """The local redis-server could not be found, started or reached."""
+
+
+@dataclass
+class LocalRedis:
+    port: int
+    pid: int
+    dir: Path
+    log_path: Path
+    # Present only in the process that started the server; a pidfile reader has just the PID.
+    process: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return _pid_is_redis(self.pid)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM by PID, SIGKILL if it is still there after `grace_s`. Idempotent."""
+        if not self.alive():
+            return
+        _signal(self.pid, signal.SIGTERM)
+        if not self._wait_gone(grace_s):
+            _signal(self.pid, signal.SIGKILL)
+            self._wait_gone(grace_s)
+
+    def _wait_gone(self, timeout_s: float) -> bool:
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=timeout_s)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not _pid_is_redis(self.pid):
+                return True
+            time.sleep(0.05)
+        return False
+
+
+def start_redis(
+    dir: Path, *, timeout_s: float = 10.0, binary: str | None = None, attempts: int = 3
+) -> LocalRedis:
+    """Start redis-server on a free loopback port, wait until it answers PING."""
+    exe = binary or shutil.which("redis-server") or "/usr/bin/redis-server"
+    if not os.access(exe, os.X_OK):
+        raise RedisServerError(f"redis-server is not installed (no {exe}); {INSTALL_HINT}")
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    last_error = ""
+    # The port is free when we probe it but another process may grab it before redis binds;
+    # a fresh port on the next attempt makes that race harmless.
+    for _ in range(attempts):
+        server = _spawn(exe, dir, _free_port())
+        try:
+            _wait_for_ping(server, timeout_s)
+            return server
+        except RedisServerError as err:
+            server.stop(grace_s=1.0)
+            last_error = str(err)
+            if "Address already in use" not in last_error:
+                break
+    raise RedisServerError(last_error)
+
+
+def _spawn(exe: str, dir: Path, port: int) -> LocalRedis:
+    log_path = dir / f"redis-{port}.log"
+    args = [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(dir),
+        "--daemonize",
+        "no",
+    ]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: terminal signals do not reach it
+        )
+    return LocalRedis(port=port, pid=proc.pid, dir=dir, log_path=log_path, process=proc)
+
+
+def _wait_for_ping(server: LocalRedis, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RedisServerError(
+                f"redis-server exited during start-up (port {server.port}); "
+                f"log tail:\n{_log_tail(server.log_path)}"
+            )
+        if _ping(server.port):
+            return
+        time.sleep(0.05)
+    raise RedisServerError(
+        f"redis-server on port {server.port} did not answer PING within {timeout_s:.0f} s; "
+        f"log tail:\n{_log_tail(server.log_path)}"
+    )
+
+
+def _ping(port: int) -> bool:
+    # The inline protocol keeps this free of client-library state (pools, event loops).
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone
+        os.kill(pid, sig)
+
+
+def _pid_is_redis(pid: int) -> bool:
+    """True if `pid` is alive and is a redis-server: a recycled PID is never signalled."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # A zombie (state Z) has exited; only its parent can still reap it.
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return state != "Z" and b"redis-server" in cmdline
+
+
+# --- pidfile, so `make down` can stop what `make run` started --------------------------------
+
+
+def write_pidfile(path: Path, server: LocalRedis) -> None:
+    record = {
+        "pid": server.pid,
+        "port": server.port,
+        "dir": str(server.dir),
+        "log_path": str(server.log_path),
+    }
+    Path(path).write_text(json.dumps(record) + "\n")
+
+
+def read_pidfile(path: Path) -> LocalRedis | None:
+    """The server a pidfile names, or None if the file is absent or the server is gone."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    server = LocalRedis(
+        port=int(record["port"]),
+        pid=int(record["pid"]),
+        dir=Path(record["dir"]),
+        log_path=Path(record["log_path"]),
+    )
+    return server if server.alive() else None
