@@ -6,11 +6,10 @@ import asyncio
 import logging
 from pathlib import Path
 
+from services.draft.server import DraftServicer
 from specserve.config import DraftSettings
 from specserve.serving import GrpcServer
 from specserve.v1 import draft_pb2, draft_pb2_grpc
-
-from services.draft.server import DraftServicer
 
 log = logging.getLogger("specserve.draft")
 

@@ -53,12 +53,11 @@ class TargetWorker:
         import redis.asyncio as aioredis
         import torch
 
+        from services.target.server import TargetServicer
         from specserve.loading import load_model
         from specserve.serving import GrpcServer
         from specserve.v1 import target_pb2, target_pb2_grpc
         from specserve.verifier import TargetModel
-
-        from services.target.server import TargetServicer
 
         s = self.settings
         torch.set_num_threads(s.torch_threads)

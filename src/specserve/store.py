@@ -209,14 +209,15 @@ class SessionStore:
             raise InvalidRequest(f"store prefix must be non-empty without spaces, got {prefix!r}")
         if not isinstance(ttl_s, int) or ttl_s <= 0:
             raise InvalidRequest(f"store ttl_s must be a positive int of seconds, got {ttl_s!r}")
-        self._r = redis
+        # redis-py types its commands as sync | async unions; the client here is always async.
+        self._r: Any = redis
         self.prefix = prefix
         self.ttl_s = ttl_s
         # register_script runs EVALSHA and reloads the script after a NOSCRIPT (Redis restart).
-        self._create = redis.register_script(_CREATE)
-        self._commit = redis.register_script(_COMMIT)
-        self._close = redis.register_script(_CLOSE)
-        self._take_over = redis.register_script(_TAKE_OVER)
+        self._create: Any = redis.register_script(_CREATE)
+        self._commit: Any = redis.register_script(_COMMIT)
+        self._close: Any = redis.register_script(_CLOSE)
+        self._take_over: Any = redis.register_script(_TAKE_OVER)
 
     def _keys(self, session_id: str) -> list[str]:
         if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
