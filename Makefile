@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup proto models test test-unit bench lint run demo clean
+.PHONY: setup proto models test test-unit bench lint run down demo-local clean
 
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := src/specserve/v1/__init__.py
@@ -51,11 +51,17 @@ lint: setup
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy src/specserve
 
-# Until the distributed stack lands, `make run` shows the in-process engine.
-run: setup models demo
-
-demo:
+# The whole system on loopback: Redis, Ray + target, draft pools, router; then a demo client.
+run: setup models
+	$(PY) -m specserve.cli up --models $(MODELS_DIR)
 	$(PY) -m specserve.cli demo --models $(MODELS_DIR)
+	@echo "The stack keeps running (specserve generate \"...\" talks to it); 'make down' stops it."
+
+down:
+	@test -x $(PY) && $(PY) -m specserve.cli down || echo "nothing to stop"
+
+demo-local: setup models
+	$(PY) -m specserve.cli demo-local --models $(MODELS_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 from specserve.config import TargetSettings
 
@@ -34,7 +35,7 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
                    num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                    resources=settings.resources or None, max_restarts=settings.max_restarts,
                    max_task_retries=0)
-    actor = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json())
+    actor: Any = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json())
     info = ray.get(actor.info.remote())
     log.info("target actor %s ready at %s (pid %s)", settings.name, info["address"], info["pid"])
     if info_file:

@@ -15,6 +15,7 @@ if not sys.stdout.isatty():  # CI has no terminal: no progress bars from librari
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="specserve: distributed, lossless speculative decoding")
 models_app = typer.Typer(no_args_is_help=True, help="Build and inspect the offline model pair.")
 app.add_typer(models_app, name="models")
+RUN_DIR = Path("run")
 
 
 @models_app.command("build")
@@ -38,9 +39,62 @@ def demo(
     preset: str = typer.Option("default", help="Which built pair to use."),
     max_tokens: int = typer.Option(48, help="Tokens per request."),
     k: int = typer.Option(4, "--k", help="Draft tokens per round (K)."),
+    router: str | None = typer.Option(None, help="Router host:port (default: the local stack)."),
+    run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
-    """The in-process engine on one held-out prompt per workload class: speculation off
-    (plain target decoding) vs on (model drafter and n-gram drafter)."""
+    """Through the router: one held-out prompt per workload class, speculation off (plain
+    decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`)."""
+    import time
+
+    import grpc
+    from rich.console import Console
+    from rich.table import Table
+
+    from specserve.modelbuild.build import PRESETS, build_pair, load_eval_prompts
+    from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+    pair_path = build_pair(PRESETS[preset], models, log=typer.echo)
+    prompts = load_eval_prompts(pair_path)
+    console = Console()
+    address = _router_address(router, run_dir)
+    table = Table(title=f"specserve through the router at {address}: greedy, K={k}, {max_tokens} tokens")
+    for col in ("class", "speculation", "ms/token", "speedup", "accepted/drafted", "same tokens as off"):
+        table.add_column(col)
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        def call(prompt: str, cls: str, pool: str) -> tuple[generation_pb2.GenerateResponse, float]:
+            req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, workload_class=cls,
+                                                 draft_pool=pool, num_draft_tokens=k)
+            t = time.perf_counter()
+            resp = stub.Generate(req, timeout=600)
+            return resp, (time.perf_counter() - t) * 1e3 / max(len(resp.token_ids), 1)
+
+        for cls in ("code", "chat", "extraction"):
+            prompt = next(p["prompt"] for p in prompts if p["workload_class"] == cls)
+            call(prompt, cls, "small")  # warm the caches and channels
+            results = {name: call(prompt, cls, pool) for name, pool in
+                       (("off", "none"), ("on: small", "small"), ("on: ngram", "ngram"))}
+            plain, base_ms = results["off"]
+            console.rule(f"[bold]{cls}[/bold]")
+            console.print(f"[dim]prompt:[/dim] {prompt[-160:]!r}")
+            console.print(f"[dim]output:[/dim] {plain.text!r}")
+            for name, (resp, ms) in results.items():
+                st = resp.stats
+                table.add_row(cls, name, f"{ms:.1f}", f"{base_ms / ms:.2f}x",
+                              f"{st.accepted_tokens}/{st.draft_tokens}" if st.draft_tokens else "-",
+                              str(list(resp.token_ids) == list(plain.token_ids)))
+    console.print(table)
+
+
+@app.command("demo-local")
+def demo_local(
+    models: Path = typer.Option(Path("models"), help="Directory that holds built pairs."),
+    preset: str = typer.Option("default", help="Which built pair to use."),
+    max_tokens: int = typer.Option(48, help="Tokens per request."),
+    k: int = typer.Option(4, "--k", help="Draft tokens per round (K)."),
+) -> None:
+    """The in-process engine (no services) on one held-out prompt per workload class."""
     import time
 
     import torch
@@ -64,7 +118,7 @@ def demo(
         "model draft": SpecEngine(target, HFDrafter(pair.draft), pair.tokenizer),
         "n-gram draft": SpecEngine(target, NgramDrafter(target.vocab_size), pair.tokenizer),
     }
-    console = Console(force_terminal=False) if not sys.stdout.isatty() else Console()
+    console = Console()
     prompts = load_eval_prompts(pair_path)
     table = Table(title=f"specserve in-process engine, greedy, K={k}, {max_tokens} tokens")
     for col in ("class", "speculation", "ms/token", "speedup", "mean accepted", "same text as plain"):
@@ -87,6 +141,105 @@ def demo(
             table.add_row(cls, name, f"{ms:.1f}", f"{base_ms / ms:.2f}x",
                           f"{sum(acc) / len(acc):.2f}" if acc else "-", str(res.token_ids == plain.token_ids))
     console.print(table)
+
+
+
+
+def _stack_spec(models: Path, preset: str, run_dir: Path):
+    from specserve.modelbuild.build import PRESETS, build_pair
+    from specserve.stack import PoolSpec, StackSpec
+
+    pair = build_pair(PRESETS[preset], models, log=typer.echo)
+    return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
+                     pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1)},
+                     redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""))
+
+
+@app.command("up")
+def up(
+    models: Path = typer.Option(Path("models"), help="Directory that holds built pairs."),
+    preset: str = typer.Option("default", help="Which built pair to serve."),
+    run_dir: Path = typer.Option(RUN_DIR, help="Logs, ports and PIDs of the local stack."),
+) -> None:
+    """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, two draft pools
+    (small: 2 replicas, ngram: 1) and the router, all on loopback."""
+    from specserve.stack import Stack, StackError, down_from
+
+    down_from(str(run_dir))  # a stale stack from an earlier `up` is stopped first
+    try:
+        info = Stack(_stack_spec(models, preset, run_dir)).up()
+    except StackError as err:
+        typer.echo(f"specserve up failed: {err}", err=True)
+        raise typer.Exit(1) from err
+    typer.echo(f"router {info.router}  redis {info.redis_url}  target {info.target.get('address')}")
+    for pool, addrs in info.pools.items():
+        typer.echo(f"draft pool {pool}: {', '.join(addrs)}")
+    (run_dir / "router.address").write_text(info.router)
+
+
+@app.command("down")
+def down(run_dir: Path = typer.Option(RUN_DIR, help="The run directory `up` used.")) -> None:
+    """Stop what `specserve up` started, by PID."""
+    from specserve.stack import down_from
+
+    stopped = down_from(str(run_dir))
+    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+def _router_address(router: str | None, run_dir: Path) -> str:
+    if router:
+        return router
+    path = run_dir / "router.address"
+    if not path.exists():
+        raise typer.BadParameter("no --router given and no local stack is running (run `specserve up`)")
+    return path.read_text().strip()
+
+
+@app.command("generate")
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    workload_class: str = typer.Option("", "--class", help="code | chat | extraction (empty: classify)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0),
+    max_tokens: int = typer.Option(64),
+    seed: int | None = typer.Option(None),
+    pool: str = typer.Option("", help="Draft pool; 'none' disables speculation."),
+    k: int | None = typer.Option(None, "--k", help="Draft tokens per round."),
+    stream: bool = typer.Option(False, help="Print chunks as they are committed."),
+    router: str | None = typer.Option(None, help="host:port of a router (default: the local stack)."),
+    run_dir: Path = typer.Option(RUN_DIR),
+) -> None:
+    """Send one request to a running router."""
+    import grpc
+
+    from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+    req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                         top_k=top_k, workload_class=workload_class, draft_pool=pool)
+    if top_p < 1.0:
+        req.top_p = top_p
+    if seed is not None:
+        req.seed = seed
+    if k is not None:
+        req.num_draft_tokens = k
+    with grpc.insecure_channel(_router_address(router, run_dir)) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            if stream:
+                for chunk in stub.GenerateStream(req, timeout=300):
+                    typer.echo(chunk.text, nl=False)
+                    if chunk.finish_reason:
+                        typer.echo(f"\n[{chunk.finish_reason}] session {chunk.session_id}")
+                return
+            resp = stub.Generate(req, timeout=300)
+        except grpc.RpcError as err:
+            typer.echo(f"{err.code().name}: {err.details()}", err=True)
+            raise typer.Exit(2) from err
+    st = resp.stats
+    typer.echo(resp.text)
+    typer.echo(f"[{resp.finish_reason}] class={st.workload_class} pool={st.draft_pool or '-'} rounds={st.rounds} "
+               f"accepted={st.accepted_tokens}/{st.draft_tokens} seed={st.seed}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ class SpecEngine:
                 f"draft vocabulary size {drafter.vocab_size} != target {target.vocab_size}"
             )
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
@@ -84,7 +87,7 @@ class SpecEngine:
         self.check_length(len(prompt_ids), params.max_tokens)
         params.sampling.check_vocab(self.target.vocab_size)
         seed = fresh_seed() if params.seed is None else params.seed
-        stops = StopChecker(self.target.eos_token_ids, params.stop, self.tokenizer.decode)
+        stops = StopChecker(self.target.eos_token_ids, params.stop, self._decode)
         generated = [int(t) for t in committed]
         rounds: list[RoundStats] = []
         draft = self.drafter.start() if (self.drafter and params.num_draft_tokens > 0) else None

@@ -16,3 +16,11 @@ class IncompatiblePair(SpecserveError, ValueError):
 class NeedsFullPrefix(SpecserveError):
     """A worker's cached tokens disagree with the request: resend the committed prefix
     (gRPC FAILED_PRECONDITION)."""
+
+
+class Unavailable(SpecserveError):
+    """A dependency (target, Redis) could not be reached in time (gRPC UNAVAILABLE)."""
+
+
+class SessionLost(SpecserveError):
+    """Another router took the session over, or it expired (gRPC ABORTED): Resume it."""

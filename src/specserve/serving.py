@@ -15,7 +15,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from specserve.errors import IncompatiblePair, InvalidRequest, NeedsFullPrefix, SpecserveError
+from specserve.errors import (
+    IncompatiblePair,
+    InvalidRequest,
+    NeedsFullPrefix,
+    SessionLost,
+    SpecserveError,
+    Unavailable,
+)
+from specserve.store_errors import SessionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +31,9 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (NeedsFullPrefix, grpc.StatusCode.FAILED_PRECONDITION),
     (IncompatiblePair, grpc.StatusCode.FAILED_PRECONDITION),
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (SessionLost, grpc.StatusCode.ABORTED),
 ]
 
 

@@ -39,3 +39,32 @@ class StopChecker:
             cut = min((text.find(s) for s in self.stop_strings if s in text), default=len(text))
             return text[:cut]
         return text
+
+
+class IncrementalText:
+    """The newly visible text after each commit. Until the end, a tail that could still
+    become a stop string, or an incomplete UTF-8 character, is held back, so a client never
+    sees text that a later round would take away."""
+
+    def __init__(self, stops: StopChecker) -> None:
+        self.stops = stops
+        self.published = ""
+
+    def advance(self, generated: Sequence[int], finish_reason: str | None) -> str:
+        text = self.stops.visible_text(generated, finish_reason or "")
+        if finish_reason is None:
+            text = text[: len(text) - self._hold(text)]
+        if len(text) <= len(self.published) or not text.startswith(self.published):
+            return ""  # nothing new (or a decode that rewrote earlier text: wait for more)
+        new = text[len(self.published) :]
+        self.published = text
+        return new
+
+    def _hold(self, text: str) -> int:
+        hold = len(text) - len(text.rstrip("\ufffd"))
+        for s in self.stops.stop_strings:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return hold

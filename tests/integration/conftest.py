@@ -48,3 +48,26 @@ def redis_client(redis_server: LocalRedis, run: Run) -> Iterator[aioredis.Redis]
 @pytest.fixture
 def store(redis_client: aioredis.Redis) -> SessionStore:
     return SessionStore(redis_client, prefix=f"t{uuid.uuid4().hex[:8]}", ttl_s=600)
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
+    """The whole system on loopback: its own redis-server, a Ray head owned by the target
+    launcher, pools `small` (2 model replicas) and `ngram` (1), and the router."""
+    from specserve.stack import PoolSpec, Stack, StackSpec
+
+    run_dir = tmp_path_factory.mktemp("stack")
+    spec = StackSpec(
+        pair_dir=str(tiny_pair_dir), run_dir=str(run_dir),
+        pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1)},
+        target_threads=1,
+        # tests kill workers on purpose: fail over fast, and wait long enough for Ray's restart
+        router_env={"SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "2000", "SPECSERVE_ROUTER_TARGET_WAIT_S": "180",
+                    "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "256"},
+    )
+    s = Stack(spec)
+    s.up(timeout_s=480)
+    try:
+        yield s
+    finally:
+        s.down()

@@ -1,0 +1,1 @@
+"""The router: Generation service, draft pool client, target discovery, the round loop."""

@@ -1,0 +1,167 @@
+"""One request's rounds over the wire (DESIGN §3): Propose on a draft replica, Verify on the
+target, then commit the emitted tokens to Redis with expected length + epoch + round id.
+Only committed tokens are ever published; a failed draft degrades to a plain decode step.
+
+The stages are separate awaitables (`_propose`, `_verify`, `_commit`) so that a later step
+can start the next Propose while a Verify is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.router.pools import DraftPool, TargetDirectory
+from specserve.errors import InvalidRequest, SessionLost, Unavailable
+from specserve.params import GenerationParams
+from specserve.prefix import CommittedPrefix
+from specserve.stops import IncrementalText, StopChecker
+from specserve.store import CommitStatus, SessionStore
+from specserve.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
+from specserve.wire import prefix_to_proto, sampling_to_proto
+
+log = logging.getLogger("specserve.router.rounds")
+
+
+@dataclass
+class Run:
+    """A session as this router drives it."""
+
+    session_id: str
+    epoch: int
+    prompt_len: int
+    params: GenerationParams
+    seed: int
+    pool: DraftPool | None
+    workload_class: str
+    committed: CommittedPrefix  # prompt + committed generated tokens
+    text: IncrementalText
+    deadline: float  # loop time
+    draft_held: dict[str, int] = field(default_factory=dict)  # replica -> committed len it holds
+    target_held: dict[str, int] = field(default_factory=dict)
+    rounds: list[generation_pb2.RoundStats] = field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed.ids[self.prompt_len :]
+
+
+class RoundLoop:
+    def __init__(self, store: SessionStore, targets: TargetDirectory, stops_for, verify_timeout_s: float,
+                 target_wait_s: float) -> None:
+        self.store = store
+        self.targets = targets
+        self.stops_for = stops_for  # GenerationParams -> StopChecker
+        self.verify_timeout_s = verify_timeout_s
+        self.target_wait_s = target_wait_s
+
+    async def run(self, run: Run) -> str:
+        """Rounds until a stop; returns the finish reason (eos|length|stop|cancelled)."""
+        stops = self.stops_for(run.params)
+        while True:
+            reason = await self._round(run, stops)
+            if reason is not None:
+                return reason
+
+    async def _round(self, run: Run, stops: StopChecker) -> str | None:
+        t0 = time.perf_counter()
+        remaining = run.params.max_tokens - len(run.generated)
+        k = min(run.params.num_draft_tokens, remaining - 1) if run.pool else 0
+        proposal, fallback = None, "" if run.pool else "speculation_off"
+        if k > 0 and run.pool is not None:
+            proposal, fallback = await self._propose(run, run.pool, k)
+        verdict = await self._verify(run, proposal)
+
+        before = len(run.generated)
+        candidate = run.generated + list(verdict.tokens)
+        stop = stops.first_stop(candidate, before)
+        reason = None
+        if stop is not None:
+            candidate, reason = candidate[: stop[0]], stop[1]
+        elif len(candidate) >= run.params.max_tokens:
+            candidate, reason = candidate[: run.params.max_tokens], "length"
+        new_tokens = candidate[before:]
+        text = run.text.advance(candidate, reason)
+        status = await self._commit(run, new_tokens, text, reason)
+        if status is CommitStatus.CLOSED:
+            return "cancelled"
+        run.committed.extend(new_tokens)
+        draft_ms = proposal.draft_ms if proposal else 0.0
+        run.rounds.append(generation_pb2.RoundStats(
+            k=len(proposal.tokens) if proposal else 0, accepted=verdict.num_accepted,
+            emitted=len(new_tokens), rejected_position=verdict.rejected_position,
+            draft_ms=draft_ms, verify_ms=verdict.verify_ms,
+            overhead_ms=max((time.perf_counter() - t0) * 1e3 - draft_ms - verdict.verify_ms, 0.0),
+            fallback_reason=fallback))
+        return reason
+
+    async def _propose(self, run: Run, pool: DraftPool, k: int) -> tuple[draft_pb2.ProposeResponse | None, str]:
+        sampling = sampling_to_proto(run.params.sampling)
+        for replica in pool.candidates(run.session_id):
+            base = run.draft_held.get(replica.address, 0)
+            for _ in range(2):  # the second try resends the full prefix
+                req = draft_pb2.ProposeRequest(session_id=run.session_id, prefix=prefix_to_proto(run.committed, base),
+                                               k=k, sampling=sampling, seed=run.seed)
+                try:
+                    resp = await replica.stub.Propose(req, timeout=pool.timeout_s)
+                except grpc.aio.AioRpcError as err:
+                    if err.code() == grpc.StatusCode.FAILED_PRECONDITION and base > 0:
+                        base = 0
+                        continue
+                    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        replica.healthy = False
+                    log.warning("draft %s/%s failed: %s", pool.name, replica.address, err.code())
+                    run.draft_held.pop(replica.address, None)
+                    break
+                run.draft_held[replica.address] = len(run.committed)
+                return resp, ""
+        return None, "draft_unavailable"
+
+    async def _verify(self, run: Run, proposal: draft_pb2.ProposeResponse | None) -> target_pb2.VerifyResponse:
+        """Verify on the session's target; on a lost target, rediscover and resend the
+        full prefix (re-prefill) until the request's deadline."""
+        loop = asyncio.get_running_loop()
+        while True:
+            wait = max(min(self.target_wait_s, run.deadline - loop.time()), 0.0)
+            picked = await self.targets.pick(run.session_id, wait)
+            if picked is None:
+                raise Unavailable("no target worker is registered; retry later")
+            address, stub = picked
+            base = run.target_held.get(address, 0)
+            req = target_pb2.VerifyRequest(
+                session_id=run.session_id, prefix=prefix_to_proto(run.committed, base),
+                draft_tokens=proposal.tokens if proposal else [],
+                q=proposal.q if proposal else common_pb2.DraftProbs(),
+                sampling=sampling_to_proto(run.params.sampling), seed=run.seed)
+            timeout = min(self.verify_timeout_s, max(run.deadline - loop.time(), 0.001))
+            try:
+                resp = await stub.Verify(req, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    run.target_held.pop(address, None)
+                    continue
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequest(err.details() or "the target refused the request") from err
+                if loop.time() >= run.deadline:
+                    raise Unavailable(f"target {address} did not answer before the deadline") from err
+                log.warning("target %s failed (%s); rediscovering", address, code)
+                run.target_held.pop(address, None)
+                self.targets.forget(address)
+                await asyncio.sleep(0.1)
+                continue
+            run.target_held[address] = len(run.committed)
+            return resp
+
+    async def _commit(self, run: Run, tokens: list[int], text: str, reason: str | None) -> CommitStatus:
+        expected = len(run.generated)
+        result = await self.store.commit(run.session_id, expected, run.epoch, f"{run.epoch}:{expected}",
+                                         tokens, text, reason)
+        if result.status in (CommitStatus.OK, CommitStatus.DUPLICATE, CommitStatus.CLOSED):
+            return result.status
+        raise SessionLost(f"session {run.session_id} was taken over or expired ({result.status.value}); "
+                          "Resume it to read the rest")

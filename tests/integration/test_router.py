@@ -1,0 +1,201 @@
+"""The distributed system end to end: router -> draft pool -> Ray target -> Redis commit,
+all real, on loopback. The in-process engine is the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specserve.drafters import NgramDrafter
+from specserve.engine import GenerationParams, SpecEngine
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    channel = grpc.insecure_channel(stack.info.router)
+    yield generation_pb2_grpc.GenerationStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair, target_model):
+    """Target-only greedy continuation, by the in-process engine (itself checked against
+    transformers in tests/unit)."""
+    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), tiny_pair.tokenizer)
+    cache: dict[tuple[str, int], list[int]] = {}
+
+    def ref(prompt: str, n: int = MAX_TOKENS) -> list[int]:
+        if (prompt, n) not in cache:
+            cache[(prompt, n)] = engine.generate(prompt, GenerationParams(max_tokens=n, num_draft_tokens=0)).token_ids
+        return cache[(prompt, n)]
+
+    return ref
+
+
+def _req(prompt: str, **kw) -> generation_pb2.GenerateRequest:
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return generation_pb2.GenerateRequest(prompt=prompt, **kw)
+
+
+def _prompts(eval_prompts, n_per_class: int) -> list[dict]:
+    out = []
+    for cls in ("code", "chat", "extraction"):
+        out += [p for p in eval_prompts if p["workload_class"] == cls][:n_per_class]
+    return out
+
+
+@pytest.mark.parametrize("pool", ["small", "ngram"])
+def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts, pool):
+    drafted = 0
+    for item in _prompts(eval_prompts, 4):
+        resp = stub.Generate(_req(item["prompt"], draft_pool=pool, workload_class=item["workload_class"]), timeout=120)
+        assert list(resp.token_ids) == reference(item["prompt"])[: len(resp.token_ids)], item["prompt"][:50]
+        assert resp.finish_reason in ("eos", "length")
+        assert resp.stats.draft_pool == pool and resp.stats.workload_class == item["workload_class"]
+        drafted += resp.stats.draft_tokens
+        chunks = list(stub.GenerateStream(_req(item["prompt"], draft_pool=pool), timeout=120))
+        assert [t for c in chunks for t in c.token_ids] == list(resp.token_ids)
+        assert "".join(c.text for c in chunks) == resp.text
+        assert chunks[-1].finish_reason == resp.finish_reason and not any(c.finish_reason for c in chunks[:-1])
+        offsets = [c.offset for c in chunks]
+        assert offsets == sorted(offsets) and offsets[0] == 0
+    assert drafted > 0
+
+
+def test_speculation_off_is_plain_decoding(stub, reference, eval_prompts):
+    item = eval_prompts[5]
+    resp = stub.Generate(_req(item["prompt"], draft_pool="none"), timeout=120)
+    assert list(resp.token_ids) == reference(item["prompt"])[: len(resp.token_ids)]
+    assert resp.stats.draft_tokens == 0 and all(r.fallback_reason == "speculation_off" for r in resp.stats.round)
+
+
+def test_concurrent_requests_are_correct_and_committed(stub, stack, reference, eval_prompts):
+    items = _prompts(eval_prompts, 3)  # 9 requests at once
+    with ThreadPoolExecutor(len(items)) as pool:
+        futures = [pool.submit(stub.Generate, _req(it["prompt"], draft_pool=("small", "ngram")[i % 2]), timeout=300)
+                   for i, it in enumerate(items)]
+        responses = [f.result() for f in futures]
+    r = redis.Redis.from_url(stack.info.redis_url)
+    for it, resp in zip(items, responses, strict=True):
+        assert list(resp.token_ids) == reference(it["prompt"])[: len(resp.token_ids)]
+        stored = [int(t) for t in r.lrange(f"specserve:sess:{resp.session_id}:tok", 0, -1)]
+        assert stored == list(resp.token_ids)
+        assert r.hget(f"specserve:sess:{resp.session_id}", "status") == b"finished"
+
+
+def test_retried_request_id_joins_without_generating_twice(stub, stack, eval_prompts):
+    req = _req(eval_prompts[2]["prompt"], request_id="retry-me-1", temperature=0.9)
+    first = stub.Generate(req, timeout=120)
+    r = redis.Redis.from_url(stack.info.redis_url)
+    rounds_before = r.scard(f"specserve:sess:{first.session_id}:rounds")
+    second = stub.Generate(req, timeout=120)
+    assert second.session_id == first.session_id and second.stats.joined
+    assert list(second.token_ids) == list(first.token_ids) and second.text == first.text
+    assert r.scard(f"specserve:sess:{first.session_id}:rounds") == rounds_before  # no new rounds
+    assert r.xlen(f"specserve:sess:{first.session_id}:out") == rounds_before
+
+
+def test_resume_from_offset_returns_exactly_the_rest(stub, eval_prompts):
+    resp = stub.Generate(_req(eval_prompts[20]["prompt"], max_tokens=40), timeout=120)
+    n = len(resp.token_ids)
+    for offset in (0, 1, n // 2, n):
+        chunks = list(stub.Resume(generation_pb2.ResumeRequest(session_id=resp.session_id, from_offset=offset),
+                                  timeout=60))
+        assert [t for c in chunks for t in c.token_ids] == list(resp.token_ids)[offset:]
+        assert chunks[-1].finish_reason == resp.finish_reason
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Resume(generation_pb2.ResumeRequest(session_id="0" * 32, from_offset=0), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_cancel_stops_a_running_session(stub, eval_prompts):
+    stream = stub.GenerateStream(_req(eval_prompts[0]["prompt"], max_tokens=200, draft_pool="none"), timeout=120)
+    first = next(stream)
+    assert stub.Cancel(generation_pb2.CancelRequest(session_id=first.session_id), timeout=10).cancelled
+    rest = list(stream)
+    assert rest and rest[-1].finish_reason == "cancelled"
+    assert sum(len(c.token_ids) for c in [first, *rest]) < 200
+
+
+BAD = [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=100_000), "max_tokens"),
+    (dict(workload_class="poetry"), "workload_class"),
+    (dict(draft_pool="huge"), "draft_pool"),
+    (dict(num_draft_tokens=99), "num_draft_tokens"),
+]
+
+
+@pytest.mark.parametrize("fields,word", BAD, ids=[w for _, w in BAD])
+def test_bad_requests_are_invalid_argument(stub, stack, fields, word):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(_req("def f(x):\n", **fields), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert word in err.value.details()
+
+
+def test_bad_prompts_are_invalid_argument_and_router_stays_up(stub, stack):
+    for req, word in ((generation_pb2.GenerateRequest(prompt="", max_tokens=4), "empty"),
+                      (generation_pb2.GenerateRequest(prompt_ids=generation_pb2.TokenIds(ids=[1, 10**6]), max_tokens=4),
+                       "outside the vocabulary"),
+                      (generation_pb2.GenerateRequest(prompt="x " * 5000, max_tokens=4), "limit")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(req, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in err.value.details()
+    with grpc.insecure_channel(stack.info.router) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- faults (run last in this module: they kill workers) -----------------------------------
+
+def test_kill_a_draft_replica_mid_request(stub, stack, reference, eval_prompts):
+    from services.router.pools import HashRing
+
+    prompt = eval_prompts[1]["prompt"]
+    stream = stub.GenerateStream(_req(prompt, max_tokens=60, draft_pool="small"), timeout=180)
+    first = next(stream)
+    replica = HashRing(stack.info.pools["small"]).order(first.session_id)[0]  # the session's replica
+    name = f"draft-small-{stack.info.pools['small'].index(replica)}"
+    os.kill(stack.info.pids[name], signal.SIGKILL)
+    chunks = [first, *stream]
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference(prompt, 60)[: len(tokens)]
+    assert chunks[-1].finish_reason in ("eos", "length")
+
+
+def test_kill_the_target_actor_process(stub, stack, reference, eval_prompts):
+    r = redis.Redis.from_url(stack.info.redis_url)
+    before = json.loads(r.get("specserve:target:target-0"))
+    prompt = eval_prompts[11]["prompt"]
+    stream = stub.GenerateStream(_req(prompt, max_tokens=60, draft_pool="ngram"), timeout=300)
+    first = next(stream)
+    os.kill(before["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        chunks = [first, *stream]
+    except grpc.RpcError as err:  # allowed: UNAVAILABLE inside the deadline, never wrong output
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        return
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference(prompt, 60)[: len(tokens)], "wrong or duplicated output after a restart"
+    pos = 0
+    for c in chunks:  # each chunk starts where the previous ended: nothing duplicated or lost
+        assert c.offset == pos
+        pos += len(c.token_ids)
+    after = json.loads(r.get("specserve:target:target-0"))
+    assert after["pid"] != before["pid"], "Ray restarted the actor in a new process"
+    assert time.monotonic() - t0 < 300
