@@ -46,6 +46,7 @@ test-unit: setup
 
 bench: setup models
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_stack.py --models $(MODELS_DIR) --out bench/results
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

@@ -22,6 +22,11 @@ log = logging.getLogger("specserve.target.launcher")
 
 def launch(settings: TargetSettings, info_file: str = "") -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not os.environ.get("RAY_ADDRESS"):
+        # A local, single-node cluster: Ray resolves "127.0.0.1" to the host's outward address
+        # unless it believes clusters are off, in which case every Ray process (raylet, GCS,
+        # workers, inherited through the environment) uses the loopback address.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
     from services.target.actor import TargetWorker
