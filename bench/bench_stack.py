@@ -129,7 +129,8 @@ def main() -> None:
         r["speedup"] = base["ms_per_token"] / r["ms_per_token"]
     summary = {"overhead_ms_p50": float(np.percentile(overhead_all, 50)),
                "overhead_ms_p99": float(np.percentile(overhead_all, 99)), "rounds": len(overhead_all)}
-    (out / "stack.json").write_text(json.dumps({"args": vars(a), "pair": str(pair), "summary": summary, "rows": rows},
+    (out / "stack.json").write_text(json.dumps({"args": vars(a), "pair": str(pair), "summary": summary, "rows": rows,
+                                                "overhead_ms": overhead_all},
                                                indent=1))
     print("| path | class | speculation | ms/token | speedup vs plain (same path) | mean accepted | overhead p50/p99 ms |")
     print("|---|---|---|---|---|---|---|")
@@ -140,6 +141,7 @@ def main() -> None:
     print(f"\nper-round overhead outside model time (router + gRPC + Redis), all rounds: "
           f"p50 {summary['overhead_ms_p50']:.2f} ms, p99 {summary['overhead_ms_p99']:.2f} ms ({summary['rounds']} rounds)")
     _plot(rows, overhead_all, out / "stack_overhead.png")
+    print(f"wrote {out / 'stack.json'} and {out / 'stack_overhead.png'}", file=sys.stderr)
 
 
 def _plot(rows, overhead, path: Path) -> None:
