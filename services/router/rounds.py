@@ -58,6 +58,7 @@ class RoundLoop:
         self.stops_for = stops_for  # GenerationParams -> StopChecker
         self.verify_timeout_s = verify_timeout_s
         self.target_wait_s = target_wait_s
+        self._lost: set[str] = set()
 
     async def run(self, run: Run) -> str:
         """Rounds until a stop; returns the finish reason (eos|length|stop|cancelled)."""
@@ -149,7 +150,10 @@ class RoundLoop:
                     raise InvalidRequest(err.details() or "the target refused the request") from err
                 if loop.time() >= run.deadline:
                     raise Unavailable(f"target {address} did not answer before the deadline") from err
-                log.warning("target %s failed (%s); rediscovering", address, code)
+                # one warning per lost target, not one per retry while Ray restarts it
+                (log.debug if address in self._lost else log.warning)(
+                    "target %s failed (%s); rediscovering", address, code)
+                self._lost.add(address)
                 run.target_held.pop(address, None)
                 self.targets.forget(address)
                 await asyncio.sleep(0.1)

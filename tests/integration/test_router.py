@@ -160,6 +160,21 @@ def test_bad_prompts_are_invalid_argument_and_router_stays_up(stub, stack):
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_every_service_has_health_and_reflection(stack):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    services = {stack.info.router: "specserve.v1.Generation", stack.info.target["address"]: "specserve.v1.Target",
+                **{a: "specserve.v1.Draft" for addrs in stack.info.pools.values() for a in addrs}}
+    for address, name in services.items():
+        with grpc.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING, address
+            answers = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            listed = {s.name for a in answers for s in a.list_services_response.service}
+            assert {name, "grpc.health.v1.Health"} <= listed, (address, listed)
+
+
 # -- faults (run last in this module: they kill workers) -----------------------------------
 
 def test_kill_a_draft_replica_mid_request(stub, stack, reference, eval_prompts):

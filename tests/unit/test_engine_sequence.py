@@ -28,7 +28,7 @@ SCALE = 5.0  # lm_head gain: spread-out but not uniform distributions
 
 
 class IdsTokenizer:
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
 
 
