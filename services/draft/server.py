@@ -5,42 +5,39 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from specserve.drafters.base import Drafter, DraftSession
 from specserve.errors import InvalidRequest
 from specserve.prefix import CommittedPrefix
+from specserve.sessions import SessionLRU
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.wire import check_k, check_token_ids, q_to_proto, sampling_from_proto
 
 
 @dataclass
 class _Session:
+    """One session on this worker: the committed prefix it holds and its KV cache."""
+
     prefix: CommittedPrefix
     draft: DraftSession
+
+    def release(self) -> None:
+        self.draft.release()
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, max_sessions: int) -> None:
         self.drafter = drafter
-        self.max_sessions = max_sessions
-        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.sessions: SessionLRU[_Session] = SessionLRU(
+            lambda: _Session(CommittedPrefix(), self.drafter.start()), max_sessions)
         # One thread runs the model: forwards are serialised (torch threads parallelise each),
         # and the event loop stays free for health checks and new calls.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
 
     def _session(self, session_id: str) -> _Session:
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            sess = _Session(CommittedPrefix(), self.drafter.start())
-            self.sessions[session_id] = sess
-            while len(self.sessions) > self.max_sessions:  # evict the least recently used
-                _, old = self.sessions.popitem(last=False)
-                old.draft.release()
-        self.sessions.move_to_end(session_id)
-        return sess
+        return self.sessions.get(session_id)
 
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:
         k = check_k(request.k)
@@ -59,7 +56,4 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             draft_ms=(time.perf_counter() - t0) * 1e3, drafter=self.drafter.name)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
-        sess = self.sessions.pop(request.session_id, None)
-        if sess is not None:
-            sess.draft.release()
-        return common_pb2.ReleaseResponse(released=sess is not None)
+        return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))

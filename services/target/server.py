@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from specserve.errors import InvalidRequest
 from specserve.prefix import CommittedPrefix
 from specserve.rejection import QProbs, Verdict
 from specserve.sampling import SamplingParams
+from specserve.sessions import SessionLRU
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specserve.verifier import TargetModel, TargetSession, judge
 from specserve.wire import check_k, check_token_ids, q_from_proto, sampling_from_proto
@@ -20,28 +20,25 @@ from specserve.wire import check_k, check_token_ids, q_from_proto, sampling_from
 
 @dataclass
 class _Session:
+    """One session on this worker: the committed prefix it holds and its KV cache."""
+
     prefix: CommittedPrefix
     target: TargetSession
+
+    def release(self) -> None:
+        self.target.release()
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, target: TargetModel, max_sessions: int) -> None:
         self.target = target
-        self.max_sessions = max_sessions
-        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.sessions: SessionLRU[_Session] = SessionLRU(
+            lambda: _Session(CommittedPrefix(), self.target.start()), max_sessions)
         # One model thread: plain and speculative sessions share the target in arrival order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
 
     def _session(self, session_id: str) -> _Session:
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            sess = _Session(CommittedPrefix(), self.target.start())
-            self.sessions[session_id] = sess
-            while len(self.sessions) > self.max_sessions:
-                _, old = self.sessions.popitem(last=False)
-                old.target.release()
-        self.sessions.move_to_end(session_id)
-        return sess
+        return self.sessions.get(session_id)
 
     def _reconcile(self, request) -> tuple[_Session, list[int]]:
         check_token_ids(request.prefix.tokens, self.target.vocab_size)
@@ -79,10 +76,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         return target_pb2.PrefillResponse(cached_len=sess.target.lm.length)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
-        sess = self.sessions.pop(request.session_id, None)
-        if sess is not None:
-            sess.target.release()
-        return common_pb2.ReleaseResponse(released=sess is not None)
+        return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
 
 
 def _verify(session: TargetSession, ids: list[int], drafts: list[int], q: QProbs,

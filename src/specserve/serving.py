@@ -59,13 +59,8 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request, context):
                 try:
                     return await inner_uu(request, context)
-                except SpecserveError as exc:
-                    await context.abort(status_for(exc), str(exc))
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
                 except Exception as exc:
-                    log.exception("%s failed", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                    await _abort(exc, context, method)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer)
@@ -76,17 +71,22 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for item in inner_us(request, context):
                         yield item
-                except SpecserveError as exc:
-                    await context.abort(status_for(exc), str(exc))
-                except (asyncio.CancelledError, grpc.aio.AbortError):
-                    raise
                 except Exception as exc:
-                    log.exception("%s failed", method)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                    await _abort(exc, context, method)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer)
         return handler
+
+
+async def _abort(exc: Exception, context, method: str) -> None:
+    """End the RPC with the status for `exc`; re-raise what is not an error of ours."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    if isinstance(exc, SpecserveError):
+        await context.abort(status_for(exc), str(exc))
+    log.exception("%s failed", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 class GrpcServer:

@@ -73,6 +73,25 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
     assert drafted > 0
 
 
+@pytest.mark.parametrize("pool", ["small", "ngram"])
+def test_seeded_sampling_through_router_equals_in_process_engine(stub, tiny_pair, target_model, eval_prompts, pool):
+    """Randomness is keyed by (seed, position, purpose) on every side of the wire, so the
+    distributed rounds reproduce the in-process engine's sampled tokens exactly."""
+    from specserve.drafters import HFDrafter
+    from specserve.sampling import SamplingParams
+
+    drafter = HFDrafter(tiny_pair.draft) if pool == "small" else NgramDrafter(target_model.vocab_size)
+    engine = SpecEngine(target_model, drafter, tiny_pair.tokenizer)
+    for item in _prompts(eval_prompts, 1):
+        want = engine.generate(item["prompt"], GenerationParams(
+            max_tokens=MAX_TOKENS, num_draft_tokens=3, seed=77,
+            sampling=SamplingParams(temperature=0.8, top_p=0.95)))
+        got = stub.Generate(_req(item["prompt"], draft_pool=pool, num_draft_tokens=3, seed=77,
+                                 temperature=0.8, top_p=0.95), timeout=120)
+        assert list(got.token_ids) == want.token_ids
+        assert got.stats.seed == 77
+
+
 def test_speculation_off_is_plain_decoding(stub, reference, eval_prompts):
     item = eval_prompts[5]
     resp = stub.Generate(_req(item["prompt"], draft_pool="none"), timeout=120)

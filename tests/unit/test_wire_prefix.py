@@ -1,0 +1,96 @@
+"""Wire-level core pieces: the committed-prefix hash chain, protobuf conversions, the session
+LRU and the incremental visible text."""
+
+import pytest
+import torch
+
+from specserve.errors import InvalidRequest, NeedsFullPrefix
+from specserve.prefix import CommittedPrefix, chain
+from specserve.rejection import DenseQ, SparseQ
+from specserve.sampling import SamplingParams
+from specserve.sessions import SessionLRU
+from specserve.stops import IncrementalText, StopChecker
+from specserve.wire import (
+    prefix_to_proto,
+    q_from_proto,
+    q_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+
+
+def test_worker_follows_deltas_and_refuses_a_different_prefix():
+    router = CommittedPrefix([5, 6, 7])
+    worker = CommittedPrefix()
+    msg = prefix_to_proto(router, 0)
+    assert worker.apply(msg.base_len, msg.base_hash, msg.tokens) == [5, 6, 7]
+    router.extend([8, 9])
+    msg = prefix_to_proto(router, 3)
+    assert list(msg.tokens) == [8, 9]  # only the delta travels
+    assert worker.apply(msg.base_len, msg.base_hash, msg.tokens) == [5, 6, 7, 8, 9]
+    other = CommittedPrefix([5, 6, 1, 8, 9])  # same length, different history
+    with pytest.raises(NeedsFullPrefix):
+        worker.apply(5, other.hash_at(5), [2])
+    with pytest.raises(NeedsFullPrefix):  # the worker holds fewer tokens than assumed
+        CommittedPrefix([5]).apply(3, router.hash_at(3), [8])
+
+
+def test_chain_hash_depends_on_order_and_content():
+    assert chain(0, [1, 2]) != chain(0, [2, 1])
+    assert chain(0, [1, 2]) == chain(chain(0, [1]), [2])
+    assert chain(0, []) == 0
+
+
+def test_q_roundtrips_exactly():
+    dense = DenseQ(torch.softmax(torch.randn(3, 11), -1))
+    back = q_from_proto(q_to_proto(dense), 3, 11)
+    assert isinstance(back, DenseQ) and torch.equal(back.probs, dense.probs)
+    sparse = SparseQ(torch.tensor([[1, 4], [0, 2]]), torch.tensor([[0.25, 0.75], [1.0, 0.0]]))
+    back = q_from_proto(q_to_proto(sparse), 2, 11)
+    assert isinstance(back, SparseQ) and torch.equal(back.ids, sparse.ids) and torch.equal(back.probs, sparse.probs)
+    assert q_from_proto(q_to_proto(None), 2, 11) is None
+
+
+def test_bad_q_is_invalid_argument():
+    msg = q_to_proto(DenseQ(torch.ones(2, 5) / 5))
+    with pytest.raises(InvalidRequest, match="dense q"):
+        q_from_proto(msg, 3, 5)  # says 3 drafts, carries 2 rows
+    bad = q_to_proto(SparseQ(torch.tensor([[9]]), torch.tensor([[1.0]])))
+    with pytest.raises(InvalidRequest, match="outside"):
+        q_from_proto(bad, 1, 5)
+
+
+def test_sampling_roundtrip_and_unset_top_p():
+    sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, banned_token_ids=(3,))
+    assert sampling_from_proto(sampling_to_proto(sp)) == sp
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).top_p == 1.0
+
+
+class _State:
+    def __init__(self, log):
+        self.log = log
+
+    def release(self):
+        self.log.append(self)
+
+
+def test_session_lru_evicts_least_recently_used():
+    released: list = []
+    lru = SessionLRU(lambda: _State(released), max_sessions=2)
+    a, b = lru.get("a"), lru.get("b")
+    assert lru.get("a") is a  # touch a: b is now the oldest
+    lru.get("c")
+    assert released == [b] and len(lru) == 2
+    assert lru.release("a") and released == [b, a] and not lru.release("a")
+
+
+def test_incremental_text_never_shows_what_a_stop_string_takes_back():
+    vocab = {1: "Hel", 2: "lo E", 3: "ND", 4: "!"}
+    checker = StopChecker(frozenset(), ("END",), lambda ids: "".join(vocab[i] for i in ids))
+    text = IncrementalText(checker)
+    assert text.advance([1], None) == "Hel"
+    assert text.advance([1, 2], None) == "lo "  # "E" might start "END": held back
+    stop = checker.first_stop([1, 2, 3], 2)
+    assert stop == (3, "stop")
+    assert text.advance([1, 2, 3], "stop") == ""  # the stop string never appears
+    assert text.published == "Hello "
