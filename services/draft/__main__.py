@@ -9,6 +9,12 @@ from pathlib import Path
 from services.draft.server import DraftServicer
 from specserve.config import DraftSettings
 from specserve.serving import GrpcServer
+from specserve.telemetry import (
+    TracingServerInterceptor,
+    setup_tracing,
+    shutdown_tracing,
+    start_metrics_server,
+)
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specserve.draft")
@@ -38,17 +44,23 @@ def warm_up(drafter) -> None:
 
 
 async def main(settings: DraftSettings) -> None:
+    setup_tracing(f"specserve-draft-{settings.pool}")
     servicer = DraftServicer(load_drafter(settings), settings.max_sessions)
     server = GrpcServer(
         [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,
-        settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
+        settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
+        interceptors=[TracingServerInterceptor()])
     await server.start()
     if settings.port_file:
         Path(settings.port_file).write_text(str(server.port))
+    metrics_port = start_metrics_server(servicer.metrics.registry, settings.metrics_port, settings.host)
+    if settings.metrics_port_file:
+        Path(settings.metrics_port_file).write_text(str(metrics_port))
     warm_up(servicer.drafter)
     await server.set_serving()
     log.info("draft pool %s (%s) serving on %s:%d", settings.pool, settings.model, settings.host, server.port)
     await server.wait_for_termination()
+    shutdown_tracing()
     log.info("draft worker drained and stopped")
 
 

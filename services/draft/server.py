@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from specserve.drafters.base import Drafter, DraftSession
 from specserve.errors import InvalidRequest
+from specserve.metrics import WorkerMetrics
 from specserve.prefix import CommittedPrefix
 from specserve.sessions import SessionLRU
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -28,8 +29,9 @@ class _Session:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, max_sessions: int) -> None:
+    def __init__(self, drafter: Drafter, max_sessions: int, metrics: WorkerMetrics | None = None) -> None:
         self.drafter = drafter
+        self.metrics = metrics or WorkerMetrics("draft")
         self.sessions: SessionLRU[_Session] = SessionLRU(
             lambda: _Session(CommittedPrefix(), self.drafter.start()), max_sessions)
         # One thread runs the model: forwards are serialised (torch threads parallelise each),
@@ -51,9 +53,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         t0 = time.perf_counter()
         proposal = await asyncio.get_running_loop().run_in_executor(
             self.executor, sess.draft.propose, list(ids), k, sampling, int(request.seed))
+        elapsed = time.perf_counter() - t0
+        self.metrics.call_latency.labels("propose").observe(elapsed)
+        self.metrics.sessions.set(len(self.sessions))
+        self.metrics.rollback_tokens.inc(proposal.rollback_tokens)
         return draft_pb2.ProposeResponse(
             tokens=proposal.tokens, q=q_to_proto(proposal.q), rollback_tokens=proposal.rollback_tokens,
-            draft_ms=(time.perf_counter() - t0) * 1e3, drafter=self.drafter.name)
+            draft_ms=elapsed * 1e3, drafter=self.drafter.name)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))

@@ -15,8 +15,15 @@ from services.router.requests import ModelInfo
 from services.router.rounds import RoundLoop
 from services.router.service import GenerationServicer
 from specserve.config import RouterSettings
+from specserve.metrics import RouterMetrics
 from specserve.serving import GrpcServer
 from specserve.store import SessionStore
+from specserve.telemetry import (
+    TracingServerInterceptor,
+    setup_tracing,
+    shutdown_tracing,
+    start_metrics_server,
+)
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("specserve.router")
@@ -25,6 +32,7 @@ HEALTH_INTERVAL_S = 2.0
 
 
 async def main(settings: RouterSettings) -> None:
+    setup_tracing("specserve-router")
     model = ModelInfo(settings.tokenizer)
     redis = aioredis.from_url(settings.redis_url)
     store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s)
@@ -32,14 +40,19 @@ async def main(settings: RouterSettings) -> None:
              for name, addrs in settings.draft_pools.items()}
     targets = TargetDirectory(redis, settings.key_prefix)
     servicer = GenerationServicer(settings, model, store, pools, None)  # type: ignore[arg-type]
+    metrics = RouterMetrics()
     servicer.loop = RoundLoop(store, targets, servicer.stops_for, settings.verify_timeout_ms / 1000,
-                              settings.target_wait_s)
+                              settings.target_wait_s, metrics, model.kv_bytes_per_token)
     server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
                         settings.host, settings.port, settings.grace_s,
-                        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s))
+                        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+                        interceptors=[TracingServerInterceptor()])
     await server.start()
     if settings.port_file:
         Path(settings.port_file).write_text(str(server.port))
+    metrics_port = start_metrics_server(metrics.registry, settings.metrics_port, settings.host)
+    if settings.metrics_port_file:
+        Path(settings.metrics_port_file).write_text(str(metrics_port))
     await redis.ping()
     await targets.refresh()
 
@@ -58,6 +71,7 @@ async def main(settings: RouterSettings) -> None:
         await watcher
     await asyncio.gather(*(p.close() for p in pools.values()), targets.close())
     await redis.aclose()
+    shutdown_tracing()
     log.info("router drained and stopped")
 
 

@@ -42,6 +42,12 @@ class ModelInfo:
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.context_len = int(config.get("max_position_embeddings", 1 << 30))
+        heads = int(config.get("num_attention_heads", 1))
+        head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(heads, 1))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        width = {"float16": 2, "bfloat16": 2}.get(str(config.get("dtype") or config.get("torch_dtype")), 4)
+        # K and V for every layer: what a rejected draft position costs in target KV cache
+        self.kv_bytes_per_token = 2 * int(config.get("num_hidden_layers", 0)) * kv_heads * head_dim * width
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

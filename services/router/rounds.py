@@ -14,13 +14,16 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from services.router.pools import DraftPool, TargetDirectory
 from specserve.errors import InvalidRequest, SessionLost, Unavailable
+from specserve.metrics import RouterMetrics
 from specserve.params import GenerationParams
 from specserve.prefix import CommittedPrefix
 from specserve.stops import IncrementalText, StopChecker
 from specserve.store import CommitStatus, SessionStore
+from specserve.telemetry import outgoing_metadata, tracer
 from specserve.v1 import common_pb2, draft_pb2, generation_pb2, target_pb2
 from specserve.wire import prefix_to_proto, sampling_to_proto
 
@@ -44,6 +47,12 @@ class Run:
     draft_held: dict[str, int] = field(default_factory=dict)  # replica -> committed len it holds
     target_held: dict[str, int] = field(default_factory=dict)
     rounds: list[generation_pb2.RoundStats] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    first_commit: float | None = None
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return self.workload_class, self.pool.name if self.pool else "none"
 
     @property
     def generated(self) -> list[int]:
@@ -52,8 +61,10 @@ class Run:
 
 class RoundLoop:
     def __init__(self, store: SessionStore, targets: TargetDirectory, stops_for, verify_timeout_s: float,
-                 target_wait_s: float) -> None:
+                 target_wait_s: float, metrics: RouterMetrics | None = None, kv_bytes_per_token: int = 0) -> None:
         self.store = store
+        self.metrics = metrics or RouterMetrics()
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.targets = targets
         self.stops_for = stops_for  # GenerationParams -> StopChecker
         self.verify_timeout_s = verify_timeout_s
@@ -63,10 +74,18 @@ class RoundLoop:
     async def run(self, run: Run) -> str:
         """Rounds until a stop; returns the finish reason (eos|length|stop|cancelled)."""
         stops = self.stops_for(run.params)
-        while True:
-            reason = await self._round(run, stops)
-            if reason is not None:
-                return reason
+        m, labels = self.metrics, run.labels
+        m.sessions_active.labels(*labels).inc()
+        try:
+            while True:
+                with tracer().start_as_current_span("specserve.round") as span:
+                    reason = await self._round(run, stops)
+                    _round_attributes(span, run)
+                if reason is not None:
+                    self._finish(run, reason)
+                    return reason
+        finally:
+            m.sessions_active.labels(*labels).dec()
 
     async def _round(self, run: Run, stops: StopChecker) -> str | None:
         t0 = time.perf_counter()
@@ -74,8 +93,17 @@ class RoundLoop:
         k = min(run.params.num_draft_tokens, remaining - 1) if run.pool else 0
         proposal, fallback = None, "" if run.pool else "speculation_off"
         if k > 0 and run.pool is not None:
-            proposal, fallback = await self._propose(run, run.pool, k)
-        verdict = await self._verify(run, proposal)
+            with tracer().start_as_current_span("specserve.draft.propose", kind=SpanKind.CLIENT) as span:
+                span.set_attribute("specserve.draft_pool", run.pool.name)
+                span.set_attribute("specserve.k", k)
+                proposal, fallback = await self._propose(run, run.pool, k)
+                if fallback:
+                    span.set_attribute("specserve.fallback_reason", fallback)
+        t1 = time.perf_counter()
+        with tracer().start_as_current_span("specserve.target.verify", kind=SpanKind.CLIENT) as span:
+            verdict = await self._verify(run, proposal)
+            span.set_attribute("specserve.num_accepted", verdict.num_accepted)
+        t2 = time.perf_counter()
 
         before = len(run.generated)
         candidate = run.generated + list(verdict.tokens)
@@ -87,18 +115,55 @@ class RoundLoop:
             candidate, reason = candidate[: run.params.max_tokens], "length"
         new_tokens = candidate[before:]
         text = run.text.advance(candidate, reason)
-        status = await self._commit(run, new_tokens, text, reason)
+        with tracer().start_as_current_span("specserve.commit", kind=SpanKind.CLIENT):
+            status = await self._commit(run, new_tokens, text, reason)
         if status is CommitStatus.CLOSED:
             return "cancelled"
         run.committed.extend(new_tokens)
+        if run.first_commit is None:
+            run.first_commit = time.perf_counter()
         draft_ms = proposal.draft_ms if proposal else 0.0
-        run.rounds.append(generation_pb2.RoundStats(
+        stats = generation_pb2.RoundStats(
             k=len(proposal.tokens) if proposal else 0, accepted=verdict.num_accepted,
             emitted=len(new_tokens), rejected_position=verdict.rejected_position,
             draft_ms=draft_ms, verify_ms=verdict.verify_ms,
             overhead_ms=max((time.perf_counter() - t0) * 1e3 - draft_ms - verdict.verify_ms, 0.0),
-            fallback_reason=fallback))
+            fallback_reason=fallback)
+        run.rounds.append(stats)
+        self._observe(run, stats, t1 - t0 if proposal else None, t2 - t1)
         return reason
+
+    def _observe(self, run: Run, r: generation_pb2.RoundStats, draft_s: float | None, verify_s: float) -> None:
+        m, labels = self.metrics, run.labels
+        m.target_passes.labels(*labels).inc()
+        m.output_tokens.labels(*labels).inc(r.emitted)
+        m.verify_latency.labels(*labels).observe(verify_s)
+        m.round_overhead.labels(*labels).observe(r.overhead_ms / 1e3)
+        if r.fallback_reason:
+            m.fallbacks.labels(*labels, r.fallback_reason).inc()
+        if draft_s is None or r.k == 0:
+            return
+        m.draft_latency.labels(*labels).observe(draft_s)
+        m.acceptance_length.labels(*labels).observe(r.accepted)
+        for i in range(r.k):
+            m.proposed.labels(*labels, str(i)).inc()
+            if i < r.accepted:
+                m.accepted.labels(*labels, str(i)).inc()
+        rejected = r.k - r.accepted
+        if rejected:
+            m.rollback_tokens.labels(*labels).inc(rejected)
+            m.rejected_kv_bytes.labels(*labels).inc(rejected * self.kv_bytes_per_token)
+
+    def _finish(self, run: Run, reason: str) -> None:
+        m, labels = self.metrics, run.labels
+        n = len(run.generated)
+        m.requests.labels(*labels, reason).inc()
+        if run.first_commit is not None:
+            m.ttft.labels(*labels).observe(run.first_commit - run.started)
+            if n > 1:
+                m.tpot.labels(*labels).observe((time.perf_counter() - run.first_commit) / (n - 1))
+        if n:
+            m.passes_per_token.labels(*labels).observe(len(run.rounds) / n)
 
     async def _propose(self, run: Run, pool: DraftPool, k: int) -> tuple[draft_pb2.ProposeResponse | None, str]:
         sampling = sampling_to_proto(run.params.sampling)
@@ -108,7 +173,7 @@ class RoundLoop:
                 req = draft_pb2.ProposeRequest(session_id=run.session_id, prefix=prefix_to_proto(run.committed, base),
                                                k=k, sampling=sampling, seed=run.seed)
                 try:
-                    resp = await replica.stub.Propose(req, timeout=pool.timeout_s)
+                    resp = await replica.stub.Propose(req, timeout=pool.timeout_s, metadata=outgoing_metadata())
                 except grpc.aio.AioRpcError as err:
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION and base > 0:
                         base = 0
@@ -140,7 +205,7 @@ class RoundLoop:
                 sampling=sampling_to_proto(run.params.sampling), seed=run.seed)
             timeout = min(self.verify_timeout_s, max(run.deadline - loop.time(), 0.001))
             try:
-                resp = await stub.Verify(req, timeout=timeout)
+                resp = await stub.Verify(req, timeout=timeout, metadata=outgoing_metadata())
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -169,3 +234,17 @@ class RoundLoop:
             return result.status
         raise SessionLost(f"session {run.session_id} was taken over or expired ({result.status.value}); "
                           "Resume it to read the rest")
+
+
+def _round_attributes(span, run: Run) -> None:
+    if not run.rounds or not span.is_recording():
+        return
+    r = run.rounds[-1]
+    span.set_attributes({
+        "specserve.workload_class": run.workload_class,
+        "specserve.draft_pool": run.pool.name if run.pool else "none",
+        "specserve.k": r.k, "specserve.num_accepted": r.accepted, "specserve.emitted": r.emitted,
+        "specserve.rejected_position": r.rejected_position,
+        "specserve.fallback_reason": r.fallback_reason,
+        "specserve.draft_ms": r.draft_ms, "specserve.verify_ms": r.verify_ms,
+    })

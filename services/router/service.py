@@ -20,6 +20,7 @@ from specserve.prefix import CommittedPrefix
 from specserve.rng import fresh_seed
 from specserve.stops import IncrementalText, StopChecker
 from specserve.store import SessionStatus, SessionStore
+from specserve.telemetry import tracer
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("specserve.router")
@@ -134,7 +135,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _drive(self, run: Run) -> str:
         try:
-            reason = await self.loop.run(run)
+            with tracer().start_as_current_span("specserve.generate") as span:
+                span.set_attributes({"specserve.session_id": run.session_id,
+                                     "specserve.workload_class": run.workload_class,
+                                     "specserve.draft_pool": run.pool.name if run.pool else "none",
+                                     "specserve.k": run.params.num_draft_tokens, "specserve.seed": str(run.seed)})
+                reason = await self.loop.run(run)
+                span.set_attributes({"specserve.finish_reason": reason, "specserve.rounds": len(run.rounds),
+                                     "specserve.num_accepted": sum(r.accepted for r in run.rounds),
+                                     "specserve.emitted": len(run.generated)})
         except asyncio.CancelledError:
             raise  # the client went away: the session stays running and can be taken over
         except SpecserveError as exc:

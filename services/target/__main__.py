@@ -36,12 +36,17 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
     else:
         ray.init(namespace=settings.namespace, include_dashboard=False, num_cpus=max(2, int(settings.num_cpus) + 1),
                  _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+    from specserve.telemetry import carrier, setup_tracing, shutdown_tracing, tracer, tracing_env
+
+    setup_tracing("specserve-target-launcher")
     options = dict(name=settings.name, lifetime="detached", get_if_exists=True,
+                   runtime_env={"env_vars": tracing_env()} if tracing_env() else None,
                    num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                    resources=settings.resources or None, max_restarts=settings.max_restarts,
                    max_task_retries=0)
-    actor: Any = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json())
-    info = ray.get(actor.info.remote())
+    with tracer().start_as_current_span("specserve.target.launch"):
+        actor: Any = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json(), carrier())
+        info = ray.get(actor.info.remote())
     log.info("target actor %s ready at %s (pid %s)", settings.name, info["address"], info["pid"])
     if info_file:
         Path(info_file).write_text(json.dumps(info))
@@ -52,6 +57,7 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
     log.info("stopping target actor %s", settings.name)
     ray.kill(actor, no_restart=True)
     ray.shutdown()
+    shutdown_tracing()
 
 
 if __name__ == "__main__":

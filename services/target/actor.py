@@ -23,8 +23,10 @@ def registry_key(prefix: str, name: str) -> str:
 class TargetWorker:
     """Plain class (Ray wraps it with `ray.remote` in the launcher, options from settings)."""
 
-    def __init__(self, settings_json: str) -> None:
+    def __init__(self, settings_json: str, trace_carrier: dict[str, str] | None = None) -> None:
         self.settings = TargetSettings.model_validate_json(settings_json)
+        self._carrier = trace_carrier or {}  # the launcher's span: context crosses into Ray explicitly
+        self.metrics_port = -1
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.address = ""
@@ -38,7 +40,7 @@ class TargetWorker:
             raise TimeoutError(f"target not ready after {timeout_s} s")
         if self._error is not None:
             raise RuntimeError(f"target failed to start: {self._error!r}")
-        return {"address": self.address, "pid": os.getpid()}
+        return {"address": self.address, "pid": os.getpid(), "metrics_port": self.metrics_port}
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -56,21 +58,35 @@ class TargetWorker:
         from services.target.server import TargetServicer
         from specserve.loading import load_model
         from specserve.serving import GrpcServer
+        from specserve.telemetry import (
+            TracingServerInterceptor,
+            attach_carrier,
+            setup_tracing,
+            start_metrics_server,
+            tracer,
+        )
         from specserve.v1 import target_pb2, target_pb2_grpc
         from specserve.verifier import TargetModel
 
         s = self.settings
-        torch.set_num_threads(s.torch_threads)
-        target = TargetModel(load_model(s.model))
-        servicer = TargetServicer(target, s.max_sessions)
-        server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host,
-                            s.port, s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv))
-        await server.start()
-        await asyncio.get_running_loop().run_in_executor(servicer.executor, _warm_up, target)
-        await server.set_serving()
+        setup_tracing("specserve-target")
+        attach_carrier(self._carrier)
+        with tracer().start_as_current_span("specserve.target.start") as span:
+            span.set_attribute("specserve.target", s.name)
+            torch.set_num_threads(s.torch_threads)
+            target = TargetModel(load_model(s.model))
+            servicer = TargetServicer(target, s.max_sessions)
+            server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host, s.port,
+                                s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv),
+                                interceptors=[TracingServerInterceptor()])
+            await server.start()
+            await asyncio.get_running_loop().run_in_executor(servicer.executor, _warm_up, target)
+            await server.set_serving()
+            self.metrics_port = start_metrics_server(servicer.metrics.registry, s.metrics_port, s.host)
         self.address = f"{s.host}:{server.port}"
         redis = aioredis.from_url(s.redis_url)
-        entry = json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name})
+        entry = json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name,
+                            "metrics_port": self.metrics_port})
         key = registry_key(s.key_prefix, s.name)
         await redis.set(key, entry, px=int(s.registry_ttl_s * 1000))
         log.info("target %s serving on %s (pid %d)", s.name, self.address, os.getpid())

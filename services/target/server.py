@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from specserve.errors import InvalidRequest
+from specserve.metrics import WorkerMetrics
 from specserve.prefix import CommittedPrefix
 from specserve.rejection import QProbs, Verdict
 from specserve.sampling import SamplingParams
@@ -30,8 +31,9 @@ class _Session:
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, target: TargetModel, max_sessions: int) -> None:
+    def __init__(self, target: TargetModel, max_sessions: int, metrics: WorkerMetrics | None = None) -> None:
         self.target = target
+        self.metrics = metrics or WorkerMetrics("target")
         self.sessions: SessionLRU[_Session] = SessionLRU(
             lambda: _Session(CommittedPrefix(), self.target.start()), max_sessions)
         # One model thread: plain and speculative sessions share the target in arrival order.
@@ -63,12 +65,16 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         before = sess.target.rollback_tokens
         verdict = await asyncio.get_running_loop().run_in_executor(
             self.executor, _verify, sess.target, ids, drafts, q, sampling, int(request.seed))
+        elapsed = time.perf_counter() - t0
+        rolled_back = sess.target.rollback_tokens - before
+        self.metrics.call_latency.labels("verify").observe(elapsed)
+        self.metrics.sessions.set(len(self.sessions))
+        self.metrics.rollback_tokens.inc(rolled_back)
         return target_pb2.VerifyResponse(
             tokens=verdict.tokens, num_accepted=verdict.num_accepted,
             rejected_position=-1 if verdict.rejected_position is None else verdict.rejected_position,
-            p_draft=verdict.p_draft, q_draft=verdict.q_draft,
-            verify_ms=(time.perf_counter() - t0) * 1e3,
-            rollback_tokens=sess.target.rollback_tokens - before)
+            p_draft=verdict.p_draft, q_draft=verdict.q_draft, verify_ms=elapsed * 1e3,
+            rollback_tokens=rolled_back)
 
     async def Prefill(self, request: target_pb2.PrefillRequest, context) -> target_pb2.PrefillResponse:
         sess, ids = self._reconcile(request)

@@ -242,5 +242,24 @@ def generate(
                f"accepted={st.accepted_tokens}/{st.draft_tokens} seed={st.seed}")
 
 
+@app.command("trace")
+def trace_cmd(
+    trace_file: Path = typer.Argument(..., help="Spans as JSON (an OtlpReceiver dump or a bench report)."),
+    session: str | None = typer.Option(None, help="Session id of the request (default: the latest one)."),
+    out: Path = typer.Option(Path("trace.png"), help="Where to write the waterfall PNG."),
+) -> None:
+    """Render one request's rounds as a waterfall PNG: draft, network, verify, commit."""
+    from specserve.waterfall import load_spans, pick_trace, render
+
+    if not trace_file.exists():
+        raise typer.BadParameter(f"{trace_file} does not exist")
+    try:
+        path = render(pick_trace(load_spans(trace_file), session), out)
+    except ValueError as err:
+        typer.echo(f"specserve trace: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(f"wrote {path}")
+
+
 if __name__ == "__main__":
     app()

@@ -15,6 +15,8 @@ class DraftSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port (written to port_file)
     port_file: str = ""  # where the bound port is written, for launchers
+    metrics_port: int = Field(9090, ge=-1)  # Prometheus; 0 = a free port, -1 = off
+    metrics_port_file: str = ""
     max_sessions: int = Field(256, ge=1)  # LRU of per-session KV caches
     torch_threads: int = Field(1, ge=1)
     ngram_min: int = Field(1, ge=1)
@@ -32,6 +34,7 @@ class TargetSettings(BaseSettings):
     namespace: str = "specserve"  # Ray namespace
     host: str = "127.0.0.1"  # address the actor's gRPC server binds and advertises
     port: int = 0
+    metrics_port: int = Field(9090, ge=-1)  # Prometheus; 0 = a free port, -1 = off
     heartbeat_s: float = Field(1.0, gt=0)
     registry_ttl_s: float = Field(3.0, gt=0)
     max_sessions: int = Field(256, ge=1)
@@ -49,6 +52,8 @@ class RouterSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 50051
     port_file: str = ""
+    metrics_port: int = Field(9090, ge=-1)  # Prometheus; 0 = a free port, -1 = off
+    metrics_port_file: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "specserve"
     tokenizer: str = "models/default/target"  # directory with tokenizer.json

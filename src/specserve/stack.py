@@ -35,6 +35,7 @@ class StackSpec:
     key_prefix: str = "specserve"
     target_threads: int = 2
     router_env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # for every service (e.g. OTEL_*, SPECSERVE_TRACING)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class StackInfo:
     pools: dict[str, list[str]] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)  # name -> pid, in start order
     target: dict = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)  # name -> host:port of /metrics
 
 
 class StackError(RuntimeError):
@@ -92,7 +94,7 @@ class Stack:
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
         log = self.run_dir / f"{name}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.spec.env, **env}
         with open(log, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", module], env=full_env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -130,6 +132,7 @@ class Stack:
             "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
             "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
             "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
+            "SPECSERVE_TARGET_METRICS_PORT": "0",
         })
         ports: list[tuple[str, str, subprocess.Popen, Path, Path]] = []
         for pool, ps in spec.pools.items():
@@ -140,17 +143,22 @@ class Stack:
                 model = ps.model if ps.model == "ngram" else str(pair / ps.model) if not Path(ps.model).is_absolute() else ps.model
                 p, lg = self._spawn(name, "services.draft", {
                     "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model,
-                    "SPECSERVE_DRAFT_PORT_FILE": str(port_file)})
+                    "SPECSERVE_DRAFT_PORT_FILE": str(port_file), "SPECSERVE_DRAFT_METRICS_PORT": "0",
+                    "SPECSERVE_DRAFT_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics")})
                 ports.append((pool, name, p, lg, port_file))
         for pool, name, p, lg, port_file in ports:
             port = _wait_file(port_file, p, name, timeout_s, lg)
             wait_serving(f"127.0.0.1:{port}", "specserve.v1.Draft", timeout_s)
             self.info.pools.setdefault(pool, []).append(f"127.0.0.1:{port}")
+            self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
+        self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"
         router_port = self.run_dir / "router.port"
         router_port.unlink(missing_ok=True)
         p, lg = self._spawn("router", "services.router", {
             "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
+            "SPECSERVE_ROUTER_METRICS_PORT": "0",
+            "SPECSERVE_ROUTER_METRICS_PORT_FILE": str(self.run_dir / "router.metrics"),
             "SPECSERVE_ROUTER_REDIS_URL": self.info.redis_url, "SPECSERVE_ROUTER_KEY_PREFIX": spec.key_prefix,
             "SPECSERVE_ROUTER_TOKENIZER": str(pair / "target"),
             "SPECSERVE_ROUTER_DRAFT_POOLS": json.dumps(self.info.pools),
@@ -158,6 +166,7 @@ class Stack:
         })
         self.info.router = f"127.0.0.1:{_wait_file(router_port, p, 'router', timeout_s, lg)}"
         wait_serving(self.info.router, "specserve.v1.Generation", timeout_s)
+        self.info.metrics["router"] = f"127.0.0.1:{(self.run_dir / 'router.metrics').read_text().strip()}"
         self._save()
 
     def down(self, grace_s: float = 15.0) -> None:

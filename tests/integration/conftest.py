@@ -51,9 +51,20 @@ def store(redis_client: aioredis.Redis) -> SessionStore:
 
 
 @pytest.fixture(scope="session")
-def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
+def otlp_receiver():
+    """A real OTLP/gRPC trace receiver the services export to."""
+    from specserve.otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver):
     """The whole system on loopback: its own redis-server, a Ray head owned by the target
-    launcher, pools `small` (2 model replicas) and `ngram` (1), and the router."""
+    launcher, pools `small` (2 model replicas) and `ngram` (1), and the router; every service
+    exports its spans to `otlp_receiver`."""
     from specserve.stack import PoolSpec, Stack, StackSpec
 
     run_dir = tmp_path_factory.mktemp("stack")
@@ -64,6 +75,8 @@ def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
         # tests kill workers on purpose: fail over fast, and wait long enough for Ray's restart
         router_env={"SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "2000", "SPECSERVE_ROUTER_TARGET_WAIT_S": "180",
                     "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "256"},
+        env={"SPECSERVE_TRACING": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
+             "OTEL_TRACES_SAMPLER": "always_on"},
     )
     s = Stack(spec)
     s.up(timeout_s=480)

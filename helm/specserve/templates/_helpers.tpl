@@ -1,0 +1,301 @@
+{{/* Names, labels, and the pieces every specserve pod shares. */}}
+
+{{- define "specserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "specserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains (include "specserve.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "specserve.name" .) | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "specserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specserve
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "router") */}}
+{{- define "specserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "specserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "specserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* image reference: (dict "ctx" $ "image" .Values.images.router) */}}
+{{- define "specserve.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{- define "specserve.svcHost" -}}
+{{- printf "%s.%s.svc.%s" .name .ctx.Release.Namespace .ctx.Values.clusterDomain -}}
+{{- end -}}
+
+{{- define "specserve.draftName" -}}
+{{- printf "%s-draft-%s" (include "specserve.fullname" .ctx) .pool.name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "specserve.rayClusterName" -}}
+{{- printf "%s-target" (include "specserve.fullname" .) -}}
+{{- end -}}
+
+{{- define "specserve.redisName" -}}
+{{- printf "%s-redis" (include "specserve.fullname" .) -}}
+{{- end -}}
+
+{{/* A setting's value as the string pydantic-settings parses: maps and lists as JSON,
+     whole numbers without an exponent (Helm reads YAML numbers as float64). */}}
+{{- define "specserve.settingValue" -}}
+{{- if or (kindIs "map" .) (kindIs "slice" .) -}}
+{{- toJson . -}}
+{{- else if and (kindIs "float64" .) (eq (. | int64 | float64) .) -}}
+{{- . | int64 -}}
+{{- else -}}
+{{- toString . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* env entries for a settings map: (dict "prefix" "SPECSERVE_ROUTER_" "settings" $map) */}}
+{{- define "specserve.settingsEnv" -}}
+{{- range $key := keys .settings | sortAlpha }}
+- name: {{ printf "%s%s" $.prefix (upper $key) }}
+  value: {{ include "specserve.settingValue" (get $.settings $key) | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Redis connection: REDIS_PASSWORD (when there is one) and the URL under `name`.
+     (dict "ctx" $ "name" "SPECSERVE_ROUTER_REDIS_URL") */}}
+{{- define "specserve.redisEnv" -}}
+{{- $v := .ctx.Values.redis -}}
+{{- if eq $v.mode "bundled" }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (include "specserve.redisName" .ctx) $v.bundled.existingSecret }}
+      key: password
+- name: {{ .name }}
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/%d" (include "specserve.svcHost" (dict "ctx" .ctx "name" (include "specserve.redisName" .ctx))) (int $v.bundled.port) (int $v.db) | quote }}
+{{- else }}
+{{- if $v.external.existingSecret }}
+{{- $parts := splitn "://" 2 $v.external.url }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.external.existingSecret }}
+      key: {{ $v.external.passwordKey }}
+- name: {{ .name }}
+  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s" $parts._0 $parts._1 | quote }}
+{{- else }}
+- name: {{ .name }}
+  value: {{ $v.external.url | quote }}
+{{- end }}
+{{- end }}
+{{- include "specserve.redisCaEnv" .ctx }}
+{{- end -}}
+
+{{/* rediss:// with a private CA: OpenSSL's default bundle becomes the mounted one. */}}
+{{- define "specserve.redisCaEnv" -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.caSecret }}
+- name: SSL_CERT_FILE
+  value: /etc/specserve/redis-ca/ca.crt
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.redisCaVolume" -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.redis.external.caSecret }}
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.redisCaMount" -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.caSecret }}
+- name: redis-ca
+  mountPath: /etc/specserve/redis-ca
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Downward API: who and where this pod is (POD_IP first: later values expand $(POD_IP)). */}}
+{{- define "specserve.podEnv" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- end -}}
+
+{{/* Tracing: SPECSERVE_TRACING and the standard OpenTelemetry variables. Each service names
+     itself (OTEL_SERVICE_NAME is left to the code); the target launcher hands these on to its
+     actor's runtime_env. (dict "ctx" $) */}}
+{{- define "specserve.otelEnv" -}}
+{{- $t := .ctx.Values.tracing -}}
+{{- if $t.enabled }}
+- name: SPECSERVE_TRACING
+  value: otlp
+- name: OTEL_TRACES_EXPORTER
+  value: otlp
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $t.otlpEndpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $t.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $t.samplerArg | toString | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.namespace.name=$(POD_NAMESPACE),k8s.pod.name=$(POD_NAME)"
+{{- end }}
+{{- end -}}
+
+{{/* Hugging Face cache and hub access for pods that load models. */}}
+{{- define "specserve.hfEnv" -}}
+- name: HF_HOME
+  value: /var/cache/huggingface
+- name: HF_HUB_OFFLINE
+  value: {{ ternary "1" "0" .Values.models.hubOffline | quote }}
+{{- if .Values.models.hfTokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.models.hfTokenSecret.name }}
+      key: {{ .Values.models.hfTokenSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.modelsVolume" -}}
+{{- if .Values.models.volume }}
+- name: models
+  {{- toYaml .Values.models.volume | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.modelsMount" -}}
+{{- if .Values.models.volume }}
+- name: models
+  mountPath: {{ .Values.models.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* gRPC probes on grpc.health.v1: startup and readiness ask for the service by name,
+     liveness for the server as a whole (""). (dict "ctx" $ "port" 50051 "service" "specserve.v1.Generation") */}}
+{{- define "specserve.grpcProbes" -}}
+{{- $p := .ctx.Values.probes -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+    service: {{ .service }}
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+  timeoutSeconds: {{ $p.startup.timeoutSeconds }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+    service: {{ .service }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+    service: ""
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  failureThreshold: {{ default $p.liveness.failureThreshold .livenessFailureThreshold }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+{{- end -}}
+
+{{/* preStop sleep, then SIGTERM starts the service's own drain (settings.grace_s). */}}
+{{- define "specserve.preStop" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .Values.preStopSleepSeconds | toString | quote }}]
+{{- end -}}
+
+{{/* terminationGracePeriodSeconds longer than preStop + drain: (dict "ctx" $ "grace" 10) */}}
+{{- define "specserve.terminationGrace" -}}
+{{- add (int .ctx.Values.preStopSleepSeconds) (int (ceil .grace)) (int .ctx.Values.terminationGraceMarginSeconds) -}}
+{{- end -}}
+
+{{/* Soft anti-affinity over nodes unless the user gave an affinity.
+     (dict "ctx" $ "affinity" {...} "labels" "<selector labels yaml>") */}}
+{{- define "specserve.affinity" -}}
+{{- if .affinity }}
+affinity:
+  {{- toYaml .affinity | nindent 2 }}
+{{- else }}
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- .labels | nindent 14 }}
+{{- end }}
+{{- end -}}
+
+{{/* Draft pools with the chart-level defaults applied; fails on duplicate names. Returns
+     YAML: {pools: [...]} (use fromYaml). */}}
+{{- define "specserve.draftPools" -}}
+{{- $seen := dict -}}
+{{- $out := list -}}
+{{- range $p := .Values.draft.pools -}}
+{{- if hasKey $seen $p.name -}}
+{{- fail (printf "draft.pools: pool name %q is used twice" $p.name) -}}
+{{- end -}}
+{{- $_ := set $seen $p.name true -}}
+{{- $pool := deepCopy $p -}}
+{{- $_ := set $pool "settings" (mergeOverwrite (deepCopy ($.Values.draft.settings | default dict)) ($p.settings | default dict)) -}}
+{{- $gpu := int ($p.gpu | default 0) -}}
+{{- $_ := set $pool "gpu" $gpu -}}
+{{- if not (hasKey $p "nodeSelector") -}}
+{{- $_ := set $pool "nodeSelector" (ternary $.Values.draft.gpuNodeSelector (dict) (gt $gpu 0)) -}}
+{{- end -}}
+{{- if not (hasKey $p "tolerations") -}}
+{{- $_ := set $pool "tolerations" (ternary $.Values.draft.gpuTolerations (list) (gt $gpu 0)) -}}
+{{- end -}}
+{{- if not (hasKey $p "pdb") -}}
+{{- $_ := set $pool "pdb" $.Values.draft.pdb -}}
+{{- end -}}
+{{- $out = append $out $pool -}}
+{{- end -}}
+{{- if not (hasKey $seen .Values.router.defaultPool) -}}
+{{- fail (printf "router.defaultPool %q is not one of draft.pools (%s)" .Values.router.defaultPool (keys $seen | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- toYaml (dict "pools" $out) -}}
+{{- end -}}
+
+{{/* SPECSERVE_ROUTER_DRAFT_POOLS: pool -> [its headless Service's DNS name:port] */}}
+{{- define "specserve.draftPoolsJson" -}}
+{{- $m := dict -}}
+{{- range $p := (include "specserve.draftPools" . | fromYaml).pools -}}
+{{- $host := include "specserve.svcHost" (dict "ctx" $ "name" (include "specserve.draftName" (dict "ctx" $ "pool" $p))) -}}
+{{- $_ := set $m $p.name (list (printf "%s:%d" $host (int $.Values.draft.port))) -}}
+{{- end -}}
+{{- toJson $m -}}
+{{- end -}}

@@ -1,0 +1,61 @@
+"""Prometheus metrics (DESIGN §6), names prefixed `specserve_`, labelled by workload class
+and draft pool. Each service owns a registry (no global state); the Grafana dashboard in
+deploy/grafana/ queries exactly these names (a test parses it)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LABELS = ("workload_class", "draft_pool")
+_MS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.acceptance_length = Histogram(
+            "specserve_acceptance_length", "Draft tokens accepted per speculative round.", LABELS,
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=r)
+        self.proposed = Counter("specserve_proposed_tokens", "Draft tokens proposed, by position in the block.",
+                                (*LABELS, "position"), registry=r)
+        self.accepted = Counter("specserve_accepted_tokens", "Draft tokens accepted, by position in the block.",
+                                (*LABELS, "position"), registry=r)
+        self.target_passes = Counter("specserve_target_passes", "Target forward passes (rounds).", LABELS, registry=r)
+        self.output_tokens = Counter("specserve_output_tokens", "Committed output tokens.", LABELS, registry=r)
+        self.passes_per_token = Histogram(
+            "specserve_target_passes_per_token", "Target passes per output token, per request.", LABELS,
+            buckets=(0.1, 0.15, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 1.0), registry=r)
+        self.tpot = Histogram("specserve_tpot_seconds", "Time per output token after the first, per request.",
+                              LABELS, buckets=_MS, registry=r)
+        self.ttft = Histogram("specserve_ttft_seconds", "Time to the first committed token.", LABELS,
+                              buckets=_MS, registry=r)
+        self.draft_latency = Histogram("specserve_draft_latency_seconds", "Propose call latency seen by the router.",
+                                       LABELS, buckets=_MS, registry=r)
+        self.verify_latency = Histogram("specserve_verify_latency_seconds", "Verify call latency seen by the router.",
+                                        LABELS, buckets=_MS, registry=r)
+        self.round_overhead = Histogram(
+            "specserve_round_overhead_seconds", "Round time outside draft and target compute (network, Redis).",
+            LABELS, buckets=_MS, registry=r)
+        self.rollback_tokens = Counter("specserve_rollback_tokens", "Rejected draft positions rolled back.",
+                                       LABELS, registry=r)
+        self.rejected_kv_bytes = Counter("specserve_rejected_kv_bytes", "Target KV bytes computed for rejected drafts.",
+                                         LABELS, registry=r)
+        self.fallbacks = Counter("specserve_fallbacks", "Rounds run without a draft, by reason.", (*LABELS, "reason"),
+                                 registry=r)
+        self.sessions_active = Gauge("specserve_sessions_active", "Sessions this router is driving.", LABELS,
+                                     registry=r)
+        self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
+                                registry=r)
+
+
+class WorkerMetrics:
+    """Draft and target workers: call latency, cached sessions, rolled-back positions."""
+
+    def __init__(self, service: str, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.call_latency = Histogram(f"specserve_{service}_call_seconds", f"{service} worker compute per call.",
+                                      ("method",), buckets=_MS, registry=r)
+        self.sessions = Gauge(f"specserve_{service}_sessions", f"Sessions cached by the {service} worker.",
+                              registry=r)
+        self.rollback_tokens = Counter(f"specserve_{service}_rollback_tokens",
+                                       f"Provisional positions the {service} worker dropped.", registry=r)
