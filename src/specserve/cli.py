@@ -39,10 +39,11 @@ def demo(
     preset: str = typer.Option("default", help="Which built pair to use."),
     max_tokens: int = typer.Option(48, help="Tokens per request."),
     k: int = typer.Option(4, "--k", help="Draft tokens per round (K)."),
+    prompts_per_class: int = typer.Option(3, help="Held-out prompts per workload class."),
     router: str | None = typer.Option(None, help="Router host:port (default: the local stack)."),
     run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
-    """Through the router: one held-out prompt per workload class, speculation off (plain
+    """Through the router: held-out prompts of each workload class, speculation off (plain
     decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`)."""
     import time
 
@@ -57,7 +58,8 @@ def demo(
     prompts = load_eval_prompts(pair_path)
     console = Console()
     address = _router_address(router, run_dir)
-    table = Table(title=f"specserve through the router at {address}: greedy, K={k}, {max_tokens} tokens")
+    table = Table(title=f"specserve through the router at {address}: greedy, K={k}, {max_tokens} tokens, "
+                        f"{prompts_per_class} held-out prompts per class")
     for col in ("class", "speculation", "ms/token", "speedup", "accepted/drafted", "same tokens as off"):
         table.add_column(col)
     with grpc.insecure_channel(address) as channel:
@@ -68,22 +70,26 @@ def demo(
                                                  draft_pool=pool, num_draft_tokens=k)
             t = time.perf_counter()
             resp = stub.Generate(req, timeout=600)
-            return resp, (time.perf_counter() - t) * 1e3 / max(len(resp.token_ids), 1)
+            return resp, time.perf_counter() - t
 
+        call(prompts[0]["prompt"], prompts[0]["workload_class"], "small")  # warm caches and channels
         for cls in ("code", "chat", "extraction"):
-            prompt = next(p["prompt"] for p in prompts if p["workload_class"] == cls)
-            call(prompt, cls, "small")  # warm the caches and channels
-            results = {name: call(prompt, cls, pool) for name, pool in
-                       (("off", "none"), ("on: small", "small"), ("on: ngram", "ngram"))}
-            plain, base_ms = results["off"]
+            chosen = [p["prompt"] for p in prompts if p["workload_class"] == cls][:prompts_per_class]
+            runs = {name: [call(p, cls, pool) for p in chosen]
+                    for name, pool in (("off", "none"), ("on: small", "small"), ("on: ngram", "ngram"))}
+            plain = runs["off"]
+            shown = max(range(len(chosen)), key=lambda i: len(set(plain[i][0].token_ids)))
             console.rule(f"[bold]{cls}[/bold]")
-            console.print(f"[dim]prompt:[/dim] {prompt[-160:]!r}")
-            console.print(f"[dim]output:[/dim] {plain.text!r}")
-            for name, (resp, ms) in results.items():
-                st = resp.stats
-                table.add_row(cls, name, f"{ms:.1f}", f"{base_ms / ms:.2f}x",
-                              f"{st.accepted_tokens}/{st.draft_tokens}" if st.draft_tokens else "-",
-                              str(list(resp.token_ids) == list(plain.token_ids)))
+            console.print(f"[dim]prompt:[/dim] {chosen[shown][-160:]!r}")
+            console.print(f"[dim]output:[/dim] {plain[shown][0].text!r}")
+            base = sum(s for _, s in plain) / max(sum(len(r.token_ids) for r, _ in plain), 1)
+            for name, results in runs.items():
+                per_token = sum(s for _, s in results) / max(sum(len(r.token_ids) for r, _ in results), 1)
+                acc, drafted = (sum(r.stats.accepted_tokens for r, _ in results),
+                                sum(r.stats.draft_tokens for r, _ in results))
+                same = all(list(r.token_ids) == list(p.token_ids) for (r, _), (p, _) in zip(results, plain, strict=True))
+                table.add_row(cls, name, f"{per_token * 1e3:.1f}", f"{base / per_token:.2f}x",
+                              f"{acc}/{drafted}" if drafted else "-", str(same))
     console.print(table)
 
 

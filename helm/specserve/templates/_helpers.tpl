@@ -30,6 +30,14 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* Indent a helper's output by `indent`, or emit nothing when it is empty.
+     (dict "indent" 12 "text" (include "specserve.modelsMount" .)) */}}
+{{- define "specserve.block" -}}
+{{- with (.text | trim) -}}
+{{- . | nindent $.indent -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "specserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "specserve.fullname" .) .Values.serviceAccount.name -}}

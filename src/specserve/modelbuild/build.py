@@ -23,9 +23,14 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specserve.modelbuild.corpus import CLASSES, build_corpus
 from specserve.modelbuild.tokenizer import train_tokenizer
-from specserve.modelbuild.train import WindowSampler, distill_draft, train_target
+from specserve.modelbuild.train import (
+    WindowSampler,
+    bf16_autocast_supported,
+    distill_draft,
+    train_target,
+)
 
-BUILD_VERSION = 1  # bump when the training recipe changes so cached pairs are rebuilt
+BUILD_VERSION = 2  # bump when the training recipe changes so cached pairs are rebuilt
 PROMPTS_VERSION = 2  # bump when held-out prompt selection changes (no retraining needed)
 
 
@@ -58,7 +63,10 @@ class PairConfig:
     seed: int = 0
 
     def digest(self) -> str:
-        blob = json.dumps({"v": BUILD_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        # bf16 autocast is part of the recipe where the CPU supports it: another machine type
+        # builds (and caches) its own pair rather than reusing one trained differently.
+        blob = json.dumps({"v": BUILD_VERSION, "bf16": bf16_autocast_supported(), **dataclasses.asdict(self)},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -123,16 +131,18 @@ def build_pair(cfg: PairConfig, root: Path, force: bool = False, log=print) -> P
     }
     log("tokens: " + ", ".join(f"{c} {len(s) / 1e3:.0f}k" for c, s in streams.items()))
     weights = dict(cfg.weights)
+    bf16 = bf16_autocast_supported()
+    log(f"training with {'bf16 autocast' if bf16 else 'fp32'} on {torch.get_num_threads()} threads")
     target = LlamaForCausalLM(llama_config(cfg.target, cfg, eos, pad))
     draft = LlamaForCausalLM(llama_config(cfg.draft, cfg, eos, pad))
     with _progress() as bar:
         task = bar.add_task("target", total=cfg.target_steps)
         loss_t = train_target(target, WindowSampler(streams, weights, cfg.seq_len, cfg.batch, cfg.seed),
-                              cfg.target_steps, cfg.target_lr, _reporter(bar, task, "target", log))
+                              cfg.target_steps, cfg.target_lr, _reporter(bar, task, "target", log), bf16)
         task = bar.add_task("draft (distil)", total=cfg.draft_steps)
         loss_d = distill_draft(draft, target,
                                WindowSampler(streams, weights, cfg.seq_len, cfg.batch, cfg.seed + 1),
-                               cfg.draft_steps, cfg.draft_lr, _reporter(bar, task, "draft", log))
+                               cfg.draft_steps, cfg.draft_lr, _reporter(bar, task, "draft", log), bf16)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     gen = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=eos)
@@ -143,7 +153,7 @@ def build_pair(cfg: PairConfig, root: Path, force: bool = False, log=print) -> P
     _write_prompts(tmp, corpus.heldout, tokenizer, cfg)
     (tmp / "build.json").write_text(json.dumps({
         "config": dataclasses.asdict(cfg), "digest": cfg.digest(), "corpus": corpus.fingerprint(),
-        "target_loss": loss_t, "draft_kl": loss_d, "seconds": round(time.time() - started, 1),
+        "target_loss": loss_t, "draft_kl": loss_d, "seconds": round(time.time() - started, 1), "bf16_autocast": bf16,
         "target_params": sum(p.numel() for p in target.parameters()),
         "draft_params": sum(p.numel() for p in draft.parameters()),
     }, indent=1))

@@ -13,6 +13,19 @@ import torch.nn.functional as F
 Progress = Callable[[int, float], None]  # (step, loss)
 
 
+def bf16_autocast_supported() -> bool:
+    """CPUs with native bf16 (AVX512-BF16 / AMX) train ~1.6x faster under bf16 autocast;
+    elsewhere bf16 is emulated and slower, so the recipe stays fp32 there."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _autocast(enabled: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
 class WindowSampler:
     """Random windows of `seq_len` tokens from per-class token streams, mixed by weight."""
 
@@ -43,7 +56,7 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def train_target(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr: float,
-                 on_step: Progress) -> float:
+                 on_step: Progress, bf16: bool = False) -> float:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     loss_val = float("nan")
@@ -51,8 +64,9 @@ def train_target(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr:
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, max(steps // 20, 1))
         batch = sampler.next()
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        with _autocast(bf16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -64,7 +78,7 @@ def train_target(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr:
 
 
 def distill_draft(draft: torch.nn.Module, target: torch.nn.Module, sampler: WindowSampler,
-                  steps: int, lr: float, on_step: Progress) -> float:
+                  steps: int, lr: float, on_step: Progress, bf16: bool = False) -> float:
     """Align the draft to the target: minimise KL(p_target || q_draft) per position."""
     draft.train()
     target.eval()
@@ -74,9 +88,12 @@ def distill_draft(draft: torch.nn.Module, target: torch.nn.Module, sampler: Wind
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, max(steps // 20, 1))
         inp = sampler.next()[:, :-1]
-        with torch.no_grad():
-            log_p = F.log_softmax(target(input_ids=inp).logits.float(), dim=-1)
-        log_q = F.log_softmax(draft(input_ids=inp).logits.float(), dim=-1)
+        with torch.no_grad(), _autocast(bf16):
+            target_logits = target(input_ids=inp).logits
+        log_p = F.log_softmax(target_logits.float(), dim=-1)
+        with _autocast(bf16):
+            draft_logits = draft(input_ids=inp).logits
+        log_q = F.log_softmax(draft_logits.float(), dim=-1)
         loss = F.kl_div(log_q.reshape(-1, log_q.shape[-1]), log_p.reshape(-1, log_p.shape[-1]),
                         log_target=True, reduction="batchmean")
         opt.zero_grad(set_to_none=True)

@@ -1,0 +1,117 @@
+"""values.schema.json refuses bad values at `helm install` time, the chart's own checks refuse
+inconsistent pools, and every `settings:` map in the schema is the services' settings class:
+same fields (minus those the chart wires itself), same types and bounds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from rendered import CHART, run_helm, template_args
+
+from specserve.config import DraftSettings, RouterSettings, TargetSettings
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+# Fields the chart sets from structured values (ports, hosts, Redis URL, pools, models...).
+CHART_WIRED = {
+    "router": {"host", "port", "port_file", "metrics_port", "metrics_port_file", "redis_url",
+               "key_prefix", "tokenizer", "draft_pools", "default_pool"},
+    "draft": {"pool", "model", "host", "port", "port_file", "metrics_port", "metrics_port_file"},
+    "target": {"model", "redis_url", "key_prefix", "name", "host", "port", "metrics_port",
+               "num_gpus"},
+}
+CLASSES = {"router": RouterSettings, "draft": DraftSettings, "target": TargetSettings}
+CONSTRAINTS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+               "additionalProperties", "items")
+
+
+def rejected(helm, tmp_path: Path, values: dict | None = None, sets: tuple[str, ...] = ()) -> str:
+    files = []
+    if values is not None:
+        files.append(tmp_path / "values.yaml")
+        files[0].write_text(yaml.safe_dump(values))
+    proc = run_helm(helm, *template_args(*files, sets=sets))
+    assert proc.returncode != 0, "helm template accepted bad values"
+    return proc.stderr
+
+
+def default_values() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+@pytest.mark.parametrize("sets, message", [
+    (("router.replicas=-1",), "router.replicas: Must be greater than or equal to 1"),
+    (("router.port=70000",), "router.port"),
+    (("router.settings.default_k=33",), "router.settings.default_k"),
+    (("router.settings.port=1",), "Additional property port is not allowed"),
+    (("router.settings.bogus=1",), "Additional property bogus is not allowed"),
+    (("redis.mode=sentinel",), "redis.mode"),
+    (("redis.mode=external",), "url"),
+    (("redis.mode=external", "redis.external.url=http://redis:6379"), "redis.external.url"),
+    (("target.settings.max_restarts=-2",), "target.settings.max_restarts"),
+    (("tracing.samplerArg=1.5",), "tracing.samplerArg"),
+    (("podSecurityContext.runAsNonRoot=false",), "podSecurityContext.runAsNonRoot"),
+    (("draft.pools=null",), "draft: pools is required"),
+])
+def test_schema_rejects(helm, tmp_path, sets, message):
+    assert message in rejected(helm, tmp_path, sets=sets)
+
+
+def test_pool_without_a_name_is_rejected(helm, tmp_path):
+    values = default_values()
+    del values["draft"]["pools"][1]["name"]
+    assert "draft.pools.1: name is required" in rejected(helm, tmp_path, values)
+
+
+def test_pool_name_must_be_a_dns_label(helm, tmp_path):
+    values = default_values()
+    values["draft"]["pools"][0]["name"] = "Small_Pool"
+    assert "draft.pools.0.name" in rejected(helm, tmp_path, values)
+
+
+def test_duplicate_pools_are_rejected(helm, tmp_path):
+    values = default_values()
+    values["draft"]["pools"][1]["name"] = "small"
+    assert 'pool name "small" is used twice' in rejected(helm, tmp_path, values)
+
+
+def test_default_pool_must_exist(helm, tmp_path):
+    err = rejected(helm, tmp_path, sets=("router.defaultPool=medium",))
+    assert 'router.defaultPool "medium" is not one of draft.pools (ngram, small)' in err
+
+
+def test_good_overrides_render(render):
+    manifests = render(sets=("router.autoscaling.enabled=false", "router.replicas=3",
+                             "networkPolicy.enabled=false", "redis.bundled.persistence.enabled=true"))
+    router = next(m for m in manifests if m["metadata"]["name"] == "spec-specserve-router"
+                  and m["kind"] == "Deployment")
+    assert router["spec"]["replicas"] == 3
+    assert not [m for m in manifests if m["kind"] in ("HorizontalPodAutoscaler", "NetworkPolicy")]
+    (sts,) = [m for m in manifests if m["kind"] == "StatefulSet"]
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+@pytest.mark.parametrize("service", ["router", "draft", "target"])
+def test_settings_schema_mirrors_the_settings_class(service):
+    cls = CLASSES[service]
+    section = SCHEMA["properties"][service]["properties"]["settings"]
+    assert section["additionalProperties"] is False
+    fields = set(cls.model_fields)
+    assert CHART_WIRED[service] <= fields, "the chart wires a field the service no longer has"
+    assert set(section["properties"]) == fields - CHART_WIRED[service], \
+        f"{cls.__name__} and values.schema.json {service}.settings disagree"
+    pydantic = cls.model_json_schema()["properties"]
+    for name, prop in section["properties"].items():
+        expected = {k: v for k, v in pydantic[name].items() if k in CONSTRAINTS}
+        actual = {k: v for k, v in prop.items() if k in CONSTRAINTS}
+        assert actual == expected, f"{service}.settings.{name}"
+
+
+def test_default_values_use_known_settings_only():
+    values = default_values()
+    for service in CLASSES:
+        assert set(values[service]["settings"]) <= set(CLASSES[service].model_fields)
+    for pool in values["draft"]["pools"]:
+        assert set(pool.get("settings", {})) <= set(DraftSettings.model_fields)
