@@ -52,7 +52,8 @@ def render(trace: list[dict], out: Path) -> Path:
         raise ValueError("the trace has no specserve.round spans")
     t0 = min(s["start_ns"] for s in trace)
     ms = lambda ns: (ns - t0) / 1e6  # noqa: E731
-    fig, ax = plt.subplots(figsize=(11, 0.35 * len(rounds) + 1.5))
+    step = max(ms(max(s["end_ns"] for s in trace)), 1.0) * 0.008  # marker spacing: scales with the trace
+    fig, ax = plt.subplots(figsize=(12, 0.35 * len(rounds) + 1.8))
     for i, r in enumerate(rounds):
         y = len(rounds) - i
         for name, color in _COLORS.items():
@@ -65,10 +66,10 @@ def render(trace: list[dict], out: Path) -> Path:
                 ax.barh(y, ms(srv["end_ns"]) - ms(srv["start_ns"]), left=ms(srv["start_ns"]), color=color, height=0.6)
         a = r["round"]["attributes"]
         k, acc = int(a.get("specserve.k", 0)), int(a.get("specserve.num_accepted", 0))
-        x = ms(r["round"]["end_ns"]) + 0.3
+        x = ms(r["round"]["end_ns"]) + step
         for j in range(k):
-            ax.plot(x + j * 0.35, y, "s", color="#2ca02c" if j < acc else "#d62728", ms=5)
-        ax.plot(x + k * 0.35, y, "o", color="#1f77b4", ms=5)
+            ax.plot(x + j * step, y, "s", color="#2ca02c" if j < acc else "#d62728", ms=5)
+        ax.plot(x + k * step, y, "o", color="#1f77b4", ms=5)
     ax.set_yticks(range(1, len(rounds) + 1), [f"round {len(rounds) - i}" for i in range(len(rounds))], fontsize=7)
     ax.set_xlabel("ms since the request started")
     g = next((s for s in trace if s["name"] == "specserve.generate"), None)
@@ -82,7 +83,8 @@ def render(trace: list[dict], out: Path) -> Path:
                          plt.Line2D([], [], marker="s", ls="", color="#d62728"),
                          plt.Line2D([], [], marker="o", ls="", color="#1f77b4")],
               ["draft (dark: worker compute)", "verify (dark: worker compute)", "commit (Redis)",
-               "accepted", "rejected", "recovered / bonus"], fontsize=7, loc="lower right")
+               "accepted", "rejected", "recovered / bonus"], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the axes: never covers a round
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     return Path(out)

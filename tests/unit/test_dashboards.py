@@ -173,10 +173,13 @@ def test_collector_pipelines():
     yaml = pytest.importorskip("yaml", reason="pyyaml is not installed in this environment")
     cfg = yaml.safe_load(COLLECTOR.read_text())
     pipes = cfg["service"]["pipelines"]
-    kind = lambda name: name.split("/")[0]  # noqa: E731 - "otlp/tempo" is an otlp exporter
-    assert "otlp" in map(kind, pipes["traces"]["receivers"])
-    assert "otlp" in map(kind, pipes["traces"]["exporters"])
-    assert "prometheus" in map(kind, pipes["metrics"]["exporters"])
+
+    def kinds(names: list[str]) -> list[str]:
+        return [n.split("/")[0] for n in names]  # "otlp/tempo" is an otlp exporter
+
+    assert "otlp" in kinds(pipes["traces"]["receivers"])
+    assert "otlp" in kinds(pipes["traces"]["exporters"])
+    assert "prometheus" in kinds(pipes["metrics"]["exporters"])
     assert cfg["exporters"]["prometheus"]["endpoint"].endswith(":8889")
     grpc = cfg["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     assert grpc.endswith(":4317")
