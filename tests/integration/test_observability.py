@@ -21,19 +21,26 @@ def stub(stack):
     channel.close()
 
 
-def _trace_of(receiver, session_id: str, services: int = 3, timeout_s: float = 20.0) -> list[dict]:
-    """Spans of the request's trace, once all processes have flushed theirs."""
+def _complete(trace: list[dict], services: int) -> bool:
+    """All processes have flushed: every gRPC client span has its server span."""
+    if len({s["service"] for s in trace}) < services:
+        return False
+    clients = [s["span_id"] for s in trace if s["name"] in ("specserve.draft.propose", "specserve.target.verify")]
+    servers = {s["parent_span_id"] for s in trace if s["kind"] == "SERVER"}
+    return all(c in servers for c in clients)
+
+
+def _trace_of(receiver, session_id: str, services: int = 3, timeout_s: float = 30.0) -> list[dict]:
+    """Spans of the request's trace, once every process has exported its share (each one
+    batches spans for up to 0.5 s, so they arrive at different times)."""
     deadline = time.monotonic() + timeout_s
     while True:
         spans = receiver.snapshot()
         gen = [s for s in spans if s["name"] == "specserve.generate"
                and s["attributes"].get("specserve.session_id") == session_id]
-        if gen:
-            trace = [s for s in spans if s["trace_id"] == gen[0]["trace_id"]]
-            if len({s["service"] for s in trace}) >= services or time.monotonic() > deadline:
-                return trace
-        elif time.monotonic() > deadline:
-            return []
+        trace = [s for s in spans if gen and s["trace_id"] == gen[0]["trace_id"]]
+        if (trace and _complete(trace, services)) or time.monotonic() > deadline:
+            return trace
         time.sleep(0.3)
 
 
