@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ratio", type=float, default=1.0,
+                    help="trace sampling ratio (1 = always_on; else parentbased_traceidratio)")
     args = ap.parse_args()
     pair = Path(args.models)
     pair = (pair / "default" if not (pair / "target").exists() else pair).resolve()
@@ -66,18 +68,23 @@ def main() -> None:
     off = run_stack(pair, prompts, {"SPECSERVE_TRACING": "off"}, args)
     receiver = OtlpReceiver().start()
     try:
+        sampler = {"OTEL_TRACES_SAMPLER": "always_on"} if args.ratio >= 1 else {
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": str(args.ratio)}
         on = run_stack(pair, prompts, {"SPECSERVE_TRACING": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-                                       "OTEL_TRACES_SAMPLER": "always_on"}, args)
+                                       **sampler}, args)
         time.sleep(1.5)
-        receiver.dump(out / "tracing_spans.json")
+        if args.ratio >= 1:
+            receiver.dump(out / "tracing_spans.json")
         n_spans = len(receiver.snapshot())
     finally:
         receiver.stop()
     overhead = (on - off) / off * 100
     result = {"ms_per_token_off": off, "ms_per_token_on": on, "overhead_percent": overhead, "spans": n_spans,
               "args": vars(args), "pair": str(pair)}
-    (out / "tracing.json").write_text(json.dumps(result, indent=1))
-    print(f"tracing off {off:.2f} ms/token, on (always_on, OTLP) {on:.2f} ms/token: overhead {overhead:+.1f} % "
+    suffix = "" if args.ratio >= 1 else f"_ratio{args.ratio:g}"
+    (out / f"tracing{suffix}.json").write_text(json.dumps(result, indent=1))
+    print(f"tracing off {off:.2f} ms/token, on (OTLP, sampling ratio {args.ratio:g}) {on:.2f} ms/token: "
+          f"overhead {overhead:+.1f} % "
           f"({n_spans} spans exported)")
     print(f"wrote {out / 'tracing.json'} and {out / 'tracing_spans.json'}", file=sys.stderr)
 
