@@ -86,7 +86,8 @@ def main() -> None:
     print(f"tracing off {off:.2f} ms/token, on (OTLP, sampling ratio {args.ratio:g}) {on:.2f} ms/token: "
           f"overhead {overhead:+.1f} % "
           f"({n_spans} spans exported)")
-    print(f"wrote {out / 'tracing.json'} and {out / 'tracing_spans.json'}", file=sys.stderr)
+    print(f"wrote {out / f'tracing{suffix}.json'}" + ("" if suffix else f" and {out / 'tracing_spans.json'}"),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":
