@@ -55,8 +55,8 @@ bench: setup models
 	$(PY) bench/bench_tracing.py --models $(MODELS_DIR) --out bench/results
 
 lint: setup
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/mypy src/specserve
+	$(VENV)/bin/ruff check src services tests bench
+	$(VENV)/bin/mypy src/specserve services
 
 # The whole system on loopback: Redis, Ray + target, draft pools, router; then a demo client.
 run: setup models
