@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 from services.draft.server import DraftServicer
 from specserve.config import DraftSettings
 from specserve.serving import GrpcServer
 from specserve.telemetry import (
     TracingServerInterceptor,
+    publish_ports,
     setup_tracing,
     shutdown_tracing,
-    start_metrics_server,
 )
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 
@@ -51,11 +50,8 @@ async def main(settings: DraftSettings) -> None:
         settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
         interceptors=[TracingServerInterceptor()])
     await server.start()
-    if settings.port_file:
-        Path(settings.port_file).write_text(str(server.port))
-    metrics_port = start_metrics_server(servicer.metrics.registry, settings.metrics_port, settings.host)
-    if settings.metrics_port_file:
-        Path(settings.metrics_port_file).write_text(str(metrics_port))
+    publish_ports(server.port, settings.port_file, servicer.metrics.registry, settings.metrics_port,
+                  settings.metrics_port_file, settings.host)
     warm_up(servicer.drafter)
     await server.set_serving()
     log.info("draft pool %s (%s) serving on %s:%d", settings.pool, settings.model, settings.host, server.port)

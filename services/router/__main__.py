@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 
 import redis.asyncio as aioredis
 
@@ -20,9 +19,9 @@ from specserve.serving import GrpcServer
 from specserve.store import SessionStore
 from specserve.telemetry import (
     TracingServerInterceptor,
+    publish_ports,
     setup_tracing,
     shutdown_tracing,
-    start_metrics_server,
 )
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -48,11 +47,8 @@ async def main(settings: RouterSettings) -> None:
                         lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
                         interceptors=[TracingServerInterceptor()])
     await server.start()
-    if settings.port_file:
-        Path(settings.port_file).write_text(str(server.port))
-    metrics_port = start_metrics_server(metrics.registry, settings.metrics_port, settings.host)
-    if settings.metrics_port_file:
-        Path(settings.metrics_port_file).write_text(str(metrics_port))
+    publish_ports(server.port, settings.port_file, metrics.registry, settings.metrics_port,
+                  settings.metrics_port_file, settings.host)
     await redis.ping()
     await targets.refresh()
 

@@ -113,6 +113,7 @@ class TargetDirectory:
         self.redis = redis
         self.pattern = f"{prefix}:target:*"
         self.addresses: list[str] = []
+        self.ring = HashRing([])  # rebuilt only when the registry changes, not per Verify
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict[str, target_pb2_grpc.TargetStub] = {}
 
@@ -122,7 +123,7 @@ class TargetDirectory:
             raw = await self.redis.get(key)
             if raw:
                 found.append(json.loads(raw)["address"])
-        self.addresses = sorted(set(found))
+        self._set(sorted(set(found)))
         for a in self.addresses:
             if a not in self.stubs:
                 ch = grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS)
@@ -137,7 +138,7 @@ class TargetDirectory:
             if not self.addresses:
                 await self.refresh()
             if self.addresses:
-                addr = HashRing(self.addresses).order(session_id)[0]
+                addr = self.ring.order(session_id)[0]
                 return addr, self.stubs[addr]
             if asyncio.get_running_loop().time() >= deadline:
                 return None
@@ -152,7 +153,12 @@ class TargetDirectory:
 
     def forget(self, address: str) -> None:
         """A call to `address` failed: rediscover before the next pick."""
-        self.addresses = [a for a in self.addresses if a != address]
+        self._set([a for a in self.addresses if a != address])
+
+    def _set(self, addresses: list[str]) -> None:
+        if addresses != self.addresses:
+            self.addresses = addresses
+            self.ring = HashRing(addresses)
 
     async def close(self) -> None:
         await asyncio.gather(*(ch.close() for ch in self.channels.values()))

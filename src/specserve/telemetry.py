@@ -139,3 +139,16 @@ def start_metrics_server(registry, port: int, host: str = "127.0.0.1") -> int:
 
     server, _ = start_http_server(port, addr=host, registry=registry)
     return int(server.server_port)
+
+
+def publish_ports(grpc_port: int, port_file: str, registry, metrics_port: int, metrics_port_file: str,
+                  host: str) -> int:
+    """Start the metrics endpoint and write the bound ports where a launcher looks for them."""
+    from pathlib import Path
+
+    if port_file:
+        Path(port_file).write_text(str(grpc_port))
+    bound = start_metrics_server(registry, metrics_port, host)
+    if metrics_port_file:
+        Path(metrics_port_file).write_text(str(bound))
+    return bound

@@ -22,7 +22,9 @@ class TargetModel:
         self.model = model.eval()
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        if eos is None:  # not `or`: EOS is often token id 0
+            eos = model.config.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(
             [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         )

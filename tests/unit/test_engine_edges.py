@@ -137,3 +137,13 @@ def test_empty_and_overlong_prompts_are_refused(tiny_pair, target_model):
         GenerationParams(max_tokens=0)
     with pytest.raises(InvalidRequest, match="K"):
         GenerationParams(num_draft_tokens=-1)
+
+
+def test_eos_token_id_zero_is_kept():
+    """EOS is often token id 0: reading it with `or` would fall through to the model config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, eos_token_id=5))
+    model.generation_config.eos_token_id = 0
+    assert TargetModel(model).eos_token_ids == frozenset([0])
