@@ -9,12 +9,16 @@ import logging
 
 import redis.asyncio as aioredis
 
+from services.router.admin import PolicyAdminServicer
 from services.router.pools import DraftPool, TargetDirectory
-from services.router.requests import ModelInfo
+from services.router.requests import Classifier, ModelInfo, Rule
 from services.router.rounds import RoundLoop
 from services.router.service import GenerationServicer
 from specserve.config import RouterSettings
+from specserve.controller import Controller, ShadowLog
+from specserve.errors import InvalidRequest
 from specserve.metrics import RouterMetrics
+from specserve.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
 from specserve.serving import GrpcServer
 from specserve.store import SessionStore
 from specserve.telemetry import (
@@ -23,33 +27,88 @@ from specserve.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
-from specserve.v1 import generation_pb2, generation_pb2_grpc
+from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 log = logging.getLogger("specserve.router")
 
 HEALTH_INTERVAL_S = 2.0
 
 
+def builtin_policy(settings: RouterSettings) -> Policy:
+    """`default` while none is stored: the router's default pool and K under the controller."""
+    pools = settings.draft_pools
+    if settings.default_pool not in pools or settings.default_k == 0:
+        return Policy(DEFAULT_CLASS, mode="off", draft_pool="")
+    return Policy(DEFAULT_CLASS, mode="enabled", draft_pool=settings.default_pool, k=settings.default_k)
+
+
+def classifier_from(settings: RouterSettings) -> Classifier:
+    rules = None
+    if settings.classifier_rules is not None:
+        try:
+            rules = [Rule(**r) for r in settings.classifier_rules]
+            for r in rules:
+                r.compiled()
+        except Exception as exc:
+            raise SystemExit(f"SPECSERVE_ROUTER_CLASSIFIER_RULES: {exc}") from exc
+    return Classifier(rules, fallback=settings.classifier_fallback)
+
+
+async def seed_policies(store: PolicyStore, settings: RouterSettings) -> None:
+    """Create the configured policies whose class has none yet; a stored policy wins."""
+    for cls, fields in settings.policies.items():
+        try:
+            policy = Policy.from_dict({**fields, "workload_class": cls}).validate(set(settings.draft_pools))
+        except InvalidRequest as exc:
+            raise SystemExit(f"SPECSERVE_ROUTER_POLICIES: {exc}") from exc
+        try:
+            await store.set(policy, "router-config", "", expected_version=0, comment="seeded at start",
+                            action="seed")
+            log.info("seeded policy for %s", cls)
+        except PolicyConflict:
+            pass
+
+
 async def main(settings: RouterSettings) -> None:
     setup_tracing("specserve-router")
     model = ModelInfo(settings.tokenizer)
+    classifier = classifier_from(settings)
     redis = aioredis.from_url(settings.redis_url)
     store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s)
     pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000)
              for name, addrs in settings.draft_pools.items()}
     targets = TargetDirectory(redis, settings.key_prefix)
-    servicer = GenerationServicer(settings, model, store, pools, None)  # type: ignore[arg-type]
     metrics = RouterMetrics()
-    servicer.loop = RoundLoop(store, targets, servicer.stops_for, settings.verify_timeout_ms / 1000,
-                              settings.target_wait_s, metrics, model.kv_bytes_per_token)
-    server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
-                        settings.host, settings.port, settings.grace_s,
-                        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+    policy_store = PolicyStore(redis, settings.key_prefix)
+    policies = PolicyCache(policy_store, builtin_policy(settings), settings.policy_reload_s)
+    controller = Controller(redis, settings.key_prefix, settings.controller_half_life_s, settings.controller_refresh_s,
+                            settings.controller_min_rounds, settings.stats_ttl_s)
+    shadow_log = ShadowLog(redis, settings.key_prefix, settings.stats_ttl_s)
+    servicer: GenerationServicer
+    loop = RoundLoop(store, targets, lambda p: servicer.stops_for(p), settings.verify_timeout_ms / 1000,
+                     settings.target_wait_s, metrics, model.kv_bytes_per_token, controller)
+    servicer = GenerationServicer(settings, model, store, pools, loop, policies, controller, classifier, metrics,
+                                  shadow_log)
+    tokens = {name: tok.get_secret_value() for name, tok in settings.admin_tokens.items()}
+    if settings.admin_token.get_secret_value():
+        tokens.setdefault("admin", settings.admin_token.get_secret_value())
+    admin = PolicyAdminServicer(policy_store, policies, servicer, tokens, shadow_log)
+
+    def add(server) -> None:
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        policy_pb2_grpc.add_PolicyAdminServicer_to_server(admin, server)
+
+    server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                         policy_pb2.DESCRIPTOR.services_by_name["PolicyAdmin"].full_name],
+                        settings.host, settings.port, settings.grace_s, add,
                         interceptors=[TracingServerInterceptor()])
     await server.start()
     publish_ports(server.port, settings.port_file, metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)
     await redis.ping()
+    await seed_policies(policy_store, settings)
+    await policies.start()
+    await controller.start()
     await targets.refresh()
 
     async def watch() -> None:  # draft replica health and target registry, in the background
@@ -65,7 +124,8 @@ async def main(settings: RouterSettings) -> None:
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
-    await asyncio.gather(*(p.close() for p in pools.values()), targets.close())
+    await asyncio.gather(*(p.close() for p in pools.values()), targets.close(), policies.close(),
+                         controller.close())
     await redis.aclose()
     shutdown_tracing()
     log.info("router drained and stopped")

@@ -17,6 +17,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from services.router.pools import DraftPool, TargetDirectory
+from specserve.controller import Controller
 from specserve.errors import InvalidRequest, SessionLost, Unavailable
 from specserve.metrics import RouterMetrics
 from specserve.params import GenerationParams
@@ -49,6 +50,12 @@ class Run:
     rounds: list[generation_pb2.RoundStats] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first_commit: float | None = None
+    stats_class: str = ""  # the class its statistics count under ("" = workload_class)
+    shadow: bool = False  # a shadow run: speculates beside a plain run, commits nothing
+    finished: float | None = None
+    finish_reason: str = ""
+    stored: dict = field(default_factory=dict)  # the session's stored params and policy choice
+    plain_reason: str = ""  # why a run without a pool runs plain (the rounds' fallback_reason)
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -61,8 +68,10 @@ class Run:
 
 class RoundLoop:
     def __init__(self, store: SessionStore, targets: TargetDirectory, stops_for, verify_timeout_s: float,
-                 target_wait_s: float, metrics: RouterMetrics | None = None, kv_bytes_per_token: int = 0) -> None:
+                 target_wait_s: float, metrics: RouterMetrics | None = None, kv_bytes_per_token: int = 0,
+                 controller: Controller | None = None) -> None:
         self.store = store
+        self.controller = controller
         self.metrics = metrics or RouterMetrics()
         self.kv_bytes_per_token = kv_bytes_per_token
         self.targets = targets
@@ -75,23 +84,26 @@ class RoundLoop:
         """Rounds until a stop; returns the finish reason (eos|length|stop|cancelled)."""
         stops = self.stops_for(run.params)
         m, labels = self.metrics, run.labels
-        m.sessions_active.labels(*labels).inc()
+        active = m.shadow_active if run.shadow else m.sessions_active
+        active.labels(*labels).inc()
         try:
             while True:
                 with tracer().start_as_current_span("specserve.round") as span:
                     reason = await self._round(run, stops)
                     _round_attributes(span, run)
                 if reason is not None:
-                    self._finish(run, reason)
+                    run.finished, run.finish_reason = time.perf_counter(), reason
+                    if not run.shadow:
+                        self._finish(run, reason)
                     return reason
         finally:
-            m.sessions_active.labels(*labels).dec()
+            active.labels(*labels).dec()
 
     async def _round(self, run: Run, stops: StopChecker) -> str | None:
         t0 = time.perf_counter()
         remaining = run.params.max_tokens - len(run.generated)
         k = min(run.params.num_draft_tokens, remaining - 1) if run.pool else 0
-        proposal, fallback = None, "" if run.pool else "speculation_off"
+        proposal, fallback = None, "" if run.pool else (run.plain_reason or "speculation_off")
         if k > 0 and run.pool is not None:
             with tracer().start_as_current_span("specserve.draft.propose", kind=SpanKind.CLIENT) as span:
                 span.set_attribute("specserve.draft_pool", run.pool.name)
@@ -115,8 +127,11 @@ class RoundLoop:
             candidate, reason = candidate[: run.params.max_tokens], "length"
         new_tokens = candidate[before:]
         text = run.text.advance(candidate, reason)
-        with tracer().start_as_current_span("specserve.commit", kind=SpanKind.CLIENT):
-            status = await self._commit(run, new_tokens, text, reason)
+        if run.shadow:  # nothing of a shadow run is ever committed or shown
+            status = CommitStatus.OK
+        else:
+            with tracer().start_as_current_span("specserve.commit", kind=SpanKind.CLIENT):
+                status = await self._commit(run, new_tokens, text, reason)
         if status is CommitStatus.CLOSED:
             return "cancelled"
         run.committed.extend(new_tokens)
@@ -130,7 +145,16 @@ class RoundLoop:
             overhead_ms=max((time.perf_counter() - t0) * 1e3 - draft_ms - verdict.verify_ms, 0.0),
             fallback_reason=fallback)
         run.rounds.append(stats)
-        self._observe(run, stats, t1 - t0 if proposal else None, t2 - t1)
+        if self.controller is not None and (k > 0 or run.pool is None):
+            # wall times as the round cost them; a failed Propose counts with 0 accepted, so
+            # a pool that times out looks as bad as it is
+            total_ms = (time.perf_counter() - t0) * 1e3
+            draft_wall, verify_wall = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+            self.controller.record(run.stats_class or run.workload_class, run.pool.name if run.pool else None,
+                                   k if run.pool else 0, verdict.num_accepted if proposal else 0, draft_wall,
+                                   verify_wall, max(total_ms - draft_wall - verify_wall, 0.0))
+        if not run.shadow:
+            self._observe(run, stats, t1 - t0 if proposal else None, t2 - t1)
         return reason
 
     def _observe(self, run: Run, r: generation_pb2.RoundStats, draft_s: float | None, verify_s: float) -> None:

@@ -3,7 +3,7 @@ SPECSERVE_TARGET_). The Helm chart's values map one to one onto these names (DES
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -68,6 +68,22 @@ class RouterSettings(BaseSettings):
     target_wait_s: float = Field(30.0, ge=0)  # how long a round waits for a target to appear
     session_ttl_s: int = Field(3600, ge=1)
     grace_s: float = Field(10.0, ge=0)
+    # PolicyAdmin: one token ("admin"), or named tokens {"alice": "..."}; the name is the
+    # audit log's "who". No token configured = policy administration is refused.
+    admin_token: SecretStr = SecretStr("")
+    admin_tokens: dict[str, SecretStr] = Field(default_factory=dict)
+    # policies created at start when their class has none yet (a stored policy always wins)
+    policies: dict[str, dict] = Field(default_factory=dict)
+    policy_reload_s: float = Field(5.0, gt=0)  # full reload besides pub/sub
+    # the controller (ADR 0006)
+    controller_half_life_s: float = Field(30.0, gt=0)
+    controller_refresh_s: float = Field(0.5, gt=0)
+    controller_min_rounds: float = Field(8.0, ge=0)
+    stats_ttl_s: int = Field(7 * 86400, ge=60)
+    shadow_timeout_s: float = Field(120.0, gt=0)
+    # classifier rules [{"workload_class", "pattern", "weight", "name"}]; null = built-in rules
+    classifier_rules: list[dict] | None = None
+    classifier_fallback: str = "chat"
 
     @field_validator("draft_pools")
     @classmethod

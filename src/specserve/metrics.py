@@ -46,6 +46,33 @@ class RouterMetrics:
                                      registry=r)
         self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
                                 registry=r)
+        # classification, policies, the controller, shadow mode (DESIGN §4)
+        self.classified = Counter("specserve_classified_requests", "Requests by workload class and how it was chosen.",
+                                  ("workload_class", "reason"), registry=r)
+        self.decisions = Counter(
+            "specserve_controller_decisions",
+            "Requests by the controller's decision (speculate|plain|learn|shadow|off|pinned) and the arm they ran "
+            "(speculative|plain|shadow).", (*LABELS, "decision", "arm"), registry=r)
+        self.expected_speedup = Gauge("specserve_controller_expected_speedup",
+                                      "The controller's expected speedup S at its chosen K (0 = not enough data).",
+                                      LABELS, registry=r)
+        self.speculating = Gauge("specserve_controller_speculating",
+                                 "1 while the controller lets the class speculate, 0 while it runs plain.",
+                                 LABELS, registry=r)
+        self.chosen_k = Gauge("specserve_controller_k", "The K the controller uses for the class.", LABELS,
+                              registry=r)
+        self.policy_version = Gauge("specserve_policy_version", "Version of the policy this router applies.",
+                                    ("workload_class",), registry=r)
+        self.shadow_active = Gauge("specserve_shadow_sessions_active", "Shadow runs this router is driving.",
+                                   LABELS, registry=r)
+        self.shadow_requests = Counter(
+            "specserve_shadow_requests",
+            "Finished shadow runs by outcome (agree|disagree at temperature 0, sampled, failed).",
+            (*LABELS, "outcome"), registry=r)
+        self.shadow_speedup = Histogram("specserve_shadow_would_be_speedup",
+                                        "Plain wall time / speculative wall time of shadowed requests.", LABELS,
+                                        buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0),
+                                        registry=r)
 
 
 class WorkerMetrics:

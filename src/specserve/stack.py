@@ -34,6 +34,7 @@ class StackSpec:
     redis_url: str = ""  # empty: start a local redis-server
     key_prefix: str = "specserve"
     target_threads: int = 2
+    routers: int = 1  # router replicas (same Redis, same pools)
     router_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # for every service (e.g. OTEL_*, SPECSERVE_TRACING)
 
@@ -41,6 +42,7 @@ class StackSpec:
 @dataclass
 class StackInfo:
     router: str = ""
+    routers: list[str] = field(default_factory=list)  # every replica; router == routers[0]
     redis_url: str = ""
     pools: dict[str, list[str]] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)  # name -> pid, in start order
@@ -153,20 +155,24 @@ class Stack:
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
         self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"
-        router_port = self.run_dir / "router.port"
-        router_port.unlink(missing_ok=True)
-        p, lg = self._spawn("router", "services.router", {
-            "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
-            "SPECSERVE_ROUTER_METRICS_PORT": "0",
-            "SPECSERVE_ROUTER_METRICS_PORT_FILE": str(self.run_dir / "router.metrics"),
-            "SPECSERVE_ROUTER_REDIS_URL": self.info.redis_url, "SPECSERVE_ROUTER_KEY_PREFIX": spec.key_prefix,
-            "SPECSERVE_ROUTER_TOKENIZER": str(pair / "target"),
-            "SPECSERVE_ROUTER_DRAFT_POOLS": json.dumps(self.info.pools),
-            "SPECSERVE_ROUTER_DEFAULT_POOL": next(iter(spec.pools), "none"), **spec.router_env,
-        })
-        self.info.router = f"127.0.0.1:{_wait_file(router_port, p, 'router', timeout_s, lg)}"
-        wait_serving(self.info.router, "specserve.v1.Generation", timeout_s)
-        self.info.metrics["router"] = f"127.0.0.1:{(self.run_dir / 'router.metrics').read_text().strip()}"
+        for i in range(spec.routers):
+            name = "router" if i == 0 else f"router-{i}"
+            router_port = self.run_dir / f"{name}.port"
+            router_port.unlink(missing_ok=True)
+            p, lg = self._spawn(name, "services.router", {
+                "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
+                "SPECSERVE_ROUTER_METRICS_PORT": "0",
+                "SPECSERVE_ROUTER_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"),
+                "SPECSERVE_ROUTER_REDIS_URL": self.info.redis_url, "SPECSERVE_ROUTER_KEY_PREFIX": spec.key_prefix,
+                "SPECSERVE_ROUTER_TOKENIZER": str(pair / "target"),
+                "SPECSERVE_ROUTER_DRAFT_POOLS": json.dumps(self.info.pools),
+                "SPECSERVE_ROUTER_DEFAULT_POOL": next(iter(spec.pools), "none"), **spec.router_env,
+            })
+            address = f"127.0.0.1:{_wait_file(router_port, p, name, timeout_s, lg)}"
+            wait_serving(address, "specserve.v1.Generation", timeout_s)
+            self.info.routers.append(address)
+            self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
+        self.info.router = self.info.routers[0]
         self._save()
 
     def down(self, grace_s: float = 15.0) -> None:

@@ -301,6 +301,14 @@ class SessionStore:
         outcome, _ = await self._close(keys=self._keys(session_id), args=args)
         return CommitStatus(_str(outcome))
 
+    async def annotate(self, session_id: str, fields: dict[str, str]) -> bool:
+        """Add informational fields (e.g. a shadow run's record) to a session that exists."""
+        key = self._keys(session_id)[0]
+        if not await self._r.exists(key):
+            return False
+        await self._r.hset(key, mapping=fields)
+        return True
+
     async def committed_tokens(self, session_id: str) -> list[int]:
         hash_key, tok_key, _, _ = self._keys(session_id)
         async with self._r.pipeline(transaction=True) as pipe:

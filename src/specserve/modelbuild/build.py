@@ -106,6 +106,14 @@ def pair_dir(root: Path, cfg: PairConfig) -> Path:
     return Path(root) / f"{cfg.name}-{cfg.digest()}"
 
 
+def _quiet_hf() -> None:
+    """No transformers progress bars ("Writing model shards") without a terminal."""
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def build_pair(cfg: PairConfig, root: Path, force: bool = False, log=print) -> Path:
     """Build (or find cached) and return the pair directory; `root/<name>` links to it."""
     out = pair_dir(root, cfg)
@@ -114,6 +122,7 @@ def build_pair(cfg: PairConfig, root: Path, force: bool = False, log=print) -> P
         _refresh_prompts(out, cfg)
         _link(link, out)
         return out
+    _quiet_hf()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, 4)))
     started = time.time()
@@ -231,3 +240,27 @@ def _reporter(bar: Progress, task, label: str, log):
             log(f"{label}: step {step + 1}/{int(total)} loss {loss:.3f}")
 
     return report
+
+
+def untrained_copy(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """The same architecture and tokenizer with fresh random weights: a deliberately poor
+    draft (its proposals are almost never accepted), for controller tests and benchmarks."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _quiet_hf()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    model.save_pretrained(tmp)
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")) and f.is_file():
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return out

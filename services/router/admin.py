@@ -1,0 +1,162 @@
+"""`specserve.v1.PolicyAdmin`: per class policies in Redis, behind an admin token.
+
+Every call needs `authorization: Bearer <token>`: none -> UNAUTHENTICATED, a token this
+router does not know -> PERMISSION_DENIED. The token's name is the audit log's "who".
+Writes go through PolicyStore (CAS + audit + publish in one script); every router replica,
+this one included, applies a change from the pub/sub message.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+
+import grpc
+
+from specserve.controller import ShadowLog
+from specserve.errors import InvalidRequest
+from specserve.policy import (
+    CLASS_NAME,
+    AuditEntry,
+    Policy,
+    PolicyCache,
+    PolicyConflict,
+    PolicyStore,
+)
+from specserve.v1 import policy_pb2, policy_pb2_grpc
+
+MODE_TO_PB = {"enabled": policy_pb2.POLICY_MODE_ENABLED, "shadow": policy_pb2.POLICY_MODE_SHADOW,
+              "off": policy_pb2.POLICY_MODE_OFF}
+PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
+
+
+def policy_to_pb(p: Policy) -> policy_pb2.Policy:
+    msg = policy_pb2.Policy(
+        workload_class=p.workload_class, mode=MODE_TO_PB[p.mode], draft_pool=p.draft_pool, k=p.k,
+        adaptive_k=p.adaptive_k, k_min=p.k_min, k_max=p.k_max, max_prompt_tokens=p.max_prompt_tokens,
+        safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, version=p.version,
+        updated_by=p.updated_by, updated_at=p.updated_at)
+    if p.temperature_ceiling is not None:
+        msg.temperature_ceiling = p.temperature_ceiling
+    return msg
+
+
+def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
+    if msg.mode not in PB_TO_MODE:
+        raise InvalidRequest(f"policy mode is required: one of {', '.join(MODE_TO_PB)}")
+    for name in ("safety_margin", "probe_fraction", "temperature_ceiling"):
+        value = getattr(msg, name)
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number")
+    return Policy(workload_class=msg.workload_class, mode=PB_TO_MODE[msg.mode], draft_pool=msg.draft_pool,
+                  k=msg.k, adaptive_k=msg.adaptive_k, k_min=msg.k_min, k_max=msg.k_max,
+                  temperature_ceiling=msg.temperature_ceiling if msg.HasField("temperature_ceiling") else None,
+                  max_prompt_tokens=msg.max_prompt_tokens, safety_margin=msg.safety_margin,
+                  probe_fraction=msg.probe_fraction)
+
+
+def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:
+    msg = policy_pb2.AuditEntry(at=e.at, who=e.who, peer=e.peer, action=e.action, workload_class=e.workload_class,
+                                comment=e.comment)
+    if e.old is not None:
+        msg.old.CopyFrom(policy_to_pb(e.old))
+    if e.new is not None:
+        msg.new.CopyFrom(policy_to_pb(e.new))
+    return msg
+
+
+def _class_name(name: str) -> str:
+    if not CLASS_NAME.match(name):
+        raise InvalidRequest(f"invalid workload class name {name!r}")
+    return name
+
+
+class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
+    def __init__(self, store: PolicyStore, cache: PolicyCache, servicer, tokens: dict[str, str],
+                 shadow_log: ShadowLog) -> None:
+        self.store = store
+        self.cache = cache
+        self.gen = servicer  # GenerationServicer: its pools, controller and class bookkeeping
+        self.tokens = {name: tok for name, tok in tokens.items() if tok}
+        self.shadow_log = shadow_log
+
+    async def _who(self, context) -> str:
+        header = next((v for k, v in (context.invocation_metadata() or ()) if k == "authorization"), "")
+        if not header:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "PolicyAdmin needs an admin token: metadata 'authorization: Bearer <token>'")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "malformed authorization: use 'Bearer <token>'")
+        if not self.tokens:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "policy administration is disabled on this router: no admin token is configured")
+        for name, expected in self.tokens.items():
+            if hmac.compare_digest(token.encode(), expected.encode()):
+                return name
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "the admin token is not valid")
+        raise AssertionError("unreachable")
+
+    async def GetPolicy(self, request, context):
+        await self._who(context)
+        policy = await self.store.get(_class_name(request.workload_class))
+        if policy is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no policy for class {request.workload_class!r}; it falls under 'default'")
+        return policy_to_pb(policy)
+
+    async def ListPolicies(self, request, context):
+        await self._who(context)
+        return policy_pb2.ListPoliciesResponse(policies=[policy_to_pb(p) for p in await self.store.list()])
+
+    async def SetPolicy(self, request, context):
+        who = await self._who(context)
+        if not request.HasField("policy"):
+            raise InvalidRequest("SetPolicy needs a policy")
+        policy = policy_from_pb(request.policy).validate(set(self.gen.pools))
+        expected = request.expected_version if request.HasField("expected_version") else None
+        try:
+            stored = await self.store.set(policy, who, context.peer() or "", expected, request.comment)
+        except PolicyConflict as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        await self.cache._apply(f"{stored.workload_class} {stored.version}")  # this replica at once
+        return policy_to_pb(stored)
+
+    async def DeletePolicy(self, request, context):
+        who = await self._who(context)
+        cls = _class_name(request.workload_class)
+        expected = request.expected_version if request.HasField("expected_version") else None
+        try:
+            deleted = await self.store.delete(cls, who, context.peer() or "", expected, request.comment)
+        except PolicyConflict as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        await self.cache._apply(f"{cls} 0")
+        return policy_pb2.DeletePolicyResponse(deleted=deleted)
+
+    async def GetEffectivePolicy(self, request, context):
+        await self._who(context)
+        cls = _class_name(request.workload_class)
+        policy, source = self.cache.effective(cls)
+        stats_class = self.gen.stats_class(cls)
+        decision = await self.gen.controller.decide(stats_class, policy)
+        await self.gen.controller.refresh({(stats_class, policy.draft_pool)})  # the freshest view
+        decision = self.gen.controller.decision(stats_class, policy)
+        est = decision.estimate
+        d = policy_pb2.ControllerDecision(
+            decision=decision.decision, reason=decision.reason, k=decision.k,
+            expected_speedup=est.speedup.get(decision.k, 0.0), spec_rounds=est.spec_rounds,
+            plain_rounds=est.plain_rounds, acceptance=est.acceptance, plain_step_ms=est.plain_step_ms)
+        for k, s in est.speedup.items():
+            d.speedup_by_k[k] = s
+        shadow = await self.shadow_log.summary(stats_class, policy.draft_pool)
+        return policy_pb2.EffectivePolicy(policy=policy_to_pb(policy), source=source, decision=d,
+                                          stats_class=stats_class, shadow=policy_pb2.ShadowSummary(**shadow))
+
+    async def ListAudit(self, request, context):
+        await self._who(context)
+        cls = _class_name(request.workload_class) if request.workload_class else ""
+        limit = request.limit or 50
+        if limit > 1000:
+            raise InvalidRequest("limit must be at most 1000")
+        entries = await self.store.audit(cls, limit)
+        return policy_pb2.ListAuditResponse(entries=[audit_to_pb(e) for e in entries])

@@ -1,0 +1,142 @@
+"""The controller's model and choices, without Redis: the statistics a batch writes, the
+expected speedup S(K), decisions at the thresholds and the probe arms."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.controller import Batch, Controller, Estimate, estimate
+from specserve.errors import InvalidRequest
+from specserve.policy import Policy
+
+
+def _stats(alpha: list[float], rounds: dict[int, tuple[float, float, float]], n: float = 100.0) -> dict[str, float]:
+    """Stats hash as a router would write it: per-position rates alpha, per-K times."""
+    s: dict[str, float] = {}
+    for i, a in enumerate(alpha, start=1):
+        s[f"pe:{i}"] = n
+        s[f"pa:{i}"] = n * a
+    for k, (d, v, o) in rounds.items():
+        s[f"n:{k}"], s[f"d:{k}"], s[f"v:{k}"], s[f"o:{k}"] = n, n * d, n * v, n * o
+    return s
+
+
+PLAIN = {"n:0": 50.0, "v:0": 50 * 10.0, "o:0": 50 * 2.0}  # a plain step costs 12 ms
+
+
+def test_batch_counts_evaluated_and_accepted_positions():
+    b = Batch()
+    b.add_round(k=4, accepted=2, draft_ms=3, verify_ms=10, other_ms=1)  # positions 1,2 accepted, 3 rejected
+    b.add_round(k=2, accepted=2, draft_ms=2, verify_ms=9, other_ms=1)  # all accepted: no position 3
+    assert b.inc["pe:1"] == 2 and b.inc["pe:2"] == 2 and b.inc["pe:3"] == 1 and "pe:4" not in b.inc
+    assert b.inc["pa:1"] == 2 and b.inc["pa:2"] == 2 and "pa:3" not in b.inc
+    assert b.inc["n:4"] == 1 and b.inc["d:4"] == 3 and b.inc["v:2"] == 9
+
+
+def test_estimate_matches_the_closed_form():
+    spec = _stats([0.8, 0.5], {2: (2.0, 11.0, 2.0), 4: (4.0, 13.0, 2.0)})
+    est = estimate(spec, PLAIN, k_max=4)
+    # E(K) = 1 + a1 + a1 a2 + a1 a2 a2 ... (unseen positions take the last rate seen)
+    assert est.emitted[2] == pytest.approx(1 + 0.8 + 0.4)
+    assert est.emitted[4] == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.1)
+    # times are linear in K between the K values seen: T(3) = 3 + 12 + 2
+    assert est.round_ms[3] == pytest.approx(17.0)
+    assert est.speedup[2] == pytest.approx(2.2 * 12.0 / 15.0)
+    assert est.plain_step_ms == pytest.approx(12.0)
+
+
+def test_one_k_seen_scales_the_draft_cost_per_token():
+    est = estimate(_stats([0.9], {4: (8.0, 14.0, 2.0)}), PLAIN, k_max=8)
+    assert est.round_ms[8] == pytest.approx(16.0 + (10.0 + (14.0 - 10.0) * 2) + 2.0)
+
+
+def test_no_plain_statistics_means_no_estimate():
+    est = estimate(_stats([0.9], {4: (8.0, 14.0, 2.0)}), {}, k_max=4)
+    assert est.speedup == {}
+
+
+def _controller(seed: int = 0) -> Controller:
+    return Controller(redis=_NoRedis(), prefix="t", min_rounds=8, rng=random.Random(seed))  # type: ignore[arg-type]
+
+
+class _NoRedis:
+    def register_script(self, _):
+        return None
+
+
+def _decide(ctrl: Controller, policy: Policy, spec: dict, plain: dict = PLAIN):
+    ctrl._stats[("c", policy.draft_pool)] = spec
+    ctrl._stats[("c", "none")] = plain
+    return ctrl.decision("c", policy)
+
+
+def test_speculates_above_the_margin_and_not_below():
+    good = _stats([0.9, 0.8, 0.7, 0.6], {4: (2.0, 12.0, 2.0)})
+    bad = _stats([0.1], {4: (8.0, 14.0, 2.0)})
+    policy = Policy("c", draft_pool="p", k=4, safety_margin=0.1)
+    d = _decide(_controller(), policy, good)
+    assert d.decision == "speculate" and d.k == 4 and "S=" in d.reason
+    d = _decide(_controller(), policy, bad)
+    assert d.decision == "plain" and d.estimate.speedup[4] < 1.1
+    # the margin decides: the same statistics, a margin above S
+    s = _decide(_controller(), policy, good).estimate.speedup[4]
+    assert _decide(_controller(), Policy("c", draft_pool="p", k=4, safety_margin=s - 1 + 0.01), good).decision == "plain"
+
+
+def test_too_few_rounds_means_learning():
+    d = _decide(_controller(), Policy("c", draft_pool="p"), _stats([0.9], {4: (2, 12, 2)}, n=3.0))
+    assert d.decision == "learn"
+
+
+def test_adaptive_k_picks_the_argmax():
+    # cheap drafts, flat verify: with these rates the best K is where a_i drops
+    spec = _stats([0.95, 0.9, 0.9, 0.2, 0.1], {1: (1.0, 10.0, 2.0), 6: (6.0, 10.5, 2.0)})
+    policy = Policy("c", draft_pool="p", adaptive_k=True, k_min=1, k_max=8)
+    d = _decide(_controller(), policy, spec)
+    best = max(range(1, 9), key=lambda k: d.estimate.speedup[k])
+    assert d.decision == "speculate" and d.k == best == 3
+
+
+def test_probe_fraction_is_respected():
+    ctrl = _controller(seed=1)
+    policy = Policy("c", draft_pool="p", k=4, probe_fraction=0.1)
+    d = _decide(ctrl, policy, _stats([0.1], {4: (8.0, 14.0, 2.0)}))
+    choices = [ctrl.choose(d, policy) for _ in range(4000)]
+    spec = sum(c.pool is not None for c in choices) / len(choices)
+    # binomial(4000, 0.1): sd 0.0047; 5 sd either side
+    assert 0.1 - 0.024 < spec < 0.1 + 0.024
+    assert all(c.probe for c in choices if c.pool is not None)
+
+
+def test_off_and_shadow_choices():
+    ctrl = _controller()
+    d = _decide(ctrl, Policy("c", mode="off", draft_pool="p"), {})
+    assert ctrl.choose(d, Policy("c", mode="off", draft_pool="p")).pool is None
+    shadow = Policy("c", mode="shadow", draft_pool="p", k=3)
+    c = ctrl.choose(_decide(ctrl, shadow, {}), shadow)
+    assert c.shadow and c.pool == "p" and c.k == 3
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(mode="sometimes"), "mode"), (dict(k=0), "k must"), (dict(k=33), "k must"),
+    (dict(adaptive_k=True, k_min=5, k_max=2), "adaptive"), (dict(safety_margin=-0.1), "safety_margin"),
+    (dict(probe_fraction=0.9), "probe_fraction"), (dict(temperature_ceiling=-1.0), "temperature_ceiling"),
+    (dict(draft_pool="huge"), "unknown draft_pool"), (dict(workload_class="Bad Class"), "class name"),
+])
+def test_invalid_policies_are_refused_with_the_field_named(bad, field):
+    with pytest.raises(InvalidRequest, match=field):
+        Policy(**{"workload_class": "c", "draft_pool": "small", **bad}).validate({"small"})
+
+
+def test_policy_body_round_trips_and_ignores_server_fields():
+    p = Policy("code", mode="shadow", draft_pool="small", adaptive_k=True, k_min=2, k_max=6, temperature_ceiling=0.7)
+    back = Policy.from_body(p.body(), version=3, updated_by="ops")
+    assert back == Policy(**{**p.__dict__, "version": 3, "updated_by": "ops"})
+    with pytest.raises(InvalidRequest, match="unknown policy field"):
+        Policy.from_dict({"workload_class": "x", "colour": "red"})
+
+
+def test_estimate_best_breaks_ties_toward_small_k():
+    assert Estimate(speedup={2: 1.5, 3: 1.5, 4: 1.2}).best(1, 8) == (2, 1.5)
