@@ -44,7 +44,8 @@ def warm_up(drafter) -> None:
 
 async def main(settings: DraftSettings) -> None:
     setup_tracing(f"specserve-draft-{settings.pool}")
-    servicer = DraftServicer(load_drafter(settings), settings.max_sessions)
+    servicer = DraftServicer(load_drafter(settings), settings.max_sessions,
+                             simulated_token_ms=settings.simulated_token_ms)
     server = GrpcServer(
         [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,
         settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),

@@ -29,7 +29,9 @@ class _Session:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, max_sessions: int, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, drafter: Drafter, max_sessions: int, metrics: WorkerMetrics | None = None,
+                 simulated_token_ms: float = 0.0) -> None:
+        self.simulated_token_ms = simulated_token_ms
         self.drafter = drafter
         self.metrics = metrics or WorkerMetrics("draft")
         self.sessions: SessionLRU[_Session] = SessionLRU(
@@ -53,6 +55,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         t0 = time.perf_counter()
         proposal = await asyncio.get_running_loop().run_in_executor(
             self.executor, sess.draft.propose, list(ids), k, sampling, int(request.seed))
+        if self.simulated_token_ms:
+            await asyncio.sleep(self.simulated_token_ms * k / 1e3)
         elapsed = time.perf_counter() - t0
         self.metrics.call_latency.labels("propose").observe(elapsed)
         self.metrics.sessions.set(len(self.sessions))

@@ -75,7 +75,7 @@ class TargetWorker:
             span.set_attribute("specserve.target", s.name)
             torch.set_num_threads(s.torch_threads)
             target = TargetModel(load_model(s.model))
-            servicer = TargetServicer(target, s.max_sessions)
+            servicer = TargetServicer(target, s.max_sessions, simulated_pass_ms=s.simulated_pass_ms)
             server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host, s.port,
                                 s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv),
                                 interceptors=[TracingServerInterceptor()])

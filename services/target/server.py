@@ -31,7 +31,9 @@ class _Session:
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, target: TargetModel, max_sessions: int, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(self, target: TargetModel, max_sessions: int, metrics: WorkerMetrics | None = None,
+                 simulated_pass_ms: float = 0.0) -> None:
+        self.simulated_pass_ms = simulated_pass_ms
         self.target = target
         self.metrics = metrics or WorkerMetrics("target")
         self.sessions: SessionLRU[_Session] = SessionLRU(
@@ -65,6 +67,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         before = sess.target.rollback_tokens
         verdict = await asyncio.get_running_loop().run_in_executor(
             self.executor, _verify, sess.target, ids, drafts, q, sampling, int(request.seed))
+        if self.simulated_pass_ms:
+            await asyncio.sleep(self.simulated_pass_ms / 1e3)
         elapsed = time.perf_counter() - t0
         rolled_back = sess.target.rollback_tokens - before
         self.metrics.call_latency.labels("verify").observe(elapsed)

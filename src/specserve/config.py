@@ -22,6 +22,8 @@ class DraftSettings(BaseSettings):
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     grace_s: float = Field(5.0, ge=0)  # SIGTERM drain
+    # benchmarks/tests on CPU: extra time per proposed token, as a slower draft device would take
+    simulated_token_ms: float = Field(0.0, ge=0)
 
 
 class TargetSettings(BaseSettings):
@@ -44,6 +46,9 @@ class TargetSettings(BaseSettings):
     resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"large_gpu": 1}
     max_restarts: int = Field(-1, ge=-1)  # -1 = restart forever
     grace_s: float = Field(5.0, ge=0)
+    # benchmarks/tests on CPU: extra time per forward pass, flat in K, as a large target on a
+    # GPU takes (memory-bound decode); 0 = off
+    simulated_pass_ms: float = Field(0.0, ge=0)
 
 
 class RouterSettings(BaseSettings):

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 class PoolSpec:
     model: str  # "ngram" or a model directory
     replicas: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # e.g. SPECSERVE_DRAFT_SIMULATED_TOKEN_MS
 
 
 @dataclass
@@ -146,7 +147,7 @@ class Stack:
                 p, lg = self._spawn(name, "services.draft", {
                     "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model,
                     "SPECSERVE_DRAFT_PORT_FILE": str(port_file), "SPECSERVE_DRAFT_METRICS_PORT": "0",
-                    "SPECSERVE_DRAFT_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics")})
+                    "SPECSERVE_DRAFT_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"), **ps.env})
                 ports.append((pool, name, p, lg, port_file))
         for pool, name, p, lg, port_file in ports:
             port = _wait_file(port_file, p, name, timeout_s, lg)
