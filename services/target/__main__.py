@@ -27,6 +27,9 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
         # unless it believes clusters are off, in which case every Ray process (raylet, GCS,
         # workers, inherited through the environment) uses the loopback address.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        # Ray nices its workers (15) by default: the target is the critical path of every
+        # round, and a niced target starves behind routers and drafts on a busy node
+        os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     from services.target.actor import TargetWorker

@@ -152,13 +152,28 @@ def demo_local(
 
 
 def _stack_spec(models: Path, preset: str, run_dir: Path):
+    import json
+    import secrets
+
     from specserve.modelbuild.build import PRESETS, build_pair
     from specserve.stack import PoolSpec, StackSpec
 
     pair = build_pair(PRESETS[preset], models, log=typer.echo)
+    # PolicyAdmin's token for this local stack: the environment's, or a fresh one kept in
+    # run/admin.token (0600) where `specserve policy` finds it
+    token = os.environ.get("SPECSERVE_ROUTER_ADMIN_TOKEN") or secrets.token_urlsafe(24)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token_file = run_dir / "admin.token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(token)
+    policies = {"code": {"draft_pool": "small", "adaptive_k": True, "k_min": 1, "k_max": 8},
+                "chat": {"draft_pool": "small", "k": 4},
+                "extraction": {"draft_pool": "ngram", "adaptive_k": True, "k_min": 2, "k_max": 12}}
     return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
                      pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1)},
-                     redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""))
+                     redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""),
+                     router_env={"SPECSERVE_ROUTER_ADMIN_TOKEN": token,
+                                 "SPECSERVE_ROUTER_POLICIES": json.dumps(policies)})
 
 
 @app.command("up")
@@ -181,6 +196,7 @@ def up(
     for pool, addrs in info.pools.items():
         typer.echo(f"draft pool {pool}: {', '.join(addrs)}")
     (run_dir / "router.address").write_text(info.router)
+    typer.echo(f"policies: `specserve policy list` (admin token in {run_dir / 'admin.token'})")
 
 
 @app.command("down")
@@ -280,6 +296,8 @@ def _admin(router: str | None, token: str | None, run_dir: Path = RUN_DIR):
 
     from specserve.v1 import policy_pb2_grpc
 
+    if not token and not router and (run_dir / "admin.token").exists():
+        token = (run_dir / "admin.token").read_text().strip()  # the local stack's
     if not token:
         raise typer.BadParameter("an admin token is needed: --token or SPECSERVE_ADMIN_TOKEN")
     channel = grpc.insecure_channel(_router_address(router, run_dir))
