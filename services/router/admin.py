@@ -119,7 +119,7 @@ class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
             stored = await self.store.set(policy, who, context.peer() or "", expected, request.comment)
         except PolicyConflict as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
-        await self.cache._apply(f"{stored.workload_class} {stored.version}")  # this replica at once
+        await self.cache.apply(f"{stored.workload_class} {stored.version}")  # this replica at once
         return policy_to_pb(stored)
 
     async def DeletePolicy(self, request, context):
@@ -130,7 +130,7 @@ class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
             deleted = await self.store.delete(cls, who, context.peer() or "", expected, request.comment)
         except PolicyConflict as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
-        await self.cache._apply(f"{cls} 0")
+        await self.cache.apply(f"{cls} 0")
         return policy_pb2.DeletePolicyResponse(deleted=deleted)
 
     async def GetEffectivePolicy(self, request, context):

@@ -127,7 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return Choice(None, 0, False, decision, reason), info
 
         if spec.pinned_pool == NO_SPECULATION or spec.pinned_k == 0:
-            return plain("pinned", "request_plain")
+            return plain("pinned", "speculation_off")  # the request opted out
         if policy.mode == "off":
             return plain("off", "policy_off")
         temperature = spec.params.sampling.temperature

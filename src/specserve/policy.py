@@ -264,7 +264,6 @@ class PolicyCache:
     builtin: Policy  # what `default` means while no `default` policy is stored
     reload_s: float = 5.0
     policies: dict[str, Policy] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -278,16 +277,10 @@ class PolicyCache:
                 await self._task
 
     async def reload(self) -> None:
-        fresh = {p.workload_class: p for p in await self.store.list()}
-        if fresh != self.policies:
-            self.policies = fresh
-            self._notify()
+        self.policies = {p.workload_class: p for p in await self.store.list()}
 
-    def _notify(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    async def _apply(self, message: str) -> None:
+    async def apply(self, message: str) -> None:
+        """Apply one update message ("{class} {version}"); the admin calls it for its own writes."""
         cls, _, version = message.partition(" ")
         have = self.policies.get(cls)
         if have is not None and version.isdigit() and int(version) != 0 and have.version >= int(version):
@@ -297,7 +290,6 @@ class PolicyCache:
             self.policies.pop(cls, None)
         else:
             self.policies[cls] = policy
-        self._notify()
 
     async def _follow(self) -> None:
         """Subscribe; after each (re)subscription reload everything (messages sent while
@@ -312,7 +304,7 @@ class PolicyCache:
                     msg = await pubsub.get_message(ignore_subscribe_messages=True,
                                                    timeout=max(next_reload - time.monotonic(), 0.01))
                     if msg is not None and msg.get("type") == "message":
-                        await self._apply(_s(msg["data"]))
+                        await self.apply(_s(msg["data"]))
                     if time.monotonic() >= next_reload:
                         await self.reload()
                         next_reload = time.monotonic() + self.reload_s

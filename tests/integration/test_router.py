@@ -152,7 +152,7 @@ BAD = [
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=100_000), "max_tokens"),
-    (dict(workload_class="poetry"), "workload_class"),
+    (dict(workload_class="Poetry!"), "workload_class"),  # unknown names are fine (the default policy)
     (dict(draft_pool="huge"), "draft_pool"),
     (dict(num_draft_tokens=99), "num_draft_tokens"),
 ]
