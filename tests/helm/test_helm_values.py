@@ -17,7 +17,8 @@ SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 # Fields the chart sets from structured values (ports, hosts, Redis URL, pools, models...).
 CHART_WIRED = {
     "router": {"host", "port", "port_file", "metrics_port", "metrics_port_file", "redis_url",
-               "key_prefix", "tokenizer", "draft_pools", "default_pool"},
+               "key_prefix", "tokenizer", "draft_pools", "default_pool",
+               "admin_token", "admin_tokens"},  # secrets: from a Secret (router.adminToken), never values
     "draft": {"pool", "model", "host", "port", "port_file", "metrics_port", "metrics_port_file"},
     "target": {"model", "redis_url", "key_prefix", "name", "host", "port", "metrics_port",
                "num_gpus"},
@@ -115,3 +116,21 @@ def test_default_values_use_known_settings_only():
         assert set(values[service]["settings"]) <= set(CLASSES[service].model_fields)
     for pool in values["draft"]["pools"]:
         assert set(pool.get("settings", {})) <= set(DraftSettings.model_fields)
+
+
+def test_admin_token_comes_from_a_secret_and_policies_are_seeded(render):
+    def router_env(manifests) -> dict:
+        (dep,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-router")]
+        return {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    env = router_env(render())
+    assert "SPECSERVE_ROUTER_ADMIN_TOKEN" not in env  # no Secret named: administration refused
+    seeded = json.loads(env["SPECSERVE_ROUTER_POLICIES"]["value"])
+    assert set(seeded) == {"code", "chat", "extraction"}
+    from specserve.policy import Policy
+
+    for cls, fields in seeded.items():  # what the router will validate at start
+        Policy.from_dict({**fields, "workload_class": cls}).validate({"small"})
+    env = router_env(render(sets=("router.adminToken.secretName=ops-admin",)))
+    ref = env["SPECSERVE_ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "ops-admin", "key": "admin-token"} and "value" not in env["SPECSERVE_ROUTER_ADMIN_TOKEN"]
