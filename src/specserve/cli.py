@@ -90,6 +90,42 @@ def demo(
                 same = all(list(r.token_ids) == list(p.token_ids) for (r, _), (p, _) in zip(results, plain, strict=True))
                 table.add_row(cls, name, f"{per_token * 1e3:.1f}", f"{base / per_token:.2f}x",
                               f"{acc}/{drafted}" if drafted else "-", str(same))
+        console.print(table)
+        _demo_policies(console, channel, prompts, prompts_per_class, max_tokens, run_dir if router is None else None)
+
+
+def _demo_policies(console, channel, prompts: list[dict], n: int, max_tokens: int, run_dir: Path | None) -> None:
+    """Unpinned requests: the router classifies each prompt and its class's policy and the
+    controller pick the arm; then the controller's view of each class (PolicyAdmin)."""
+    import grpc
+    from rich.table import Table
+
+    from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
+
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    table = Table(title="classified by the router, served under each class's policy and the controller")
+    for col in ("true class", "classified as", "arm (pool, K)", "decision", "expected S", "why"):
+        table.add_column(col)
+    token_file = run_dir / "admin.token" if run_dir is not None else None
+    token = os.environ.get("SPECSERVE_ADMIN_TOKEN") or (
+        token_file.read_text().strip() if token_file is not None and token_file.exists() else "")
+    admin = policy_pb2_grpc.PolicyAdminStub(channel)
+    for cls in ("code", "chat", "extraction"):
+        for p in [p["prompt"] for p in prompts if p["workload_class"] == cls][:n]:
+            r = stub.Generate(generation_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens), timeout=600)
+            arm = f"{r.stats.draft_pool} K={r.stats.round[0].k}" if r.stats.draft_pool else "plain"
+            decision, speedup, why = "-", "-", "(no admin token)"
+            if token:
+                try:
+                    eff = admin.GetEffectivePolicy(policy_pb2.GetEffectivePolicyRequest(
+                        workload_class=r.stats.workload_class), metadata=[("authorization", f"Bearer {token}")],
+                        timeout=30)
+                    decision = eff.decision.decision
+                    speedup = f"{eff.decision.expected_speedup:.2f}" if eff.decision.expected_speedup else "-"
+                    why = eff.decision.reason.split(" (")[0]
+                except grpc.RpcError as err:
+                    why = f"{err.code().name}"
+            table.add_row(cls, r.stats.workload_class, arm, decision, speedup, why)
     console.print(table)
 
 
