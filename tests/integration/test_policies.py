@@ -130,6 +130,18 @@ def test_in_flight_requests_keep_the_policy_they_started_with(routers, code_prom
     assert after.stats.draft_pool == "" and after.stats.round[0].fallback_reason == "policy_off"
 
 
+def test_temperature_ceiling_and_prompt_limit_run_plain(routers, code_prompts):
+    gen, admin = routers[0]
+    cls = _cls("limits")
+    _set(admin, cls, temperature_ceiling=0.5, max_prompt_tokens=12)
+    hot = _gen(gen, "def f(x):\n", cls, max_tokens=6, temperature=0.9, seed=1, draft_pool="small")
+    assert hot.stats.draft_pool == "" and hot.stats.round[0].fallback_reason == "temperature_above_ceiling"
+    long = _gen(gen, code_prompts[0], cls, max_tokens=6, draft_pool="small")  # held-out prompts are longer
+    assert long.stats.draft_pool == "" and long.stats.round[0].fallback_reason == "prompt_above_limit"
+    ok = _gen(gen, "def f(x):\n", cls, max_tokens=6, temperature=0.3, seed=1, draft_pool="small")
+    assert ok.stats.draft_pool == "small"
+
+
 # -- the controller ------------------------------------------------------------------------
 def test_a_poor_draft_pool_is_switched_to_plain_and_throughput_recovers(routers, code_prompts):
     (gen0, admin0), (gen1, _) = routers
