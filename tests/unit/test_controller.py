@@ -140,3 +140,21 @@ def test_policy_body_round_trips_and_ignores_server_fields():
 
 def test_estimate_best_breaks_ties_toward_small_k():
     assert Estimate(speedup={2: 1.5, 3: 1.5, 4: 1.2}).best(1, 8) == (2, 1.5)
+
+
+def test_a_plain_class_comes_back_when_its_probes_improve():
+    """Probes keep adding speculative rounds; with time decay the old, bad rounds fade and
+    the decision returns to speculate (what the Lua script does on each flush)."""
+    policy = Policy("c", draft_pool="p", k=4, safety_margin=0.1)
+    bad = _stats([0.1], {4: (8.0, 14.0, 2.0)}, n=200.0)
+    ctrl = _controller()
+    assert _decide(ctrl, policy, bad).decision == "plain"
+    good = _stats([0.95, 0.9, 0.9, 0.9], {4: (2.0, 12.0, 2.0)}, n=5.0)  # a few probes' worth per half-life
+    state = dict(bad)
+    decisions = []
+    for _ in range(12):  # twelve half-lives of probing
+        state = {k: v / 2 for k, v in state.items()}  # one half-life passes
+        for f, v in good.items():
+            state[f] = state.get(f, 0.0) + v
+        decisions.append(_decide(ctrl, policy, state).decision)
+    assert decisions[0] == "plain" and decisions[-1] == "speculate"
