@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ from specserve.drafters.base import Drafter, DraftSession
 from specserve.errors import InvalidRequest
 from specserve.metrics import WorkerMetrics
 from specserve.prefix import CommittedPrefix
+from specserve.serving import run_timed
 from specserve.sessions import SessionLRU
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.wire import check_k, check_token_ids, q_to_proto, sampling_from_proto
@@ -52,12 +52,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         ids = sess.prefix.apply(request.prefix.base_len, request.prefix.base_hash, request.prefix.tokens)
         if not ids:
             raise InvalidRequest("the committed prefix is empty: send at least one token")
-        t0 = time.perf_counter()
-        proposal = await asyncio.get_running_loop().run_in_executor(
-            self.executor, sess.draft.propose, list(ids), k, sampling, int(request.seed))
+        proposal, elapsed = await run_timed(self.executor, sess.draft.propose, list(ids), k, sampling,
+                                            int(request.seed))
         if self.simulated_token_ms:
             await asyncio.sleep(self.simulated_token_ms * k / 1e3)
-        elapsed = time.perf_counter() - t0
+            elapsed += self.simulated_token_ms * k / 1e3
         self.metrics.call_latency.labels("propose").observe(elapsed)
         self.metrics.sessions.set(len(self.sessions))
         self.metrics.rollback_tokens.inc(proposal.rollback_tokens)

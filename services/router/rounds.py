@@ -146,13 +146,17 @@ class RoundLoop:
             fallback_reason=fallback)
         run.rounds.append(stats)
         if self.controller is not None and (k > 0 or run.pool is None):
-            # wall times as the round cost them; a failed Propose counts with 0 accepted, so
-            # a pool that times out looks as bad as it is
-            total_ms = (time.perf_counter() - t0) * 1e3
+            # What the round cost: the workers' compute (their queues excluded: a busy node
+            # would otherwise make every arm look alike) plus the calls' transport and the
+            # router's own work (commit). A failed Propose counts with 0 accepted and the
+            # time it wasted, so a pool that times out looks as bad as it is.
             draft_wall, verify_wall = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+            draft_cost = proposal.draft_ms if proposal else draft_wall if k > 0 and run.pool else 0.0
+            other = (time.perf_counter() - t2) * 1e3 + _transport(draft_wall, proposal.draft_ms if proposal else None) \
+                + _transport(verify_wall, verdict.verify_ms)
             self.controller.record(run.stats_class or run.workload_class, run.pool.name if run.pool else None,
-                                   k if run.pool else 0, verdict.num_accepted if proposal else 0, draft_wall,
-                                   verify_wall, max(total_ms - draft_wall - verify_wall, 0.0))
+                                   k if run.pool else 0, verdict.num_accepted if proposal else 0, draft_cost,
+                                   verdict.verify_ms, other)
         if not run.shadow:
             self._observe(run, stats, t1 - t0 if proposal else None, t2 - t1)
         return reason
@@ -258,6 +262,17 @@ class RoundLoop:
             return result.status
         raise SessionLost(f"session {run.session_id} was taken over or expired ({result.status.value}); "
                           "Resume it to read the rest")
+
+
+TRANSPORT_CAP_MS = 5.0
+
+
+def _transport(wall_ms: float, compute_ms: float | None) -> float:
+    """A call's cost outside the worker's compute (serialisation, network), capped: beyond a
+    few ms on the same network the excess is queueing, which is load, not cost."""
+    if compute_ms is None:
+        return 0.0
+    return min(max(wall_ms - compute_ms, 0.0), TRANSPORT_CAP_MS)
 
 
 def _round_attributes(span, run: Run) -> None:

@@ -4,7 +4,6 @@ last committed token + the drafts, rejection sampling, rollback of rejected posi
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from specserve.metrics import WorkerMetrics
 from specserve.prefix import CommittedPrefix
 from specserve.rejection import QProbs, Verdict
 from specserve.sampling import SamplingParams
+from specserve.serving import run_timed
 from specserve.sessions import SessionLRU
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specserve.verifier import TargetModel, TargetSession, judge
@@ -63,13 +63,14 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if len(ids) + k + 1 > self.target.max_positions:
             raise InvalidRequest(f"{len(ids)} committed + {k} draft tokens exceed the context length "
                                  f"of {self.target.max_positions}")
-        t0 = time.perf_counter()
         before = sess.target.rollback_tokens
-        verdict = await asyncio.get_running_loop().run_in_executor(
-            self.executor, _verify, sess.target, ids, drafts, q, sampling, int(request.seed))
+        # verify_ms is this call's compute (plus the simulated device time), not the wait for
+        # the executor: the controller prices rounds by cost, not by how busy the node is
+        verdict, elapsed = await run_timed(self.executor, _verify, sess.target, ids, drafts, q, sampling,
+                                           int(request.seed))
         if self.simulated_pass_ms:
             await asyncio.sleep(self.simulated_pass_ms / 1e3)
-        elapsed = time.perf_counter() - t0
+            elapsed += self.simulated_pass_ms / 1e3
         rolled_back = sess.target.rollback_tokens - before
         self.metrics.call_latency.labels("verify").observe(elapsed)
         self.metrics.sessions.set(len(self.sessions))
