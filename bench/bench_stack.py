@@ -153,8 +153,8 @@ def _plot(rows, overhead, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"{r['class']}\n{r['pool']}" for r in rows if r["path"] == "stack"]
     x = np.arange(len(labels))
-    for i, path in enumerate(("stack", "in-process")):
-        ax1.bar(x + (i - 0.5) * 0.4, [r["speedup"] for r in rows if r["path"] == path], 0.4, label=path)
+    for i, route in enumerate(("stack", "in-process")):  # not `path`: that is where the figure goes
+        ax1.bar(x + (i - 0.5) * 0.4, [r["speedup"] for r in rows if r["path"] == route], 0.4, label=route)
     ax1.set_xticks(x, labels, fontsize=7)
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_ylabel("speedup vs plain (same path)")
