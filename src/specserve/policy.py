@@ -1,6 +1,7 @@
 """Per workload class speculation policies, stored in Redis (DESIGN §4, §5).
 
   {p}:policy:{class}     hash: body (the policy as JSON), version, updated_by, updated_at
+  {p}:policies           set: the classes that have a policy (listing never scans the keyspace)
   {p}:policy-audit       stream, capped: who, peer, at, action, class, old/new body + version
   {p}:policy-updates     pub/sub channel: "{class} {version}" after every change
 
@@ -142,7 +143,7 @@ class AuditEntry:
     comment: str = ""
 
 
-# KEYS: policy hash, audit stream. ARGV: class, body ("" = delete), expected version ("" = any),
+# KEYS: policy hash, audit stream, class index. ARGV: class, body ("" = delete), expected version ("" = any),
 # who, peer, now, comment, channel, audit maxlen, action
 _WRITE = """
 local cur = redis.call('HMGET', KEYS[1], 'body', 'version', 'updated_by', 'updated_at')
@@ -154,9 +155,11 @@ local newver = 0
 if ARGV[2] == '' then
   if curver == 0 then return {'absent', 0} end
   redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[3], ARGV[1])
 else
   newver = curver + 1
   redis.call('HSET', KEYS[1], 'body', ARGV[2], 'version', newver, 'updated_by', ARGV[4], 'updated_at', ARGV[6])
+  redis.call('SADD', KEYS[3], ARGV[1])
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*',
   'at', ARGV[6], 'who', ARGV[4], 'peer', ARGV[5], 'action', ARGV[10], 'class', ARGV[1],
@@ -177,6 +180,7 @@ class PolicyStore:
         self.prefix = prefix
         self.channel = f"{prefix}:policy-updates"
         self.audit_key = f"{prefix}:policy-audit"
+        self.index_key = f"{prefix}:policies"
         self._write: Any = redis.register_script(_WRITE)
 
     def key(self, workload_class: str) -> str:
@@ -187,21 +191,20 @@ class PolicyStore:
         return _from_hash(raw)
 
     async def list(self) -> list[Policy]:  # noqa: A003
-        keys = [k async for k in self.redis.scan_iter(match=f"{self.prefix}:policy:*", count=200)]
-        if not keys:
+        classes = sorted(_s(c) for c in await self.redis.smembers(self.index_key))
+        if not classes:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
-            for k in keys:
-                pipe.hgetall(k)
+            for c in classes:
+                pipe.hgetall(self.key(c))
             raws = await pipe.execute()
-        out = [p for p in (_from_hash(r) for r in raws) if p is not None]
-        return sorted(out, key=lambda p: p.workload_class)
+        return [p for p in (_from_hash(r) for r in raws) if p is not None]
 
     async def set(self, policy: Policy, who: str, peer: str = "", expected_version: int | None = None,
                   comment: str = "", action: str = "set") -> Policy:
         now = time.time()
         status, version = await self._write(
-            keys=[self.key(policy.workload_class), self.audit_key],
+            keys=[self.key(policy.workload_class), self.audit_key, self.index_key],
             args=[policy.workload_class, policy.body(), "" if expected_version is None else expected_version,
                   who, peer, repr(now), comment, self.channel, AUDIT_MAXLEN, action])
         if _s(status) == "conflict":
@@ -211,7 +214,7 @@ class PolicyStore:
     async def delete(self, workload_class: str, who: str, peer: str = "", expected_version: int | None = None,
                      comment: str = "") -> bool:
         status, version = await self._write(
-            keys=[self.key(workload_class), self.audit_key],
+            keys=[self.key(workload_class), self.audit_key, self.index_key],
             args=[workload_class, "", "" if expected_version is None else expected_version, who, peer,
                   repr(time.time()), comment, self.channel, AUDIT_MAXLEN, "delete"])
         if _s(status) == "conflict":

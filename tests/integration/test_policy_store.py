@@ -59,7 +59,9 @@ def test_policy_store_cas_audit_and_cache(redis_client, run):
                     break
                 await asyncio.sleep(0.01)
             seen = cache.effective("code")
+            assert await store.list() == [v2]  # from the class index
             assert await store.delete("code", "carol")
+            assert await store.list() == []
             assert not await store.delete("code", "carol")  # nothing left: no audit entry
             for _ in range(100):
                 if "code" not in cache.policies:
