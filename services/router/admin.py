@@ -138,7 +138,6 @@ class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
         cls = _class_name(request.workload_class)
         policy, source = self.cache.effective(cls)
         stats_class = self.gen.stats_class(cls)
-        decision = await self.gen.controller.decide(stats_class, policy)
         await self.gen.controller.refresh({(stats_class, policy.draft_pool)})  # the freshest view
         decision = self.gen.controller.decision(stats_class, policy)
         est = decision.estimate

@@ -151,7 +151,7 @@ class RoundLoop:
             # router's own work (commit). A failed Propose counts with 0 accepted and the
             # time it wasted, so a pool that times out looks as bad as it is.
             draft_wall, verify_wall = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-            draft_cost = proposal.draft_ms if proposal else draft_wall if k > 0 and run.pool else 0.0
+            draft_cost = proposal.draft_ms if proposal else draft_wall  # plain: no Propose, ~0
             other = (time.perf_counter() - t2) * 1e3 + _transport(draft_wall, proposal.draft_ms if proposal else None) \
                 + _transport(verify_wall, verdict.verify_ms)
             self.controller.record(run.stats_class or run.workload_class, run.pool.name if run.pool else None,

@@ -163,8 +163,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """(run to drive or None to follow, joined?, session id)."""
         seed = spec.params.seed if spec.params.seed is not None else fresh_seed()
         p = spec.params
-        choice, policy_info = await self.choose(spec)
-        info = policy_info
+        choice, info = await self.choose(spec)
         arm = "shadow" if choice.shadow else "speculative" if choice.pool else "plain"
         self.metrics.classified.labels(info["stats_class"], spec.class_reason.split(":")[0]).inc()
         self.metrics.decisions.labels(info["stats_class"], choice.pool or "none", choice.decision, arm).inc()

@@ -181,7 +181,6 @@ class Decision:
     reason: str
     k: int
     estimate: Estimate
-    at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -283,24 +282,23 @@ class Controller:
         k_min, k_max = policy.k_range
         est = estimate(spec, plain, k_max)
         k, s = est.best(k_min, k_max)
-        now = time.time()
         if policy.mode == "off":
-            return Decision("off", "policy mode is off", 0, est, now)
+            return Decision("off", "policy mode is off", 0, est)
         if policy.mode == "shadow":
-            return Decision("shadow", f"shadow mode: serving plain, speculating beside it at K={k}", k, est, now)
+            return Decision("shadow", f"shadow mode: serving plain, speculating beside it at K={k}", k, est)
         if est.spec_rounds < self.min_rounds or est.plain_rounds < self.min_rounds or not est.speedup:
             k = k if est.speedup else (k_min + k_max + 1) // 2
             return Decision("learn", f"too few statistics ({est.spec_rounds:.1f} speculative, {est.plain_rounds:.1f} "
-                                     f"plain rounds; need {self.min_rounds:g} each): trying both arms", k, est, now)
+                                     f"plain rounds; need {self.min_rounds:g} each): trying both arms", k, est)
         threshold = 1 + policy.safety_margin
         acc = ", ".join(f"{a:.2f}" for a in est.acceptance[:k])
         if s >= threshold:
             return Decision("speculate", f"S={s:.2f} >= {threshold:.2f} at K={k} (acceptance {acc}; round "
                                          f"{est.round_ms[k]:.2f} ms vs plain step {est.plain_step_ms:.2f} ms)",
-                            k, est, now)
+                            k, est)
         return Decision("plain", f"S={s:.2f} < {threshold:.2f} at the best K={k} (acceptance {acc}; round "
                                  f"{est.round_ms[k]:.2f} ms vs plain step {est.plain_step_ms:.2f} ms): plain "
-                                 f"decoding, probing {policy.probe_fraction:.0%}", k, est, now)
+                                 f"decoding, probing {policy.probe_fraction:.0%}", k, est)
 
     def choose(self, decision: Decision, policy: Policy) -> Choice:
         """One request's arm under a decision (randomised probes)."""
