@@ -91,10 +91,11 @@ def demo(
                 table.add_row(cls, name, f"{per_token * 1e3:.1f}", f"{base / per_token:.2f}x",
                               f"{acc}/{drafted}" if drafted else "-", str(same))
         console.print(table)
-        _demo_policies(console, channel, prompts, prompts_per_class, max_tokens, run_dir if router is None else None)
+        _demo_policies(console, channel, prompts, prompts_per_class, max_tokens,
+                       _admin_token(os.environ.get("SPECSERVE_ADMIN_TOKEN"), router, run_dir))
 
 
-def _demo_policies(console, channel, prompts: list[dict], n: int, max_tokens: int, run_dir: Path | None) -> None:
+def _demo_policies(console, channel, prompts: list[dict], n: int, max_tokens: int, token: str) -> None:
     """Unpinned requests: the router classifies each prompt and its class's policy and the
     controller pick the arm; then the controller's view of each class (PolicyAdmin)."""
     import grpc
@@ -106,9 +107,6 @@ def _demo_policies(console, channel, prompts: list[dict], n: int, max_tokens: in
     table = Table(title="classified by the router, served under each class's policy and the controller")
     for col in ("true class", "classified as", "arm (pool, K)", "decision", "expected S", "why"):
         table.add_column(col)
-    token_file = run_dir / "admin.token" if run_dir is not None else None
-    token = os.environ.get("SPECSERVE_ADMIN_TOKEN") or (
-        token_file.read_text().strip() if token_file is not None and token_file.exists() else "")
     admin = policy_pb2_grpc.PolicyAdminStub(channel)
     for cls in ("code", "chat", "extraction"):
         for p in [p["prompt"] for p in prompts if p["workload_class"] == cls][:n]:
@@ -327,13 +325,19 @@ _TOKEN_OPT = typer.Option(None, "--token", envvar="SPECSERVE_ADMIN_TOKEN",
                           help="Admin token (or SPECSERVE_ADMIN_TOKEN).")
 
 
+def _admin_token(token: str | None, router: str | None, run_dir: Path) -> str:
+    """The given token, else (for the local stack, i.e. no --router) the one `up` wrote."""
+    if not token and router is None and (run_dir / "admin.token").exists():
+        token = (run_dir / "admin.token").read_text().strip()
+    return token or ""
+
+
 def _admin(router: str | None, token: str | None, run_dir: Path = RUN_DIR):
     import grpc
 
     from specserve.v1 import policy_pb2_grpc
 
-    if not token and not router and (run_dir / "admin.token").exists():
-        token = (run_dir / "admin.token").read_text().strip()  # the local stack's
+    token = _admin_token(token, router, run_dir)
     if not token:
         raise typer.BadParameter("an admin token is needed: --token or SPECSERVE_ADMIN_TOKEN")
     channel = grpc.insecure_channel(_router_address(router, run_dir))
