@@ -106,12 +106,8 @@ def main() -> None:
                                 "safety_margin": 0.05, "probe_fraction": 0.05} for c in CLASSES})},
             env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": str(args.pass_ms)},
         )
-        stack = Stack(spec)
-        info = stack.up()
-        try:
-            result = run(stack, info, by_class, args, poor, draft_env)
-        finally:
-            stack.down()
+        with Stack(spec).running() as stack:
+            result = run(stack, by_class, args, poor, draft_env)
     result["config"] = vars(args)
     path = out / "policies.json"
     path.write_text(json.dumps(result, indent=1))
@@ -120,7 +116,8 @@ def main() -> None:
     print(f"wrote {path} and {out / 'policies.png'}")
 
 
-def run(stack: Stack, info, by_class, args, poor: Path, draft_env: dict) -> dict:
+def run(stack: Stack, by_class, args, poor: Path, draft_env: dict) -> dict:
+    info = stack.info
     channel = grpc.insecure_channel(info.router)
     stub = generation_pb2_grpc.GenerationStub(channel)
     admin = policy_pb2_grpc.PolicyAdminStub(channel)

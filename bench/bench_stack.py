@@ -83,9 +83,8 @@ def main() -> None:
         stack = Stack(StackSpec(pair_dir=str(pair), run_dir=run_dir,
                                 pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1)}))
         t0 = time.perf_counter()
-        stack.up()
-        print(f"[bench] stack up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        try:
+        with stack.running():
+            print(f"[bench] stack up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             with grpc.insecure_channel(stack.info.router) as ch:
                 stub = generation_pb2_grpc.GenerationStub(ch)
                 via_router(stub, prompts["code"][0], "small", a.k, 8, banned, 1)  # warm-up
@@ -105,8 +104,6 @@ def main() -> None:
                                      "mean_accepted": float(np.mean([acc for k, acc in rounds if k])) if pool != "none" else None,
                                      "overhead_ms_p50": float(np.percentile(over, 50)),
                                      "overhead_ms_p99": float(np.percentile(over, 99))})
-        finally:
-            stack.down()
 
     torch.set_num_threads(2)
     lp = load_pair(str(pair / "target"), str(pair / "draft"))

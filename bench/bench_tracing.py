@@ -24,28 +24,24 @@ def run_stack(pair: Path, prompts: list[str], env: dict[str, str], args) -> floa
     with tempfile.TemporaryDirectory(prefix="specserve-trace-bench-") as run_dir:
         stack = Stack(StackSpec(pair_dir=str(pair), run_dir=run_dir, env=env,
                                 pools={"small": PoolSpec("draft", 1)}))
-        stack.up()
-        try:
-            with grpc.insecure_channel(stack.info.router) as ch:
-                stub = generation_pb2_grpc.GenerationStub(ch)
-                eos = json.loads((pair / "target" / "generation_config.json").read_text())["eos_token_id"]
+        with stack.running(), grpc.insecure_channel(stack.info.router) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            eos = json.loads((pair / "target" / "generation_config.json").read_text())["eos_token_id"]
 
-                def one(p: str, n: int) -> tuple[float, int]:
-                    req = generation_pb2.GenerateRequest(prompt=p, max_tokens=n, draft_pool="small",
-                                                         num_draft_tokens=args.k, banned_token_ids=[eos])
-                    t0 = time.perf_counter()
-                    resp = stub.Generate(req, timeout=600)
-                    return (time.perf_counter() - t0) * 1e3, len(resp.token_ids)
+            def one(p: str, n: int) -> tuple[float, int]:
+                req = generation_pb2.GenerateRequest(prompt=p, max_tokens=n, draft_pool="small",
+                                                     num_draft_tokens=args.k, banned_token_ids=[eos])
+                t0 = time.perf_counter()
+                resp = stub.Generate(req, timeout=600)
+                return (time.perf_counter() - t0) * 1e3, len(resp.token_ids)
 
-                one(prompts[0], 8)
-                best = {}
-                for _ in range(args.repeats):
-                    for i, p in enumerate(prompts):
-                        ms, n = one(p, args.max_tokens)
-                        best[i] = min(best.get(i, (float("inf"), n)), (ms, n))
-                return sum(ms for ms, _ in best.values()) / sum(n for _, n in best.values())
-        finally:
-            stack.down()
+            one(prompts[0], 8)
+            best = {}
+            for _ in range(args.repeats):
+                for i, p in enumerate(prompts):
+                    ms, n = one(p, args.max_tokens)
+                    best[i] = min(best.get(i, (float("inf"), n)), (ms, n))
+            return sum(ms for ms, _ in best.values()) / sum(n for _, n in best.values())
 
 
 def main() -> None:

@@ -7,12 +7,14 @@ Everything binds 127.0.0.1 on a free port; `run_dir/stack.json` records what was
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,6 +110,15 @@ class Stack:
 
     def _save(self) -> None:
         (self.run_dir / "stack.json").write_text(json.dumps(asdict(self.info), indent=1))
+
+    @contextlib.contextmanager
+    def running(self, timeout_s: float = 600.0) -> Iterator[Stack]:
+        """`up`, then `down` however the block ends."""
+        self.up(timeout_s)
+        try:
+            yield self
+        finally:
+            self.down()
 
     def up(self, timeout_s: float = 600.0) -> StackInfo:
         self.run_dir.mkdir(parents=True, exist_ok=True)

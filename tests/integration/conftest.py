@@ -78,9 +78,5 @@ def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
         env={"SPECSERVE_TRACING": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
              "OTEL_TRACES_SAMPLER": "always_on"},
     )
-    s = Stack(spec)
-    s.up(timeout_s=480)
-    try:
+    with Stack(spec).running(timeout_s=480) as s:
         yield s
-    finally:
-        s.down()

@@ -44,12 +44,8 @@ def pstack(tiny_pair_dir, tmp_path_factory):
                     "SPECSERVE_ROUTER_CONTROLLER_HALF_LIFE_S": "60", "SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "2000"},
         env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": "30"},
     )
-    s = Stack(spec)
-    s.up(timeout_s=480)
-    try:
+    with Stack(spec).running(timeout_s=480) as s:
         yield s
-    finally:
-        s.down()
 
 
 @pytest.fixture(scope="module")
