@@ -55,6 +55,10 @@ def test_one_request_is_one_trace_across_three_processes(stub, otlp_receiver, ev
     by_id = {s["span_id"]: s for s in trace}
     gen = next(s for s in trace if s["name"] == "specserve.generate")
     assert by_id[gen["parent_span_id"]]["name"] == "specserve.v1.Generation/Generate"  # the router's server span
+    # the class, why it was chosen and the policy decision are on the request's span
+    g = gen["attributes"]
+    assert g["specserve.workload_class"] == "code" and g["specserve.class_reason"] == "explicit"
+    assert g["specserve.decision"] == "pinned"  # the request named its pool and K
     rounds = [s for s in trace if s["name"] == "specserve.round"]
     assert len(rounds) == resp.stats.rounds and all(r["parent_span_id"] == gen["span_id"] for r in rounds)
     # the round spans' accepted counts add up to the response's stats

@@ -345,7 +345,7 @@ def test_policy_cli(pstack, tmp_path):
     assert cli("delete", cls).stdout.strip() == "deleted"
 
 
-def test_classification_reaches_the_trace_attributes_and_metrics(routers, pstack):
+def test_classification_is_counted_in_the_router_metrics(routers, pstack):
     gen, _ = routers[0]
     resp = gen.Generate(generation_pb2.GenerateRequest(
         prompt='Extract the name and the date as JSON: "Ada met Alan on 3 May."', max_tokens=4), timeout=60)
