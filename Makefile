@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 models: setup
-	$(PY) -m specserve.cli models build --out $(MODELS_DIR)
+	$(PY) -m specserve.tooling.cli models build --out $(MODELS_DIR)
 
 test: setup
 	$(PY) -m pytest -q tests
@@ -61,15 +61,15 @@ lint: setup
 
 # The whole system on loopback: Redis, Ray + target, draft pools, router; then a demo client.
 run: setup models
-	$(PY) -m specserve.cli up --models $(MODELS_DIR)
-	$(PY) -m specserve.cli demo --models $(MODELS_DIR)
+	$(PY) -m specserve.tooling.cli up --models $(MODELS_DIR)
+	$(PY) -m specserve.tooling.cli demo --models $(MODELS_DIR)
 	@echo "The stack keeps running (specserve generate \"...\" talks to it); 'make down' stops it."
 
 down:
-	@test -x $(PY) && $(PY) -m specserve.cli down || echo "nothing to stop"
+	@test -x $(PY) && $(PY) -m specserve.tooling.cli down || echo "nothing to stop"
 
 demo-local: setup models
-	$(PY) -m specserve.cli demo-local --models $(MODELS_DIR)
+	$(PY) -m specserve.tooling.cli demo-local --models $(MODELS_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

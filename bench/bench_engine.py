@@ -28,6 +28,12 @@ a forward hook on the target (one call = one target pass).
 EOS is banned by default (engine: banned_token_ids, HF: suppress_tokens) so that every run
 emits exactly --max-tokens tokens; --natural-eos lets generations stop. At T=0 every method's
 tokens are compared with `target`'s (greedy_identical). Sampled runs use seed + prompt index.
+
+Honest acceptance: a prompt is degenerate when the target's greedy continuation of it loops
+(specserve.tooling.textquality: one token over 30 % of it, or a 4-gram more than 3 times). A
+looping target is easy to draft for, so every row also carries `nondegenerate` (acceptance,
+alpha and speedup on the other prompts only, the same prompts at every T), and the tables
+print both.
 Writes <out>/engine.json and <out>/speedup_vs_k.png, <out>/acceptance_by_position.png.
 """
 
@@ -51,11 +57,12 @@ import numpy as np
 import torch
 import transformers
 
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.engine import GenerationParams, SpecEngine
-from specserve.loading import load_pair
-from specserve.sampling import SamplingParams
-from specserve.verifier import TargetModel
+from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.loading import load_pair
+from specserve.models.verifier import TargetModel
+from specserve.tooling.textquality import is_degenerate
 
 SPEC = ("spec-model", "spec-ngram", "hf-assisted", "hf-lookup")  # methods that take a K
 
@@ -175,22 +182,43 @@ def alpha_fit(tokens_per_pass: float, k: int) -> float | None:
     return bisect(lambda a: speedup_theory(a, k, 0.0) - min(tokens_per_pass, k + 1))
 
 
+def acceptance(per_prompt: list[dict], k: int) -> dict:
+    """Acceptance figures from the engine's per-round (k, accepted, draft_ms) records."""
+    rounds = [r for p in per_prompt if p["rounds"] for r in p["rounds"] if r[0] > 0]
+    if not rounds:
+        return {}
+    acc = np.array([r[1] for r in rounds])
+    ks = np.array([r[0] for r in rounds])
+    return dict(mean_accepted=float(acc.mean()), p50_accepted=float(np.percentile(acc, 50)),
+                p90_accepted=float(np.percentile(acc, 90)), spec_rounds=len(rounds),
+                per_position=[float((acc[ks > i] > i).mean()) if (ks > i).any() else None for i in range(k)],
+                alpha=float(acc.sum() / np.minimum(acc + 1, ks).sum()),
+                accepted_over_proposed=float(acc.sum() / ks.sum()),
+                draft_ms_per_token=float(sum(r[2] for r in rounds) / ks.sum()))
+
+
 def summarize(res: dict, k: int) -> None:
-    """Add acceptance figures from the engine's per-round (k, accepted, draft_ms) records."""
-    rounds = [r for p in res["per_prompt"] if p["rounds"] for r in p["rounds"] if r[0] > 0]
     if res["tokens"] and res["passes"]:  # every method; HF's only acceptance figure
         res["accepted_per_pass"] = res["tokens"] / res["passes"] - 1
         res["alpha_fit"] = alpha_fit(res["tokens"] / res["passes"], k)
-    if not rounds:
-        return
-    acc = np.array([r[1] for r in rounds])
-    ks = np.array([r[0] for r in rounds])
-    res.update(mean_accepted=float(acc.mean()), p50_accepted=float(np.percentile(acc, 50)),
-               p90_accepted=float(np.percentile(acc, 90)), spec_rounds=len(rounds),
-               per_position=[float((acc[ks > i] > i).mean()) if (ks > i).any() else None for i in range(k)],
-               alpha=float(acc.sum() / np.minimum(acc + 1, ks).sum()),
-               accepted_over_proposed=float(acc.sum() / ks.sum()),
-               draft_ms_per_token=float(sum(r[2] for r in rounds) / ks.sum()))
+    res.update(acceptance(res["per_prompt"], k))
+
+
+def nondegenerate(res: dict, keep: list[int]) -> dict:
+    """The row's figures on the prompts whose greedy target continuation is not degenerate
+    (textquality): a draft that learnt a loop is accepted almost always, so acceptance on
+    looping text would flatter the speedup."""
+    sub = [res["per_prompt"][i] for i in keep]
+    n_tok = sum(len(p["tokens"]) for p in sub)
+    out = {"n_prompts": len(sub), "ms_per_token": sum(p["ms"] for p in sub) / n_tok if n_tok else None}
+    fig = acceptance(sub, res["K"])
+    return out | {k: fig[k] for k in ("mean_accepted", "alpha", "per_position") if k in fig}
+
+
+def degenerate_prompts(engine: SpecEngine, prompts: list[list[int]], max_tokens: int, banned: tuple) -> list[bool]:
+    """Per prompt: is the target's greedy continuation degenerate (the same test at every T)."""
+    params = GenerationParams(max_tokens, SamplingParams(banned_token_ids=banned), num_draft_tokens=0)
+    return [is_degenerate(engine.generate(ids, params).token_ids) for ids in prompts]
 
 
 def bench(args, pair: Path) -> tuple[list[dict], dict]:
@@ -210,6 +238,7 @@ def bench(args, pair: Path) -> tuple[list[dict], dict]:
 
     prompts = {c: [engines["target"].encode_prompt(p) for p in ps]
                for c, ps in load_prompts(pair, args.prompts_per_class).items()}
+    degenerate = {c: degenerate_prompts(engines["target"], ids, args.max_tokens, banned) for c, ids in prompts.items()}
     first = next(iter(prompts.values()))[:1]
     for m in args.methods:  # warm-up: first calls pay for lazy init and allocator growth
         for temp in args.temperatures:
@@ -237,21 +266,26 @@ def bench(args, pair: Path) -> tuple[list[dict], dict]:
                     p["ms"] = min(p["ms"], q["ms"])
                 base["wall_ms"] = round(sum(p["ms"] for p in base["per_prompt"]), 3)
                 base["ms_per_token"] = base["wall_ms"] / max(base["tokens"], 1)
-            finish_block(block, temp)
+            finish_block(block, temp, [i for i, d in enumerate(degenerate[cls]) if not d])
             results += block
-    return results, {"vocab_size": tm.vocab_size, "banned_token_ids": list(banned),
+    return results, {"vocab_size": tm.vocab_size, "banned_token_ids": list(banned), "degenerate_prompts": degenerate,
                      "target_params": sum(p.numel() for p in target.parameters()),
                      "draft_params": sum(p.numel() for p in draft.parameters())}
 
 
-def finish_block(block: list[dict], temp: float) -> None:
-    """Speedups, c, S_theory and greedy identity against the block's `target` row."""
+def finish_block(block: list[dict], temp: float, keep: list[int]) -> None:
+    """Speedups, c, S_theory and greedy identity against the block's `target` row; the same
+    speedup and acceptance on the non-degenerate prompts `keep` (row["nondegenerate"])."""
     base = next((r for r in block if r["method"] == "target" and "error" not in r), None)
     hf_base = next((r for r in block if r["method"] == "hf-plain" and "error" not in r), None)
+    base_nd = nondegenerate(base, keep) if base else None
     for r in block:
         if "error" in r or base is None:
             continue
         r["speedup"] = base["ms_per_token"] / r["ms_per_token"]
+        nd = r["nondegenerate"] = nondegenerate(r, keep)
+        if nd["ms_per_token"]:
+            nd["speedup"] = base_nd["ms_per_token"] / nd["ms_per_token"]
         if hf_base and r["method"].startswith("hf-"):
             r["speedup_vs_hf_plain"] = hf_base["ms_per_token"] / r["ms_per_token"]
         if "draft_ms_per_token" in r:
@@ -287,14 +321,17 @@ def acc_cell(r: dict) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    head = "| class | T | method | K | mean acc | ms/token | speedup | S_theory | greedy= |\n" + "|---" * 9 + "|\n"
+    head = ("| class | T | method | K | mean acc | ms/token | speedup | S_theory | greedy= "
+            "| non-degenerate: prompts | mean acc | speedup |\n" + "|---" * 12 + "|\n")
     lines = []
     for r in results:
-        g = r.get("greedy_identical")
+        g, nd = r.get("greedy_identical"), r.get("nondegenerate", {})
         lines.append(f"| {r['class']} | {r['temperature']:g} | {r['method']} | {r['K']} | "
                      f"{acc_cell(r)} | {fmt(r.get('ms_per_token'))} | "
                      f"{fmt(r.get('speedup'))} | {fmt(r.get('s_theory'))} | "
-                     f"{'-' if g is None else 'yes' if g else 'NO'} |"
+                     f"{'-' if g is None else 'yes' if g else 'NO'} | "
+                     f"{nd.get('n_prompts', '-')}/{r['n_prompts']} | {fmt(nd.get('mean_accepted'))} | "
+                     f"{fmt(nd.get('speedup'))} |"
                      + (f" error: {r['error'][:80]}" if "error" in r else ""))
     return head + "\n".join(lines)
 
@@ -307,11 +344,15 @@ def best_table(results: list[dict]) -> tuple[str, list[dict]]:
             if key not in best or r["speedup"] > best[key]["speedup"]:
                 best[key] = r
     rows = list(best.values())
-    head = "| class | T | method | best K | speedup | mean acc | alpha | passes/token |\n" + "|---" * 8 + "|\n"
+    head = ("| class | T | method | best K | speedup | mean acc | alpha | passes/token "
+            "| non-degenerate: speedup | mean acc | alpha |\n" + "|---" * 11 + "|\n")
     body = "\n".join(f"| {r['class']} | {r['temperature']:g} | {r['method']} | {r['K']} | "
                      f"{fmt(r['speedup'])} | {acc_cell(r)} | "
-                     f"{fmt(r.get('alpha', r.get('alpha_fit')))} | {fmt(r['passes_per_token'])} |" for r in rows)
-    return head + body, [{k: r.get(k) for k in ("class", "temperature", "method", "K", "speedup")} for r in rows]
+                     f"{fmt(r.get('alpha', r.get('alpha_fit')))} | {fmt(r['passes_per_token'])} | "
+                     f"{fmt(r['nondegenerate'].get('speedup'))} | {fmt(r['nondegenerate'].get('mean_accepted'))} | "
+                     f"{fmt(r['nondegenerate'].get('alpha'))} |" for r in rows)
+    return head + body, [{k: r.get(k) for k in ("class", "temperature", "method", "K", "speedup")}
+                         | {"nondegenerate_speedup": r["nondegenerate"].get("speedup")} for r in rows]
 
 
 def plot_per_class(results: list[dict], methods, series, path: Path, hline=None, **axes_set) -> None:
@@ -398,6 +439,8 @@ def main(argv=None) -> None:
     }
     (out / "engine.json").write_text(json.dumps(report, indent=1))
     plots = plot(results, out)
+    for cls, flags in report["meta"]["degenerate_prompts"].items():
+        print(f"{cls}: {sum(flags)} of {len(flags)} prompts have a degenerate greedy continuation")
     print(markdown(results))
     print("\n### Best K per (class, T, method)\n")
     print(table)

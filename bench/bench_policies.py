@@ -29,8 +29,8 @@ from pathlib import Path
 
 import grpc
 
-from specserve.modelbuild.build import load_eval_prompts, untrained_copy
-from specserve.stack import PoolSpec, Stack, StackSpec, _alive
+from specserve.tooling.modelbuild.build import load_eval_prompts, untrained_copy
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec, _alive
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 CLASSES = ("code", "chat", "extraction")

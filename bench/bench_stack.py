@@ -5,7 +5,8 @@ sends each prompt through the router with speculation off (plain decoding throug
 stack) and on, then runs the in-process engine on the same prompts. Reports per class:
 ms/token and speedup over plain *through the same path*, and the per-round overhead outside
 model time (router wall time of a round minus the draft worker's and the target's own
-reported compute: gRPC, serialisation, Redis commit) as p50/p99.
+reported compute: gRPC, serialisation, Redis commit) as p50/p99. Speedup and acceptance are
+also given on the prompts whose plain greedy output is not degenerate (textquality).
 Writes <out>/stack.json and <out>/stack_overhead.png.
 """
 
@@ -21,13 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.engine import GenerationParams, SpecEngine
-from specserve.loading import load_pair
-from specserve.modelbuild.build import load_eval_prompts
-from specserve.sampling import SamplingParams
-from specserve.stack import PoolSpec, Stack, StackSpec
-from specserve.verifier import TargetModel
+from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.loading import load_pair
+from specserve.models.verifier import TargetModel
+from specserve.tooling.modelbuild.build import load_eval_prompts
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+from specserve.tooling.textquality import is_degenerate
 
 CLASSES = ("code", "chat", "extraction")
 
@@ -78,7 +80,7 @@ def main() -> None:
 
     from specserve.v1 import generation_pb2_grpc
 
-    rows, overhead_all = [], []
+    rows, overhead_all, degenerate = [], [], {}
     with tempfile.TemporaryDirectory(prefix="specserve-bench-") as run_dir:
         stack = Stack(StackSpec(pair_dir=str(pair), run_dir=run_dir,
                                 pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1)}))
@@ -91,19 +93,22 @@ def main() -> None:
                 for cls, ps in prompts.items():
                     print(f"[bench] stack {cls}", file=sys.stderr, flush=True)
                     for pool in ("none", "small", "ngram"):
-                        ms, toks, rounds, over = 0.0, 0, [], []
+                        ms, toks, rounds, over, per_prompt = 0.0, 0, [], [], []
                         for p in ps:
                             t, resp = via_router(stub, p, pool, a.k, a.max_tokens, banned, a.repeats)
                             ms += t
                             toks += len(resp.token_ids)
                             rounds += [(r.k, r.accepted) for r in resp.stats.round]
                             over += [r.overhead_ms for r in resp.stats.round]
+                            per_prompt.append((t, len(resp.token_ids), [r.accepted for r in resp.stats.round if r.k]))
+                            if pool == "none":  # greedy plain output decides which prompts loop
+                                degenerate.setdefault(cls, []).append(is_degenerate(resp.token_ids))
                         overhead_all += over
                         rows.append({"path": "stack", "class": cls, "pool": pool, "ms_per_token": ms / toks,
                                      "rounds": len(rounds), "tokens": toks,
                                      "mean_accepted": float(np.mean([acc for k, acc in rounds if k])) if pool != "none" else None,
                                      "overhead_ms_p50": float(np.percentile(over, 50)),
-                                     "overhead_ms_p99": float(np.percentile(over, 99))})
+                                     "overhead_ms_p99": float(np.percentile(over, 99)), "per_prompt": per_prompt})
 
     torch.set_num_threads(2)
     lp = load_pair(str(pair / "target"), str(pair / "draft"))
@@ -114,31 +119,54 @@ def main() -> None:
     for cls, ps in prompts.items():
         print(f"[bench] in-process {cls}", file=sys.stderr, flush=True)
         for pool, engine in engines.items():
-            ms, toks = 0.0, 0
+            ms, toks, per_prompt = 0.0, 0, []
             for p in ps:
                 t, res = in_process(engine, p, a.k if pool != "none" else 0, a.max_tokens, tuple(banned), a.repeats)
                 ms += t
                 toks += len(res.token_ids)
-            rows.append({"path": "in-process", "class": cls, "pool": pool, "ms_per_token": ms / toks, "tokens": toks})
+                per_prompt.append((t, len(res.token_ids), res.acceptance_lengths))
+            rows.append({"path": "in-process", "class": cls, "pool": pool, "ms_per_token": ms / toks, "tokens": toks,
+                         "mean_accepted": float(np.mean(sum((x[2] for x in per_prompt), []) or [np.nan]))
+                         if pool != "none" else None, "per_prompt": per_prompt})
 
     for r in rows:
         base = next(b for b in rows if b["path"] == r["path"] and b["class"] == r["class"] and b["pool"] == "none")
         r["speedup"] = base["ms_per_token"] / r["ms_per_token"]
+        r["nondegenerate"] = _nondegenerate(r, base, [i for i, d in enumerate(degenerate[r["class"]]) if not d])
     summary = {"overhead_ms_p50": float(np.percentile(overhead_all, 50)),
                "overhead_ms_p99": float(np.percentile(overhead_all, 99)), "rounds": len(overhead_all)}
     (out / "stack.json").write_text(json.dumps({"args": vars(a), "pair": str(pair), "summary": summary, "rows": rows,
                                                 "overhead_ms": overhead_all},
                                                indent=1))
-    print("| path | class | speculation | ms/token | speedup vs plain (same path) | mean accepted | overhead p50/p99 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| path | class | speculation | ms/token | speedup vs plain (same path) | mean accepted | overhead p50/p99 ms "
+          "| non-degenerate: prompts | speedup | mean accepted |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        acc = f"{r['mean_accepted']:.2f}" if r.get("mean_accepted") is not None else "-"
+        acc, nd = _fmt(r.get("mean_accepted")), r["nondegenerate"]
         ov = f"{r['overhead_ms_p50']:.2f} / {r['overhead_ms_p99']:.2f}" if "overhead_ms_p50" in r else "-"
-        print(f"| {r['path']} | {r['class']} | {r['pool']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | {acc} | {ov} |")
+        print(f"| {r['path']} | {r['class']} | {r['pool']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | {acc} | {ov} "
+              f"| {nd['n_prompts']}/{len(r['per_prompt'])} | {_fmt(nd['speedup'])}x | {_fmt(nd['mean_accepted'])} |")
     print(f"\nper-round overhead outside model time (router + gRPC + Redis), all rounds: "
           f"p50 {summary['overhead_ms_p50']:.2f} ms, p99 {summary['overhead_ms_p99']:.2f} ms ({summary['rounds']} rounds)")
     _plot(rows, overhead_all, out / "stack_overhead.png")
     print(f"wrote {out / 'stack.json'} and {out / 'stack_overhead.png'}", file=sys.stderr)
+
+
+def _nondegenerate(row: dict, base: dict, keep: list[int]) -> dict:
+    """Speedup and acceptance on the prompts whose plain greedy output does not loop
+    (textquality): looping text is easy to draft, so it must not flatter the figures unseen."""
+    def ms_per_token(r):
+        n = sum(r["per_prompt"][i][1] for i in keep)
+        return sum(r["per_prompt"][i][0] for i in keep) / n if n else None
+
+    acc = [x for i in keep for x in row["per_prompt"][i][2]]
+    mine, theirs = ms_per_token(row), ms_per_token(base)
+    return {"n_prompts": len(keep), "speedup": theirs / mine if mine and theirs else None,
+            "mean_accepted": float(np.mean(acc)) if acc and row["pool"] != "none" else None}
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _plot(rows, overhead, path: Path) -> None:

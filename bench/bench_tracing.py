@@ -14,9 +14,9 @@ from pathlib import Path
 
 import grpc
 
-from specserve.modelbuild.build import load_eval_prompts
-from specserve.otlp_receiver import OtlpReceiver
-from specserve.stack import PoolSpec, Stack, StackSpec
+from specserve.tooling.modelbuild.build import load_eval_prompts
+from specserve.tooling.otlp_receiver import OtlpReceiver
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 

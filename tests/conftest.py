@@ -16,27 +16,27 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def tiny_pair_dir() -> Path:
-    from specserve.modelbuild.build import PRESETS, build_pair
+    from specserve.tooling.modelbuild.build import PRESETS, build_pair
 
     return build_pair(PRESETS["tiny"], CACHE, log=lambda *_: None)
 
 
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_pair_dir):
-    from specserve.loading import load_pair
+    from specserve.models.loading import load_pair
 
     return load_pair(str(tiny_pair_dir / "target"), str(tiny_pair_dir / "draft"))
 
 
 @pytest.fixture(scope="session")
 def eval_prompts(tiny_pair_dir) -> list[dict]:
-    from specserve.modelbuild.build import load_eval_prompts
+    from specserve.tooling.modelbuild.build import load_eval_prompts
 
     return load_eval_prompts(tiny_pair_dir)
 
 
 @pytest.fixture(scope="session")
 def target_model(tiny_pair):
-    from specserve.verifier import TargetModel
+    from specserve.models.verifier import TargetModel
 
     return TargetModel(tiny_pair.target)

@@ -2,18 +2,16 @@
 # specserve router: `python -m services.router` (settings: SPECSERVE_ROUTER_*).
 # Build from the repository root:
 #   docker build -f deploy/docker/router.Dockerfile -t specserve-router:0.1.0 .
-# Light on purpose: no transformers, Ray or CUDA. The router still imports torch (specserve.wire
-# and specserve.rejection convert the draft's q on the round path), so it gets the CPU wheel;
-# everything else is router-requirements.txt, and the package goes in with --no-deps.
+# Light on purpose: no torch, transformers, Ray or CUDA. The router forwards the draft's q
+# untouched (the q codec is worker-side), so its import path is torch-free (tests/helm and
+# tests/integration/test_router_torch_free.py check it); its dependencies are
+# router-requirements.txt, and the package goes in with --no-deps.
 ARG PYTHON_IMAGE=python:3.11.9-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-# The same torch as `make setup`, CPU build.
-ARG TORCH_VERSION=2.13.0
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 COPY deploy/docker/router-requirements.txt /tmp/router-requirements.txt
 RUN pip install -r /tmp/router-requirements.txt
 WORKDIR /src

@@ -7,8 +7,8 @@ import logging
 
 from services.draft.server import DraftServicer
 from specserve.config import DraftSettings
-from specserve.serving import GrpcServer
-from specserve.telemetry import (
+from specserve.serving.server import GrpcServer
+from specserve.serving.telemetry import (
     TracingServerInterceptor,
     publish_ports,
     setup_tracing,
@@ -28,14 +28,15 @@ def load_drafter(settings: DraftSettings):
         return NgramDrafter(NGRAM_VOCAB, settings.ngram_min, settings.ngram_max, name=settings.pool)
     import torch
 
-    from specserve.loading import load_model
+    from specserve.models.loading import load_model
 
     torch.set_num_threads(settings.torch_threads)
-    return HFDrafter(load_model(settings.model), name=settings.pool)
+    return HFDrafter(load_model(settings.model), name=settings.pool, q_mass=settings.q_mass,
+                     q_max_entries=settings.q_max_entries)
 
 
 def warm_up(drafter) -> None:
-    from specserve.sampling import SamplingParams
+    from specserve.algorithm.sampling import SamplingParams
 
     session = drafter.start()
     session.propose([0, 1, 2, 1], 2, SamplingParams(), 0)

@@ -6,27 +6,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import uuid
 
 import redis.asyncio as aioredis
 
 from services.router.admin import PolicyAdminServicer
+from services.router.classifier import Classifier, Rule
+from services.router.model_info import ModelInfo
+from services.router.observers import ControllerFeed, MetricsObserver, RoundObserver, SpanObserver
+from services.router.planner import Planner
 from services.router.pools import DraftPool, TargetDirectory
-from services.router.requests import Classifier, ModelInfo, Rule
 from services.router.rounds import RoundLoop
 from services.router.service import GenerationServicer
+from services.router.sessions import Sessions
+from specserve.algorithm.stops import StopChecker
 from specserve.config import RouterSettings
-from specserve.controller import Controller, ShadowLog
+from specserve.control.controller import Controller, ShadowLog
+from specserve.control.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
 from specserve.errors import InvalidRequest
-from specserve.metrics import RouterMetrics
-from specserve.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
-from specserve.serving import GrpcServer
-from specserve.store import SessionStore
-from specserve.telemetry import (
+from specserve.params import GenerationParams
+from specserve.serving.metrics import RouterMetrics
+from specserve.serving.server import GrpcServer
+from specserve.serving.telemetry import (
     TracingServerInterceptor,
     publish_ports,
     setup_tracing,
     shutdown_tracing,
 )
+from specserve.state.store import SessionStore
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 log = logging.getLogger("specserve.router")
@@ -75,24 +84,33 @@ async def main(settings: RouterSettings) -> None:
     classifier = classifier_from(settings)
     redis = aioredis.from_url(settings.redis_url)
     store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s)
-    pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000)
+    pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000, settings.worker_streams,
+                             settings.predraft_branches)
              for name, addrs in settings.draft_pools.items()}
-    targets = TargetDirectory(redis, settings.key_prefix)
+    targets = TargetDirectory(redis, settings.key_prefix, settings.verify_timeout_ms / 1000, settings.target_wait_s,
+                              settings.worker_streams)
     metrics = RouterMetrics()
     policy_store = PolicyStore(redis, settings.key_prefix)
     policies = PolicyCache(policy_store, builtin_policy(settings), settings.policy_reload_s)
     controller = Controller(redis, settings.key_prefix, settings.controller_half_life_s, settings.controller_refresh_s,
                             settings.controller_min_rounds, settings.stats_ttl_s)
     shadow_log = ShadowLog(redis, settings.key_prefix, settings.stats_ttl_s)
-    servicer: GenerationServicer
-    loop = RoundLoop(store, targets, lambda p: servicer.stops_for(p), settings.verify_timeout_ms / 1000,
-                     settings.target_wait_s, metrics, model.kv_bytes_per_token, controller)
-    servicer = GenerationServicer(settings, model, store, pools, loop, policies, controller, classifier, metrics,
-                                  shadow_log)
+
+    def stops_for(params: GenerationParams) -> StopChecker:
+        return StopChecker(model.eos_token_ids, params.stop, model.decode)
+
+    observers: list[RoundObserver] = [MetricsObserver(metrics, model.kv_bytes_per_token), ControllerFeed(controller),
+                                      SpanObserver()]
+    rounds = RoundLoop(store, targets, stops_for, observers, settings.pipeline_commits)
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    sessions = Sessions(store, rounds, pools, targets, stops_for, owner, shadow_log, metrics,
+                        settings.shadow_timeout_s)
+    planner = Planner(policies, controller, pools, metrics)
+    servicer = GenerationServicer(settings, model, classifier, planner, sessions, store)
     tokens = {name: tok.get_secret_value() for name, tok in settings.admin_tokens.items()}
     if settings.admin_token.get_secret_value():
         tokens.setdefault("admin", settings.admin_token.get_secret_value())
-    admin = PolicyAdminServicer(policy_store, policies, servicer, tokens, shadow_log)
+    admin = PolicyAdminServicer(policy_store, policies, planner, tokens, shadow_log)
 
     def add(server) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

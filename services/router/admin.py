@@ -13,9 +13,9 @@ import math
 
 import grpc
 
-from specserve.controller import ShadowLog
-from specserve.errors import InvalidRequest
-from specserve.policy import (
+from services.router.planner import Planner
+from specserve.control.controller import ShadowLog
+from specserve.control.policy import (
     CLASS_NAME,
     AuditEntry,
     Policy,
@@ -23,6 +23,7 @@ from specserve.policy import (
     PolicyConflict,
     PolicyStore,
 )
+from specserve.errors import InvalidRequest
 from specserve.v1 import policy_pb2, policy_pb2_grpc
 
 MODE_TO_PB = {"enabled": policy_pb2.POLICY_MODE_ENABLED, "shadow": policy_pb2.POLICY_MODE_SHADOW,
@@ -32,7 +33,8 @@ PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
 
 def policy_to_pb(p: Policy) -> policy_pb2.Policy:
     msg = policy_pb2.Policy(
-        workload_class=p.workload_class, mode=MODE_TO_PB[p.mode], draft_pool=p.draft_pool, k=p.k,
+        workload_class=p.workload_class, mode=MODE_TO_PB[p.mode], draft_pool=p.draft_pool,
+        draft_pools=list(p.draft_pools), k=p.k,
         adaptive_k=p.adaptive_k, k_min=p.k_min, k_max=p.k_max, max_prompt_tokens=p.max_prompt_tokens,
         safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, version=p.version,
         updated_by=p.updated_by, updated_at=p.updated_at)
@@ -49,6 +51,7 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
         if not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number")
     return Policy(workload_class=msg.workload_class, mode=PB_TO_MODE[msg.mode], draft_pool=msg.draft_pool,
+                  draft_pools=tuple(msg.draft_pools),
                   k=msg.k, adaptive_k=msg.adaptive_k, k_min=msg.k_min, k_max=msg.k_max,
                   temperature_ceiling=msg.temperature_ceiling if msg.HasField("temperature_ceiling") else None,
                   max_prompt_tokens=msg.max_prompt_tokens, safety_margin=msg.safety_margin,
@@ -72,11 +75,11 @@ def _class_name(name: str) -> str:
 
 
 class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
-    def __init__(self, store: PolicyStore, cache: PolicyCache, servicer, tokens: dict[str, str],
+    def __init__(self, store: PolicyStore, cache: PolicyCache, planner: Planner, tokens: dict[str, str],
                  shadow_log: ShadowLog) -> None:
         self.store = store
         self.cache = cache
-        self.gen = servicer  # GenerationServicer: its pools, controller and class bookkeeping
+        self.planner = planner  # the pools this router has, and the controller's assessment
         self.tokens = {name: tok for name, tok in tokens.items() if tok}
         self.shadow_log = shadow_log
 
@@ -113,7 +116,7 @@ class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
         who = await self._who(context)
         if not request.HasField("policy"):
             raise InvalidRequest("SetPolicy needs a policy")
-        policy = policy_from_pb(request.policy).validate(set(self.gen.pools))
+        policy = policy_from_pb(request.policy).validate(self.planner.pools)
         expected = request.expected_version if request.HasField("expected_version") else None
         try:
             stored = await self.store.set(policy, who, context.peer() or "", expected, request.comment)
@@ -135,19 +138,17 @@ class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
 
     async def GetEffectivePolicy(self, request, context):
         await self._who(context)
-        cls = _class_name(request.workload_class)
-        policy, source = self.cache.effective(cls)
-        stats_class = self.gen.stats_class(cls)
-        await self.gen.controller.refresh({(stats_class, policy.draft_pool)})  # the freshest view
-        decision = self.gen.controller.decision(stats_class, policy)
-        est = decision.estimate
+        policy, source, stats_class, a = await self.planner.effective(_class_name(request.workload_class))
+        est = a.estimate
         d = policy_pb2.ControllerDecision(
-            decision=decision.decision, reason=decision.reason, k=decision.k,
-            expected_speedup=est.speedup.get(decision.k, 0.0), spec_rounds=est.spec_rounds,
-            plain_rounds=est.plain_rounds, acceptance=est.acceptance, plain_step_ms=est.plain_step_ms)
+            decision=a.decision.value, reason=a.reason, k=a.k, expected_speedup=a.speedup,
+            spec_rounds=est.spec_rounds, plain_rounds=est.plain_rounds, acceptance=est.acceptance,
+            plain_step_ms=est.plain_step_ms, draft_pool=a.pool)
         for k, s in est.speedup.items():
             d.speedup_by_k[k] = s
-        shadow = await self.shadow_log.summary(stats_class, policy.draft_pool)
+        for pool, e in a.estimates.items():
+            d.speedup_by_pool[pool] = e.best(*policy.k_range)[1]
+        shadow = await self.shadow_log.summary(stats_class, a.pool or policy.draft_pool)
         return policy_pb2.EffectivePolicy(policy=policy_to_pb(policy), source=source, decision=d,
                                           stats_class=stats_class, shadow=policy_pb2.ShadowSummary(**shadow))
 

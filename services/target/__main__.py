@@ -39,7 +39,13 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
     else:
         ray.init(namespace=settings.namespace, include_dashboard=False, num_cpus=max(2, int(settings.num_cpus) + 1),
                  _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
-    from specserve.telemetry import carrier, setup_tracing, shutdown_tracing, tracer, tracing_env
+    from specserve.serving.telemetry import (
+        carrier,
+        setup_tracing,
+        shutdown_tracing,
+        tracer,
+        tracing_env,
+    )
 
     setup_tracing("specserve-target-launcher")
     options = dict(name=settings.name, lifetime="detached", get_if_exists=True,

@@ -56,9 +56,10 @@ class TargetWorker:
         import torch
 
         from services.target.server import TargetServicer
-        from specserve.loading import load_model
-        from specserve.serving import GrpcServer
-        from specserve.telemetry import (
+        from specserve.models.loading import load_model
+        from specserve.models.verifier import TargetModel
+        from specserve.serving.server import GrpcServer
+        from specserve.serving.telemetry import (
             TracingServerInterceptor,
             attach_carrier,
             setup_tracing,
@@ -66,7 +67,6 @@ class TargetWorker:
             tracer,
         )
         from specserve.v1 import target_pb2, target_pb2_grpc
-        from specserve.verifier import TargetModel
 
         s = self.settings
         setup_tracing("specserve-target")

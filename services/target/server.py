@@ -8,15 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from specserve.errors import InvalidRequest
-from specserve.metrics import WorkerMetrics
-from specserve.prefix import CommittedPrefix
-from specserve.rejection import QProbs, Verdict
-from specserve.sampling import SamplingParams
-from specserve.serving import run_timed
-from specserve.sessions import SessionLRU
+from specserve.models.verifier import TargetModel, TargetSession, verify_block
+from specserve.serving.metrics import WorkerMetrics
+from specserve.serving.server import run_timed
+from specserve.serving.streams import serve_calls
+from specserve.serving.wire import check_k, check_token_ids, sampling_from_proto
+from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specserve.verifier import TargetModel, TargetSession, judge
-from specserve.wire import check_k, check_token_ids, q_from_proto, sampling_from_proto
+from specserve.worker.qcodec import q_from_proto
+from specserve.worker.sessions import SessionLRU
 
 
 @dataclass
@@ -66,7 +66,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         before = sess.target.rollback_tokens
         # verify_ms is this call's compute (plus the simulated device time), not the wait for
         # the executor: the controller prices rounds by cost, not by how busy the node is
-        verdict, elapsed = await run_timed(self.executor, _verify, sess.target, ids, drafts, q, sampling,
+        verdict, elapsed = await run_timed(self.executor, verify_block, sess.target, ids, drafts, q, sampling,
                                            int(request.seed))
         if self.simulated_pass_ms:
             await asyncio.sleep(self.simulated_pass_ms / 1e3)
@@ -81,6 +81,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             p_draft=verdict.p_draft, q_draft=verdict.q_draft, verify_ms=elapsed * 1e3,
             rollback_tokens=rolled_back)
 
+    async def VerifyStream(self, request_iterator, context):
+        async for reply in serve_calls(request_iterator, lambda r, push: self.Verify(r, context), target_pb2.VerifyReply,
+                                       "specserve.v1.Target/Verify"):
+            yield reply
+
     async def Prefill(self, request: target_pb2.PrefillRequest, context) -> target_pb2.PrefillResponse:
         sess, ids = self._reconcile(request)
         await asyncio.get_running_loop().run_in_executor(self.executor, sess.target.verify, ids, [])
@@ -89,10 +94,3 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
 
-
-def _verify(session: TargetSession, ids: list[int], drafts: list[int], q: QProbs,
-            sampling: SamplingParams, seed: int) -> Verdict:
-    logits = session.verify(ids, drafts)  # [k+1, V]
-    verdict = judge(logits, drafts, q, sampling, seed, len(ids))
-    session.rollback(len(ids) + verdict.num_accepted)  # rejected drafts leave the KV cache
-    return verdict

@@ -19,6 +19,11 @@ class DraftSettings(BaseSettings):
     metrics_port_file: str = ""
     max_sessions: int = Field(256, ge=1)  # LRU of per-session KV caches
     torch_threads: int = Field(1, ge=1)
+    # q on the wire: the draft samples from its most likely tokens covering q_mass, at most
+    # q_max_entries per position, and sends that q sparse (exact; ADR 0010). The in-process
+    # engine uses the same defaults, so a seeded request drafts the same in both.
+    q_mass: float = Field(0.999, gt=0, le=1)
+    q_max_entries: int = Field(256, ge=0)  # 0 = no cap
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     grace_s: float = Field(5.0, ge=0)  # SIGTERM drain
@@ -69,6 +74,14 @@ class RouterSettings(BaseSettings):
     max_tokens_limit: int = Field(1024, ge=1)
     max_prompt_tokens: int = Field(768, ge=1)
     draft_timeout_ms: float = Field(250.0, gt=0)  # per Propose call; then retry/fall back
+    # per-round calls on one long-lived stream per (router, worker); false = one unary call each
+    worker_streams: bool = True
+    # round n+1 drafts and verifies while round n's commit is in flight (ADR 0010); false =
+    # each round waits for its commit (benchmarks compare the two)
+    pipeline_commits: bool = True
+    # draft workers draft ahead, while the target verifies, for this many likely next prefixes
+    # (all accepted + the bonus guess, then a rejection at each position); 0 = off (ADR 0010)
+    predraft_branches: int = Field(2, ge=0, le=8)
     verify_timeout_ms: float = Field(10_000.0, gt=0)
     target_wait_s: float = Field(30.0, ge=0)  # how long a round waits for a target to appear
     session_ttl_s: int = Field(3600, ge=1)

@@ -24,3 +24,11 @@ class Unavailable(SpecserveError):
 
 class SessionLost(SpecserveError):
     """Another router took the session over, or it expired (gRPC ABORTED): Resume it."""
+
+
+class SessionNotFound(SpecserveError, LookupError):
+    """No such session, or it expired (gRPC NOT_FOUND)."""
+
+
+class RequestIdConflict(InvalidRequest):
+    """A request_id was reused for a different prompt: a retry must resend the same request."""

@@ -85,7 +85,7 @@ def test_grpc_health_probes(manifests):
 
 
 def test_env_names_are_settings_fields(manifests):
-    telemetry = "\n".join(p.read_text() for p in (ROOT / "src" / "specserve").glob("*.py"))
+    telemetry = "\n".join(p.read_text() for p in (ROOT / "src" / "specserve").rglob("*.py"))
     for where, _, c in containers(manifests):
         for name in env_of(c):
             if name in SHARED_SPECSERVE_ENV:

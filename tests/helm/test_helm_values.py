@@ -127,7 +127,7 @@ def test_admin_token_comes_from_a_secret_and_policies_are_seeded(render):
     assert "SPECSERVE_ROUTER_ADMIN_TOKEN" not in env  # no Secret named: administration refused
     seeded = json.loads(env["SPECSERVE_ROUTER_POLICIES"]["value"])
     assert set(seeded) == {"code", "chat", "extraction"}
-    from specserve.policy import Policy
+    from specserve.control.policy import Policy
 
     for cls, fields in seeded.items():  # what the router will validate at start
         Policy.from_dict({**fields, "workload_class": cls}).validate({"small"})

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from specserve.redis_server import LocalRedis, start_redis
-from specserve.store import SessionStore
+from specserve.state.store import SessionStore
+from specserve.tooling.redis_server import LocalRedis, start_redis
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -53,7 +53,7 @@ def store(redis_client: aioredis.Redis) -> SessionStore:
 @pytest.fixture(scope="session")
 def otlp_receiver():
     """A real OTLP/gRPC trace receiver the services export to."""
-    from specserve.otlp_receiver import OtlpReceiver
+    from specserve.tooling.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     yield receiver
@@ -65,7 +65,7 @@ def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
     """The whole system on loopback: its own redis-server, a Ray head owned by the target
     launcher, pools `small` (2 model replicas) and `ngram` (1), and the router; every service
     exports its spans to `otlp_receiver`."""
-    from specserve.stack import PoolSpec, Stack, StackSpec
+    from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     run_dir = tmp_path_factory.mktemp("stack")
     spec = StackSpec(

@@ -80,7 +80,7 @@ def test_one_request_is_one_trace_across_three_processes(stub, otlp_receiver, ev
 
 
 def test_trace_renders_as_a_waterfall(stub, otlp_receiver, eval_prompts, tmp_path):
-    from specserve.waterfall import render, rounds_of
+    from specserve.tooling.waterfall import render, rounds_of
 
     resp = stub.Generate(generation_pb2.GenerateRequest(prompt=eval_prompts[21]["prompt"], max_tokens=16,
                                                         draft_pool="small"), timeout=120)

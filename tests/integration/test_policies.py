@@ -1,6 +1,6 @@
 """Policies, the controller and shadow mode on the real system: its own redis-server, Ray
-target, draft pools (`small`: the distilled draft, `poor`: the same architecture untrained)
-and two router replicas, all on loopback.
+target, draft pools (`small` and `spare`: the distilled draft, `poor`: the same architecture
+untrained) and two router replicas, all on loopback.
 
 The target sleeps 30 ms per forward pass and the `small` draft 5 ms per proposed token
 (SPECSERVE_*_SIMULATED_*): on this CPU the tiny target is so cheap that speculation never
@@ -30,15 +30,19 @@ ENABLED, SHADOW, OFF = policy_pb2.POLICY_MODE_ENABLED, policy_pb2.POLICY_MODE_SH
 
 @pytest.fixture(scope="module")
 def pstack(tiny_pair_dir, tmp_path_factory):
-    from specserve.modelbuild.build import untrained_copy
-    from specserve.stack import PoolSpec, Stack, StackSpec
+    from specserve.tooling.modelbuild.build import untrained_copy
+    from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     run_dir = tmp_path_factory.mktemp("pstack")
     poor = untrained_copy(tiny_pair_dir / "draft", run_dir / "poor-draft", seed=1)
     spec = StackSpec(
         pair_dir=str(tiny_pair_dir), run_dir=str(run_dir), routers=2, target_threads=1,
         pools={"small": PoolSpec("draft", env={"SPECSERVE_DRAFT_SIMULATED_TOKEN_MS": "5"}),
-               "poor": PoolSpec(str(poor))},
+               "poor": PoolSpec(str(poor)),
+               # the distilled draft again, on a faster simulated device (1 ms per token: S
+               # well above the margin even on a loaded machine), for the two-pool test alone
+               # (it kills it)
+               "spare": PoolSpec("draft", env={"SPECSERVE_DRAFT_SIMULATED_TOKEN_MS": "1"})},
         router_env={"SPECSERVE_ROUTER_ADMIN_TOKENS": json.dumps({"ops": TOKEN}),
                     "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "256", "SPECSERVE_ROUTER_TARGET_WAIT_S": "120",
                     "SPECSERVE_ROUTER_CONTROLLER_HALF_LIFE_S": "60", "SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "2000"},
@@ -170,6 +174,46 @@ def test_a_poor_draft_pool_is_switched_to_plain_and_throughput_recovers(routers,
           f"{speculative}/16 probes")
     assert speculative <= 4  # probe fraction 5 %: P(binomial(16, 0.05) > 4) < 0.001
     assert ratio >= 0.90
+
+
+def test_a_class_with_two_pools_ends_on_the_good_one_and_leaves_it_when_it_degrades(pstack, routers,
+                                                                                  code_prompts):
+    """The policy prefers `poor` but allows `spare` (the distilled draft): the controller
+    measures plain and both pools, then runs the class on `spare`. When `spare` degrades (its
+    only replica is killed: every Propose fails, 0 accepted for the time it wasted), the
+    class leaves it, and it does not go to `poor`, which does not pay either."""
+    import os
+    import signal
+
+    (gen0, admin0), (gen1, _) = routers
+    cls = _cls("twopools")
+    _set(admin0, cls, draft_pool="poor", draft_pools=["spare"], k=4, probe_fraction=0.05)
+    history: list[str] = []
+    for i in range(16):
+        r = _gen((gen0, gen1)[i % 2], code_prompts[i % len(code_prompts)], cls)
+        history.append(r.stats.draft_pool or "plain")
+        d = _effective(admin0, cls).decision
+        if d.decision == "speculate":
+            break
+    # learning sends each request to an arm without statistics: 3 arms, each measured by one
+    # 32-token request, so 16 requests leave P(an arm never drawn) < 3 * (2/3)^16 < 0.002
+    assert (d.decision, d.draft_pool) == ("speculate", "spare"), (d.reason, history)
+    assert d.speedup_by_pool["spare"] > 1.1 > d.speedup_by_pool["poor"]
+    settled_after = i + 1
+    on_spare = sum(_gen(gen0, code_prompts[j % len(code_prompts)], cls).stats.draft_pool == "spare" for j in range(8))
+    assert on_spare >= 6  # 5 % probes: P(binomial(8, 0.05) > 2) < 0.006
+    os.kill(pstack.info.pids["draft-spare-0"], signal.SIGKILL)
+    for j in range(40):
+        r = _gen((gen0, gen1)[j % 2], code_prompts[j % len(code_prompts)], cls)
+        assert len(r.token_ids) == 32  # a dead pool never fails a request
+        d = _effective(admin0, cls).decision
+        if d.draft_pool != "spare" or d.decision != "speculate":
+            break
+    print(f"two pools: on spare after {settled_after} requests ({history}); left it {j + 1} requests after "
+          f"it degraded: {d.decision} on {d.draft_pool}, S by pool {dict(d.speedup_by_pool)}")
+    # it stops speculating on `spare`: plain (or re-measuring `poor` if its statistics decayed)
+    assert d.decision in ("plain", "learn") and d.speedup_by_pool["spare"] < 1.1, d.reason
+    assert d.speedup_by_pool["poor"] < 1.1
 
 
 def _sweep_rate(responses, k: int) -> float:
@@ -318,7 +362,7 @@ def test_policy_cli(pstack, tmp_path):
     import sys
 
     cls = _cls("cli")
-    env_run = [sys.executable, "-m", "specserve.cli", "policy"]
+    env_run = [sys.executable, "-m", "specserve.tooling.cli", "policy"]
     common = ["--router", pstack.info.router]
 
     def cli(*args: str, token: str = TOKEN) -> subprocess.CompletedProcess:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from specserve.controller import Controller
-from specserve.policy import Policy, PolicyCache, PolicyConflict, PolicyStore
+from specserve.control.controller import Controller
+from specserve.control.policy import Policy, PolicyCache, PolicyConflict, PolicyStore
 
 
 def test_statistics_decay_by_half_life(redis_client, run):

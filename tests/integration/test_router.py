@@ -15,7 +15,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.drafters import NgramDrafter
-from specserve.engine import GenerationParams, SpecEngine
+from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_TOKENS = 24
@@ -77,8 +77,8 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
 def test_seeded_sampling_through_router_equals_in_process_engine(stub, tiny_pair, target_model, eval_prompts, pool):
     """Randomness is keyed by (seed, position, purpose) on every side of the wire, so the
     distributed rounds reproduce the in-process engine's sampled tokens exactly."""
+    from specserve.algorithm.sampling import SamplingParams
     from specserve.drafters import HFDrafter
-    from specserve.sampling import SamplingParams
 
     drafter = HFDrafter(tiny_pair.draft) if pool == "small" else NgramDrafter(target_model.vocab_size)
     engine = SpecEngine(target_model, drafter, tiny_pair.tokenizer)

@@ -9,9 +9,8 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from specserve.errors import InvalidRequest
-from specserve.store import Chunk, CommitStatus, SessionStatus, SessionStore
-from specserve.store_errors import RequestIdConflict, SessionNotFound
+from specserve.errors import InvalidRequest, RequestIdConflict, SessionNotFound
+from specserve.state.store import Chunk, CommitStatus, SessionStatus, SessionStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from specserve.controller import Batch, Controller, Estimate, estimate
+from specserve.control.arms import RequestFacts, assess, choose_arm
+from specserve.control.controller import Batch, Estimate, estimate
+from specserve.control.policy import Policy
 from specserve.errors import InvalidRequest
-from specserve.policy import Policy
 
 
 def _stats(alpha: list[float], rounds: dict[int, tuple[float, float, float]], n: float = 100.0) -> dict[str, float]:
@@ -57,36 +58,36 @@ def test_no_plain_statistics_means_no_estimate():
     assert est.speedup == {}
 
 
-def _controller(seed: int = 0) -> Controller:
-    return Controller(redis=_NoRedis(), prefix="t", min_rounds=8, rng=random.Random(seed))  # type: ignore[arg-type]
+MIN_ROUNDS = 8
 
 
-class _NoRedis:
-    def register_script(self, _):
-        return None
+def _decide(policy: Policy, spec: dict, plain: dict = PLAIN):
+    """The class's decision from its (class, pool) and plain statistics."""
+    return assess(policy, {policy.draft_pool: estimate(spec, plain, policy.k_range[1])}, MIN_ROUNDS)
 
 
-def _decide(ctrl: Controller, policy: Policy, spec: dict, plain: dict = PLAIN):
-    ctrl._stats[("c", policy.draft_pool)] = spec
-    ctrl._stats[("c", "none")] = plain
-    return ctrl.decision("c", policy)
+def _choose(policy: Policy, spec: dict, rng: random.Random, plain: dict = PLAIN):
+    """One request's arm (a request that pins nothing)."""
+    estimates = {policy.draft_pool: estimate(spec, plain, policy.k_range[1])}
+    return choose_arm(RequestFacts(temperature=0.0, prompt_tokens=10), policy, {policy.draft_pool}, estimates, rng,
+                      MIN_ROUNDS)[0]
 
 
 def test_speculates_above_the_margin_and_not_below():
     good = _stats([0.9, 0.8, 0.7, 0.6], {4: (2.0, 12.0, 2.0)})
     bad = _stats([0.1], {4: (8.0, 14.0, 2.0)})
     policy = Policy("c", draft_pool="p", k=4, safety_margin=0.1)
-    d = _decide(_controller(), policy, good)
+    d = _decide(policy, good)
     assert d.decision == "speculate" and d.k == 4 and "S=" in d.reason
-    d = _decide(_controller(), policy, bad)
+    d = _decide(policy, bad)
     assert d.decision == "plain" and d.estimate.speedup[4] < 1.1
     # the margin decides: the same statistics, a margin above S
-    s = _decide(_controller(), policy, good).estimate.speedup[4]
-    assert _decide(_controller(), Policy("c", draft_pool="p", k=4, safety_margin=s - 1 + 0.01), good).decision == "plain"
+    s = _decide(policy, good).estimate.speedup[4]
+    assert _decide(Policy("c", draft_pool="p", k=4, safety_margin=s - 1 + 0.01), good).decision == "plain"
 
 
 def test_too_few_rounds_means_learning():
-    d = _decide(_controller(), Policy("c", draft_pool="p"), _stats([0.9], {4: (2, 12, 2)}, n=3.0))
+    d = _decide(Policy("c", draft_pool="p"), _stats([0.9], {4: (2, 12, 2)}, n=3.0))
     assert d.decision == "learn"
 
 
@@ -94,16 +95,17 @@ def test_adaptive_k_picks_the_argmax():
     # cheap drafts, flat verify: with these rates the best K is where a_i drops
     spec = _stats([0.95, 0.9, 0.9, 0.2, 0.1], {1: (1.0, 10.0, 2.0), 6: (6.0, 10.5, 2.0)})
     policy = Policy("c", draft_pool="p", adaptive_k=True, k_min=1, k_max=8)
-    d = _decide(_controller(), policy, spec)
+    d = _decide(policy, spec)
     best = max(range(1, 9), key=lambda k: d.estimate.speedup[k])
     assert d.decision == "speculate" and d.k == best == 3
 
 
 def test_probe_fraction_is_respected():
-    ctrl = _controller(seed=1)
+    rng = random.Random(1)
     policy = Policy("c", draft_pool="p", k=4, probe_fraction=0.1)
-    d = _decide(ctrl, policy, _stats([0.1], {4: (8.0, 14.0, 2.0)}))
-    choices = [ctrl.choose(d, policy) for _ in range(4000)]
+    bad = _stats([0.1], {4: (8.0, 14.0, 2.0)})
+    assert _decide(policy, bad).decision == "plain"
+    choices = [_choose(policy, bad, rng) for _ in range(4000)]
     spec = sum(c.pool is not None for c in choices) / len(choices)
     # binomial(4000, 0.1): sd 0.0047; 5 sd either side
     assert 0.1 - 0.024 < spec < 0.1 + 0.024
@@ -111,11 +113,10 @@ def test_probe_fraction_is_respected():
 
 
 def test_off_and_shadow_choices():
-    ctrl = _controller()
-    d = _decide(ctrl, Policy("c", mode="off", draft_pool="p"), {})
-    assert ctrl.choose(d, Policy("c", mode="off", draft_pool="p")).pool is None
+    rng = random.Random(0)
+    assert _choose(Policy("c", mode="off", draft_pool="p"), {}, rng).pool is None
     shadow = Policy("c", mode="shadow", draft_pool="p", k=3)
-    c = ctrl.choose(_decide(ctrl, shadow, {}), shadow)
+    c = _choose(shadow, {}, rng)
     assert c.shadow and c.pool == "p" and c.k == 3
 
 
@@ -147,8 +148,7 @@ def test_a_plain_class_comes_back_when_its_probes_improve():
     the decision returns to speculate (what the Lua script does on each flush)."""
     policy = Policy("c", draft_pool="p", k=4, safety_margin=0.1)
     bad = _stats([0.1], {4: (8.0, 14.0, 2.0)}, n=200.0)
-    ctrl = _controller()
-    assert _decide(ctrl, policy, bad).decision == "plain"
+    assert _decide(policy, bad).decision == "plain"
     good = _stats([0.95, 0.9, 0.9, 0.9], {4: (2.0, 12.0, 2.0)}, n=5.0)  # a few probes' worth per half-life
     state = dict(bad)
     decisions = []
@@ -156,5 +156,5 @@ def test_a_plain_class_comes_back_when_its_probes_improve():
         state = {k: v / 2 for k, v in state.items()}  # one half-life passes
         for f, v in good.items():
             state[f] = state.get(f, 0.0) + v
-        decisions.append(_decide(ctrl, policy, state).decision)
+        decisions.append(_decide(policy, state).decision)
     assert decisions[0] == "plain" and decisions[-1] == "speculate"

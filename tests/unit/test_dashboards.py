@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve import waterfall
-from specserve.metrics import RouterMetrics, WorkerMetrics
+from specserve.serving.metrics import RouterMetrics, WorkerMetrics
+from specserve.tooling import waterfall
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "specserve.json"

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
-from specserve.engine import GenerationParams, SpecEngine
 from specserve.errors import InvalidRequest
-from specserve.sampling import SamplingParams
-from specserve.verifier import TargetModel
+from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.verifier import TargetModel
 
 
 class ScriptedDrafter:

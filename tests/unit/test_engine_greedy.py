@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.engine import GenerationParams, SpecEngine
+from specserve.models.engine import GenerationParams, SpecEngine
 
 MAX_TOKENS = 32
 

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.engine import GenerationParams, SpecEngine
-from specserve.sampling import SamplingParams
+from specserve.models.engine import GenerationParams, SpecEngine
 
 
 def _engine(tiny_pair, target_model, name):
@@ -39,10 +39,13 @@ def test_unseeded_request_reports_its_seed(tiny_pair, target_model, eval_prompts
 def test_resume_from_committed_prefix_reproduces_continuation(tiny_pair, target_model, eval_prompts, name):
     engine = _engine(tiny_pair, target_model, name)
     params = GenerationParams(max_tokens=48, sampling=SamplingParams(temperature=0.9), num_draft_tokens=4, seed=5)
+    resumed_at = 0
     for item in eval_prompts[::7]:
         full = engine.generate(item["prompt"], params)
         boundaries = list(itertools.accumulate(r.emitted for r in full.rounds))[:-1]
-        assert boundaries, "need at least two rounds"
+        # a sample can end (EOS) in its first round: nothing to resume from there
         for cut in boundaries[:: max(len(boundaries) // 3, 1)]:
             resumed = engine.generate(item["prompt"], params, committed=full.token_ids[:cut])
             assert resumed.token_ids == full.token_ids
+            resumed_at += 1
+    assert resumed_at >= 6, "too few round boundaries to resume from"

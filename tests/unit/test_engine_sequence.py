@@ -16,10 +16,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specserve.algorithm.sampling import SamplingParams, logits_to_probs
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.engine import GenerationParams, SpecEngine
-from specserve.sampling import SamplingParams, logits_to_probs
-from specserve.verifier import TargetModel
+from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.verifier import TargetModel
 
 VOCAB = 5
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2]  # repeats, so the n-gram drafter finds matches

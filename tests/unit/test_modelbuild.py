@@ -1,8 +1,8 @@
 import json
 import time
 
-from specserve.modelbuild.build import PRESETS, build_pair, pair_dir
-from specserve.modelbuild.corpus import CLASSES, build_corpus
+from specserve.tooling.modelbuild.build import PRESETS, build_pair, pair_dir, weights_digest
+from specserve.tooling.modelbuild.corpus import CLASSES, build_corpus
 
 
 def test_pair_layout_and_cache_hit(tiny_pair_dir):
@@ -38,3 +38,13 @@ def test_digest_changes_with_config():
     from dataclasses import replace
 
     assert replace(PRESETS["tiny"], seed=1).digest() != PRESETS["tiny"].digest()
+
+
+def test_two_builds_of_one_config_have_the_same_weights(tiny_pair_dir, tmp_path):
+    """The cached tiny pair is one build, a forced rebuild here the other: same config, same
+    sha256 over weights and tokenizer (bf16 autocast included, where the CPU has it)."""
+    meta = json.loads((tiny_pair_dir / "build.json").read_text())
+    assert meta["weights_sha256"] == weights_digest(tiny_pair_dir)  # the record matches the files
+    again = build_pair(PRESETS["tiny"], tmp_path, force=True, log=lambda *_: None)
+    assert json.loads((again / "build.json").read_text())["weights_sha256"] == meta["weights_sha256"]
+    assert (again / "eval_prompts.json").read_text() == (tiny_pair_dir / "eval_prompts.json").read_text()

@@ -1,5 +1,5 @@
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.ngram import NgramDrafter, lookup
-from specserve.sampling import SamplingParams
 
 
 def test_continues_the_most_recent_match_of_the_longest_ngram():

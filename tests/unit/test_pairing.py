@@ -1,8 +1,8 @@
 import pytest
 
 from specserve.errors import IncompatiblePair
-from specserve.loading import check_pair
-from specserve.modelbuild.tokenizer import train_tokenizer
+from specserve.models.loading import check_pair
+from specserve.tooling.modelbuild.tokenizer import train_tokenizer
 
 TEXT_A = ["def add(a, b):\n    return a + b\n"] * 50 + ["the quick brown fox jumps"] * 50
 TEXT_B = ["SELECT name FROM users WHERE id = 1;"] * 100
@@ -29,8 +29,8 @@ def test_different_output_sizes_are_refused(tiny_pair):
 
 def test_engine_refuses_mismatched_drafter(tiny_pair, target_model):
     from specserve.drafters import NgramDrafter
-    from specserve.engine import SpecEngine
     from specserve.errors import InvalidRequest
+    from specserve.models.engine import SpecEngine
 
     with pytest.raises(InvalidRequest, match="vocabulary size"):
         SpecEngine(target_model, NgramDrafter(vocab_size=7), tiny_pair.tokenizer)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.rejection import (
+from specserve.algorithm.rejection import (
     DenseQ,
     SparseQ,
     greedy_verify,

@@ -17,9 +17,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.rejection import SparseQ, q_to_dense, rejection_sample
-from specserve.rng import Purpose, uniform
-from specserve.sampling import SamplingParams, draw, logits_to_probs
+from specserve.algorithm.rejection import SparseQ, q_to_dense, rejection_sample
+from specserve.algorithm.rng import Purpose, uniform
+from specserve.algorithm.sampling import SamplingParams, draw, logits_to_probs, truncate_mass
 
 N = 100_000
 VOCAB, K = 8, 3
@@ -86,6 +86,9 @@ CASES = [
     pytest.param(SamplingParams(temperature=0.7, top_k=5, top_p=0.9), "dense", id="T0.7-topk-topp"),
     pytest.param(SamplingParams(temperature=1.0), "onehot", id="T1.0-onehot"),
     pytest.param(SamplingParams(temperature=0.7, top_k=4), "onehot", id="T0.7-topk4-onehot"),
+    # the draft's own truncation (ADR 0010): it samples from, and sends, q cut to the tokens
+    # covering 0.9 of its mass (at most 3 here); p keeps its full support
+    pytest.param(SamplingParams(temperature=1.0), "truncated", id="T1.0-q-truncated"),
 ]
 
 
@@ -93,7 +96,10 @@ def _setup(sp: SamplingParams, q_kind: str):
     p_logits, q_logits = _synthetic_logits()
     p = logits_to_probs(p_logits, sp)
     q = logits_to_probs(q_logits, sp)  # the shared transform, as the draft worker applies it
-    if q_kind == "sparse":
+    if q_kind == "truncated":
+        q = truncate_mass(q, 0.9, 3)
+        assert int((q > 0).sum(-1).max()) <= 3 and bool((p > 0).all())
+    if q_kind in ("sparse", "truncated"):
         support = int((q > 0).sum(-1).max())
         top = torch.topk(q, support, -1)
         q = q_to_dense(SparseQ(top.indices, top.values), torch.zeros(K, dtype=torch.long), VOCAB)

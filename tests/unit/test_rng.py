@@ -1,6 +1,6 @@
 import numpy as np
 
-from specserve.rng import Purpose, uniform
+from specserve.algorithm.rng import Purpose, uniform
 
 
 def test_same_key_same_number_and_vectorised_equals_scalar():

@@ -4,9 +4,9 @@ magnitude ~10, far below any difference a wrong cache position would make)."""
 
 import torch
 
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter
-from specserve.kvcache import CachedLM
-from specserve.sampling import SamplingParams
+from specserve.models.kvcache import CachedLM
 
 ATOL = 1e-4
 

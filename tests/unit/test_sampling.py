@@ -1,8 +1,14 @@
 import pytest
 import torch
 
+from specserve.algorithm.sampling import (
+    SamplingParams,
+    draw,
+    greedy_tokens,
+    logits_to_probs,
+    truncate_mass,
+)
 from specserve.errors import InvalidRequest
-from specserve.sampling import SamplingParams, draw, greedy_tokens, logits_to_probs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.5, -1.0, 3.0]])
 
@@ -70,3 +76,13 @@ def test_draw_never_picks_zero_probability_tokens():
     assert set(ids.tolist()) == {1, 3}
     # the inverse CDF splits [0, 1) in proportion to the mass
     assert abs((ids == 1).float().mean().item() - 0.5) < 0.01
+
+
+def test_truncate_mass_keeps_the_smallest_covering_set_capped_and_renormalised():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.25, 0.25, 0.5]])
+    # 0.6 alone does not cover 0.8: 0.6 and 0.3 stay
+    assert torch.allclose(truncate_mass(probs[:1], 0.8, 0), torch.tensor([[0.0, 2 / 3, 1 / 3]]))
+    # a tie at the cut goes to the lower token id (a pure function of probs)
+    assert torch.allclose(truncate_mass(probs[1:], 0.6, 0), torch.tensor([[1 / 3, 0.0, 2 / 3]]))
+    assert torch.allclose(truncate_mass(probs, 1.0, 1), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+    assert truncate_mass(probs, 1.0, 0) is probs  # disabled

@@ -4,19 +4,14 @@ LRU and the incremental visible text."""
 import pytest
 import torch
 
+from specserve.algorithm.rejection import DenseQ, SparseQ
+from specserve.algorithm.sampling import SamplingParams
+from specserve.algorithm.stops import IncrementalText, StopChecker
 from specserve.errors import InvalidRequest, NeedsFullPrefix
-from specserve.prefix import CommittedPrefix, chain
-from specserve.rejection import DenseQ, SparseQ
-from specserve.sampling import SamplingParams
-from specserve.sessions import SessionLRU
-from specserve.stops import IncrementalText, StopChecker
-from specserve.wire import (
-    prefix_to_proto,
-    q_from_proto,
-    q_to_proto,
-    sampling_from_proto,
-    sampling_to_proto,
-)
+from specserve.serving.wire import prefix_to_proto, sampling_from_proto, sampling_to_proto
+from specserve.state.prefix import CommittedPrefix, chain
+from specserve.worker.qcodec import q_from_proto, q_to_proto
+from specserve.worker.sessions import SessionLRU
 
 
 def test_worker_follows_deltas_and_refuses_a_different_prefix():

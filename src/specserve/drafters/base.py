@@ -1,4 +1,6 @@
-"""The drafter contract: a two-method session (propose, then observe the outcome)."""
+"""The drafter contract: a session proposes K tokens after the committed sequence. What a
+round teaches (acceptance per position, cost) goes to the controller, not to the drafter:
+the drafter stays a pure function of the committed prefix, so a retried round drafts the same."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specserve.rejection import QProbs
-from specserve.sampling import SamplingParams
+from specserve.algorithm.rejection import QProbs
+from specserve.algorithm.sampling import SamplingParams
 
 
 @dataclass
@@ -15,6 +17,9 @@ class DraftProposal:
     tokens: list[int]  # K' <= K draft tokens (a drafter may propose fewer, even none)
     q: QProbs  # their draft distributions; None = one-hot (deterministic drafter)
     rollback_tokens: int = 0  # provisional positions dropped while reconciling
+    # per position, the drafter's runner-up token: its guess of the recovered token should the
+    # target reject that position (pre-drafting, ADR 0010); None where it has none
+    runner_up: list[int | None] | None = None
 
     @property
     def k(self) -> int:
@@ -31,8 +36,9 @@ class DraftSession(Protocol):
         generated). Draft randomness is uniform(seed, absolute position, DRAFT)."""
         ...
 
-    def observe(self, proposal: DraftProposal, num_accepted: int) -> None:
-        """Learn from the verdict (adaptive K and statistics plug in here)."""
+    def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
+        """The drafter's guess of the token the target emits after `token_ids` (the bonus
+        token when a whole block is accepted), for pre-drafting; None = no guess."""
         ...
 
     def release(self) -> None:

@@ -7,20 +7,36 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from specserve.algorithm.rejection import DenseQ, SparseQ
+from specserve.algorithm.rng import Purpose, uniform
+from specserve.algorithm.sampling import (
+    SamplingParams,
+    draw,
+    greedy_tokens,
+    logits_to_probs,
+    truncate_mass,
+)
 from specserve.drafters.base import DraftProposal
-from specserve.kvcache import CachedLM
-from specserve.rejection import DenseQ, SparseQ
-from specserve.rng import Purpose, uniform
-from specserve.sampling import SamplingParams, draw, greedy_tokens, logits_to_probs
+from specserve.models.kvcache import CachedLM
 
 # Send q sparse when the draft sampler truncated it to at most this share of the vocabulary.
 SPARSE_MAX_SHARE = 0.25
+Q_MASS = 0.999  # the draft samples from the most likely tokens covering this mass ...
+Q_MAX_ENTRIES = 256  # ... at most this many per position (measured in ADR 0010)
 
 
 class HFDrafter:
-    def __init__(self, model: PreTrainedModel, name: str = "small") -> None:
+    """`q_mass`/`q_max_entries`: the draft samples from its distribution truncated to the most
+    likely tokens covering q_mass (at most q_max_entries), and sends that q sparse (ADR 0010).
+    The in-process engine and the draft worker must use the same values, or a seeded request
+    drafts differently in the two (its output distribution is exact either way)."""
+
+    def __init__(self, model: PreTrainedModel, name: str = "small", q_mass: float = Q_MASS,
+                 q_max_entries: int = Q_MAX_ENTRIES) -> None:
         self.model = model.eval()
         self.name = name
+        self.q_mass = q_mass
+        self.q_max_entries = q_max_entries
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
@@ -44,28 +60,50 @@ class HFDraftSession:
         logits = self.lm.extend(token_ids[self.lm.length :])[-1]
         start = len(token_ids)
         tokens: list[int] = []
+        runner_up: list[int | None] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            if sampling.greedy:
+            probs = None if sampling.greedy else truncate_mass(
+                logits_to_probs(logits, sampling), self.drafter.q_mass, self.drafter.q_max_entries)  # [V]
+            if probs is None:
                 tok = int(greedy_tokens(logits, sampling))
             else:
-                probs = logits_to_probs(logits, sampling)  # [V]
                 u = torch.from_numpy(uniform(seed, [start + i], Purpose.DRAFT))
                 tok = int(draw(probs.unsqueeze(0), u)[0])
                 qs.append(probs)
             tokens.append(tok)
+            runner_up.append(_runner_up(logits, tok, sampling))
             if i + 1 < k:
                 logits = self.lm.extend([tok])[-1]
         q = None if sampling.greedy else _pack_q(torch.stack(qs))
-        return DraftProposal(tokens, q, rollback_tokens=dropped)
+        return DraftProposal(tokens, q, rollback_tokens=dropped, runner_up=runner_up)
 
-    def observe(self, proposal: DraftProposal, num_accepted: int) -> None:
-        # The rejected tail is dropped by the next reconcile, which compares ids; nothing
-        # to learn for a fixed-K model drafter.
-        return None
+    @torch.inference_mode()
+    def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
+        """At T = 0 the draft's argmax; at T > 0 a draw from q with the uniform the target
+        draws its bonus token with, uniform(seed, position, BONUS): when q is close to p the
+        two inverse-CDF draws agree (a coupling), so the guess is right as often as possible."""
+        if len(token_ids) >= self.drafter.max_positions:
+            return None
+        self.lm.reconcile(token_ids)
+        logits = self.lm.extend(token_ids[self.lm.length :])[-1]
+        if sampling.greedy:
+            return int(greedy_tokens(logits, sampling))
+        probs = logits_to_probs(logits, sampling)
+        return int(draw(probs.unsqueeze(0), torch.from_numpy(uniform(seed, [len(token_ids)], Purpose.BONUS)))[0])
 
     def release(self) -> None:
         self.lm.reset()
+
+
+def _runner_up(logits: torch.Tensor, drafted: int, sampling: SamplingParams) -> int | None:
+    """The most likely token other than the drafted one (banned tokens excluded)."""
+    top = torch.topk(logits if not sampling.banned_token_ids else logits.index_fill(
+        0, torch.tensor(sampling.banned_token_ids), float("-inf")), 2)
+    for value, idx in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+        if idx != drafted and value != float("-inf"):
+            return int(idx)
+    return None
 
 
 def _pack_q(q: torch.Tensor) -> DenseQ | SparseQ:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.errors import InvalidRequest
-from specserve.sampling import SamplingParams
 
 
 class NgramDrafter:
@@ -42,8 +42,9 @@ class NgramSession:
                     break
         return DraftProposal(tokens, None)
 
-    def observe(self, proposal: DraftProposal, num_accepted: int) -> None:
-        return None
+    def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
+        guess = lookup(token_ids, 1, self.drafter.min_n, self.drafter.max_n)
+        return guess[0] if guess and guess[0] not in sampling.banned_token_ids else None
 
     def release(self) -> None:
         return None

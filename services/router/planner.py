@@ -1,0 +1,75 @@
+"""A validated request -> its SessionPlan: the class's policy, the controller's estimates for
+every pool the policy allows, and the pure arm choice of `specserve.control.arms`."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Collection
+from dataclasses import replace
+
+from services.router.classifier import CLASSES
+from services.router.plan import SessionPlan
+from services.router.validation import ValidRequest
+from specserve.algorithm.rng import fresh_seed
+from specserve.control.arms import Assessment, Decision, Fallback, assess, choose_arm
+from specserve.control.controller import Controller
+from specserve.control.policy import Policy, PolicyCache
+from specserve.serving.metrics import RouterMetrics
+
+log = logging.getLogger("specserve.router")
+
+
+class Planner:
+    def __init__(self, policies: PolicyCache, controller: Controller, pools: Collection[str],
+                 metrics: RouterMetrics, rng: random.Random | None = None) -> None:
+        self.policies = policies
+        self.controller = controller
+        self.pools = set(pools)
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self._warned: set[str] = set()
+
+    def stats_class(self, workload_class: str) -> str:
+        """Statistics and metrics labels per known class; unknown ones share `other`, so a
+        client cannot grow Redis or Prometheus without bound."""
+        return workload_class if workload_class in CLASSES or self.policies.known(workload_class) else "other"
+
+    async def plan(self, req: ValidRequest) -> SessionPlan:
+        policy, source = self.policies.effective(req.workload_class)
+        stats_class = self.stats_class(req.workload_class)
+        pools = [req.pinned_pool] if req.pinned_pool in self.pools else [p for p in policy.pools if p in self.pools]
+        await self.controller.watch(stats_class, pools)
+        estimates = self.controller.estimates(stats_class, pools, policy.k_range[1])
+        choice, assessment = choose_arm(req.facts, policy, self.pools, estimates, self.rng, self.controller.min_rounds)
+        if choice.reason is Fallback.POOL_UNKNOWN and policy.draft_pool not in self._warned:
+            self._warned.add(policy.draft_pool)
+            log.warning("policy %r names draft pool(s) %s, none of which this router has: plain decoding",
+                        policy.workload_class, ", ".join(policy.pools))
+        if assessment is not None:
+            self._gauges(stats_class, assessment)
+        seed = req.params.seed if req.params.seed is not None else fresh_seed()
+        params = replace(req.params, num_draft_tokens=choice.k, seed=seed)
+        self.metrics.classified.labels(stats_class, req.class_reason.split(":")[0]).inc()
+        self.metrics.decisions.labels(stats_class, choice.pool or "none", choice.decision.value, choice.arm).inc()
+        self.metrics.policy_version.labels(stats_class).set(policy.version)
+        return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
+                           policy.version, source, assessment.reason if assessment else "")
+
+    async def effective(self, workload_class: str) -> tuple[Policy, str, str, Assessment]:
+        """(policy, source, stats class, the controller's assessment from fresh statistics)."""
+        policy, source = self.policies.effective(workload_class)
+        stats_class = self.stats_class(workload_class)
+        pools = [p for p in policy.pools if p in self.pools] or list(policy.pools)
+        await self.controller.refresh({(stats_class, p) for p in pools})
+        estimates = self.controller.estimates(stats_class, pools, policy.k_range[1])
+        return policy, source, stats_class, assess(policy, estimates, self.controller.min_rounds, pools)
+
+    def _gauges(self, stats_class: str, a: Assessment) -> None:
+        m = self.metrics
+        speculating = a.decision in (Decision.SPECULATE, Decision.LEARN)
+        for pool, est in a.estimates.items():
+            k, s = (a.k, a.speedup) if pool == a.pool else est.best(1, max(est.speedup, default=1))
+            m.expected_speedup.labels(stats_class, pool).set(s)
+            m.speculating.labels(stats_class, pool).set(1 if speculating and pool == a.pool else 0)
+            m.chosen_k.labels(stats_class, pool).set(k if pool == a.pool else 0)

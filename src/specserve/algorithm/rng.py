@@ -1,0 +1,62 @@
+"""Counter-based randomness keyed by (seed, absolute position, purpose).
+
+Every random number specserve draws is a pure function of those three values, so a retried
+or resumed round reproduces the same tokens, and discarded work (rejected drafts, a failed
+commit) consumes nothing from a stream (DESIGN §3, invariant 5). The mixer is SplitMix64's
+finaliser applied in a chain; it is vectorised over positions with numpy's wrapping uint64.
+"""
+
+from __future__ import annotations
+
+import secrets
+from enum import IntEnum
+
+import numpy as np
+
+
+class Purpose(IntEnum):
+    DRAFT = 1  # the draft sampling its proposal
+    ACCEPT = 2  # the accept/reject coin of a draft token
+    RECOVER = 3  # the recovered token at the first rejection
+    BONUS = 4  # the bonus token (also every plain decode step)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _as_u64(x: int | np.ndarray | list[int]) -> np.ndarray:
+    if isinstance(x, np.ndarray) and x.dtype != object:
+        return x.astype(np.uint64)
+    return np.asarray([int(v) & _MASK64 for v in np.ravel(np.asarray(x, dtype=object))],
+                      dtype=np.uint64).reshape(np.shape(x))
+
+
+def uniform(
+    seed: int | np.ndarray, positions: int | np.ndarray | list[int], purpose: Purpose
+) -> np.ndarray:
+    """Uniform float64 numbers in [0, 1): one per (seed, position) pair, broadcast together."""
+    with np.errstate(over="ignore"):
+        s = _as_u64(seed)
+        pos = _as_u64(positions)
+        tag = np.uint64(int(purpose))
+        h = _mix(s + _GOLDEN)
+        h = _mix(h ^ (pos * _GOLDEN + tag))
+        h = _mix(h + tag * _M1)
+        return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def fresh_seed() -> int:
+    """A random 63-bit seed for a request that did not give one (it is reported back)."""
+    return secrets.randbits(63)
+

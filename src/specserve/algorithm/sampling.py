@@ -1,0 +1,97 @@
+"""The one sampling transform shared by the draft and the target.
+
+`logits_to_probs` turns raw logits into the distribution a token is drawn from. The draft
+(q) and the target (p) must use exactly this function with the same parameters, otherwise
+rejection sampling is silently biased (DESIGN §3, invariant 4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.params import SamplingParams
+
+__all__ = ["SamplingParams", "draw", "greedy_tokens", "logits_to_probs", "mask_logits", "truncate_mass"]
+
+
+def mask_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Banned tokens and top-k/top-p truncation as -inf, temperature applied.
+
+    logits: [..., V] -> [..., V] float32 (a new tensor; the input is not modified).
+    """
+    x = logits.float().clone()
+    if params.banned_token_ids:
+        x[..., list(params.banned_token_ids)] = float("-inf")
+    if params.greedy:
+        return x
+    x = x / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] (float32) under `params`.
+
+    Greedy gives a one-hot on the argmax (first index on ties, as torch.argmax and
+    transformers' greedy search do).
+    """
+    x = mask_logits(logits, params)
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).float()
+    return torch.softmax(x, dim=-1)
+
+
+def truncate_mass(probs: torch.Tensor, mass: float, max_entries: int) -> torch.Tensor:
+    """The draft's own truncation before it samples (DESIGN §3: "sparse when the draft sampler
+    truncates"): the smallest set of most likely tokens that covers `mass` of `probs`, at most
+    `max_entries` of them, renormalised; zero elsewhere. Exact for rejection sampling because
+    the draft samples from, and sends, this q. mass >= 1 and max_entries <= 0 disable each.
+
+    probs: [..., V] -> [..., V] float32. Ties are broken by token id (stable sort), so the
+    kept set is a pure function of probs.
+
+    Example: probs [0.6, 0.3, 0.1], mass 0.8 -> [2/3, 1/3, 0] (0.6 alone does not cover 0.8).
+    """
+    vocab = probs.shape[-1]
+    if mass >= 1.0 and not 0 < max_entries < vocab:
+        return probs
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = before < mass * sorted_p.sum(-1, keepdim=True)  # the token that crosses `mass` stays
+    if 0 < max_entries < vocab:
+        keep_sorted[..., max_entries:] = False
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    out = probs * keep
+    return out / out.sum(-1, keepdim=True)
+
+
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Greedy fast path: logits [..., V] -> argmax ids [...] after banning."""
+    if params.banned_token_ids:
+        return mask_logits(logits, params).argmax(dim=-1)
+    return logits.argmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [N, V] (unnormalised is fine), u [N] float64 in [0, 1) -> ids [N].
+
+    One uniform per token keeps the stream counter-based; the CDF is accumulated in float64
+    so that the fast path and the reference agree bit for bit. Zero-probability tokens are
+    never drawn (their CDF interval is empty).
+    """
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [N, V]
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [N, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [N]
+    # u * total can round up to total: fall back to the last token with mass.
+    last_nonzero = (probs > 0).cumsum(-1).argmax(-1)
+    return torch.minimum(idx, last_nonzero)

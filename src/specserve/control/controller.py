@@ -1,0 +1,291 @@
+"""The speculation controller (DESIGN §4): per (workload class, draft pool) statistics in
+Redis with exponential time decay, the expected-speedup model, and the per-request choice.
+
+Statistics, `{p}:stats:{class}:{pool}` (plain rounds under pool `none`), one hash:
+  n:{K}, d:{K}, v:{K}, o:{K}   decayed rounds run with K drafts, and their summed draft,
+                               verify and other (network, Redis, router) milliseconds
+  pe:{i}, pa:{i}               decayed count of rounds that evaluated / accepted draft
+                               position i (1-based); α_i = pa_i / pe_i is the acceptance rate
+                               of position i given that positions < i were accepted
+  _t                           time of the last update (the decay clock)
+Routers add batches with one Lua script that first decays every field by
+2^(-Δt / half_life), so all replicas feed and read one estimate, recent rounds weigh most,
+and the hash forgets a class that changed.
+
+The model: E(K) = 1 + Σ_{i≤K} Π_{j≤i} α_j tokens per round; T(K) = draft(K) + verify(K) +
+other(K), each linear in K and fitted over the K values seen (one K seen: draft ∝ K,
+verify interpolated from the plain step); plain step T0 from the class's plain rounds.
+S(K) = E(K) · T0 / T(K). The class speculates while max S ≥ 1 + margin.
+
+Each router re-reads the statistics from Redis every `refresh_s`, so replicas agree. What a
+request runs given these estimates is decided by the pure functions of
+`specserve.control.arms` (ADR 0006).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+log = logging.getLogger("specserve.control.controller")
+
+PLAIN_POOL = "none"
+
+# KEYS[1] stats hash. ARGV: now, half-life s, ttl s, then field/increment pairs.
+_ADD = """
+local now = tonumber(ARGV[1])
+local last = tonumber(redis.call('HGET', KEYS[1], '_t'))
+if last and now > last then
+  local f = math.pow(0.5, (now - last) / tonumber(ARGV[2]))
+  local all = redis.call('HGETALL', KEYS[1])
+  for i = 1, #all, 2 do
+    if all[i] ~= '_t' then
+      redis.call('HSET', KEYS[1], all[i], tostring(tonumber(all[i + 1]) * f))
+    end
+  end
+end
+for i = 4, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+if not last or now > last then redis.call('HSET', KEYS[1], '_t', ARGV[1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+@dataclass
+class Batch:
+    """Increments for one stats hash, accumulated by a router between flushes."""
+
+    inc: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add_round(self, k: int, accepted: int, draft_ms: float, verify_ms: float, other_ms: float) -> None:
+        self.inc[f"n:{k}"] += 1
+        self.inc[f"d:{k}"] += draft_ms
+        self.inc[f"v:{k}"] += verify_ms
+        self.inc[f"o:{k}"] += other_ms
+        for i in range(1, min(accepted + 1, k) + 1):
+            self.inc[f"pe:{i}"] += 1
+        for i in range(1, accepted + 1):
+            self.inc[f"pa:{i}"] += 1
+
+
+@dataclass
+class Estimate:
+    spec_rounds: float = 0.0
+    plain_rounds: float = 0.0
+    acceptance: list[float] = field(default_factory=list)
+    plain_step_ms: float = 0.0
+    speedup: dict[int, float] = field(default_factory=dict)  # K -> S(K)
+    round_ms: dict[int, float] = field(default_factory=dict)
+    emitted: dict[int, float] = field(default_factory=dict)
+
+    def best(self, k_min: int, k_max: int) -> tuple[int, float]:
+        cands = [(s, -k) for k, s in self.speedup.items() if k_min <= k <= k_max]
+        if not cands:
+            return k_min, 0.0
+        s, negk = max(cands)  # ties go to the smaller K (less wasted target work)
+        return -negk, s
+
+
+def _fields(raw: dict) -> dict[str, float]:
+    out = {}
+    for k, v in raw.items():
+        k = k.decode() if isinstance(k, bytes) else k
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Weighted least squares y = a + b·x over (x, y, weight); None with < 2 distinct x."""
+    w = sum(p[2] for p in points)
+    if w <= 0 or len({p[0] for p in points}) < 2:
+        return None
+    mx = sum(x * wt for x, _, wt in points) / w
+    my = sum(y * wt for _, y, wt in points) / w
+    sxx = sum(wt * (x - mx) ** 2 for x, _, wt in points)
+    sxy = sum(wt * (x - mx) * (y - my) for x, y, wt in points)
+    b = sxy / sxx if sxx > 0 else 0.0
+    return my - b * mx, b
+
+
+def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_weight: float = 0.5) -> Estimate:
+    """S(K) for K in 1..k_max from a (class, pool) hash and the class's plain hash."""
+    est = Estimate()
+    ks = sorted({int(f[2:]) for f in spec if f.startswith("n:") and spec[f] >= min_weight and f[2:] != "0"})
+    est.spec_rounds = sum(spec.get(f"n:{k}", 0.0) for k in ks)
+    n0 = plain.get("n:0", 0.0)
+    est.plain_rounds = n0
+    if n0 >= min_weight:
+        est.plain_step_ms = (plain.get("v:0", 0.0) + plain.get("o:0", 0.0)) / n0
+    alphas: list[float] = []
+    i = 1
+    while spec.get(f"pe:{i}", 0.0) >= min_weight:
+        alphas.append(min(max(spec.get(f"pa:{i}", 0.0) / spec[f"pe:{i}"], 0.0), 1.0))
+        i += 1
+    est.acceptance = alphas
+    if not ks or not alphas or est.plain_step_ms <= 0:
+        return est
+
+    def mean(prefix: str, k: int) -> float:
+        return spec.get(f"{prefix}:{k}", 0.0) / spec[f"n:{k}"]
+
+    comps = {}
+    for prefix in ("d", "v", "o"):
+        comps[prefix] = _fit([(k, mean(prefix, k), spec[f"n:{k}"]) for k in ks])
+    k0 = ks[0]
+    plain_v = plain.get("v:0", 0.0) / n0
+    plain_o = plain.get("o:0", 0.0) / n0
+
+    def component(prefix: str, k: int) -> float:
+        fit = comps[prefix]
+        if fit is not None:
+            return max(fit[0] + fit[1] * k, 0.0)
+        m = mean(prefix, k0)
+        if prefix == "d":  # one K seen: drafting cost per token
+            return m * k / k0
+        if prefix == "v":  # between the plain step and what was seen at k0
+            return max(plain_v + (m - plain_v) * k / k0, 0.0)
+        return m if prefix == "o" else plain_o
+
+    prod, emitted = 1.0, 1.0
+    for k in range(1, k_max + 1):
+        prod *= alphas[min(k, len(alphas)) - 1]  # unseen positions: the last rate seen
+        emitted += prod
+        t = component("d", k) + component("v", k) + component("o", k)
+        est.emitted[k] = emitted
+        est.round_ms[k] = t
+        est.speedup[k] = emitted * est.plain_step_ms / t if t > 0 else 0.0
+    return est
+
+
+class Controller:
+    def __init__(self, redis: Redis, prefix: str, half_life_s: float = 30.0, refresh_s: float = 0.5,
+                 min_rounds: float = 8.0, ttl_s: int = 7 * 86400) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.half_life_s = half_life_s
+        self.refresh_s = refresh_s
+        self.min_rounds = min_rounds
+        self.ttl_s = ttl_s
+        self._add: Any = redis.register_script(_ADD)
+        self._pending: dict[tuple[str, str], Batch] = {}
+        self._stats: dict[tuple[str, str], dict[str, float]] = {}  # last read, by (class, pool)
+        self._watch: set[tuple[str, str]] = set()
+        self._task: asyncio.Task | None = None
+
+    def key(self, workload_class: str, pool: str) -> str:
+        return f"{self.prefix}:stats:{workload_class}:{pool}"
+
+    # -- feeding ---------------------------------------------------------------------------
+    def record(self, workload_class: str, pool: str | None, k: int, accepted: int, draft_ms: float,
+               verify_ms: float, other_ms: float) -> None:
+        key = (workload_class, pool or PLAIN_POOL)
+        self._pending.setdefault(key, Batch()).add_round(k if pool else 0, accepted, draft_ms, verify_ms, other_ms)
+
+    async def flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        now = repr(time.time())
+        for (cls, pool), batch in pending.items():
+            args: list[Any] = [now, self.half_life_s, self.ttl_s]
+            for f, v in batch.inc.items():
+                args += [f, repr(v)]
+            try:
+                await self._add(keys=[self.key(cls, pool)], args=args)
+            except Exception as exc:  # statistics are best effort; serving goes on
+                log.warning("stats flush for %s/%s failed: %s", cls, pool, exc)
+
+    # -- reading ---------------------------------------------------------------------------
+    async def refresh(self, keys: set[tuple[str, str]] | None = None) -> None:
+        keys = set(self._watch) if keys is None else keys
+        wanted = sorted(keys | {(c, PLAIN_POOL) for c, _ in keys})
+        if not wanted:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for cls, pool in wanted:
+                pipe.hgetall(self.key(cls, pool))
+            raws = await pipe.execute()
+        for key, raw in zip(wanted, raws, strict=True):
+            self._stats[key] = _decayed(_fields(raw), self.half_life_s)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.flush()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.flush()
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("controller refresh failed: %s", exc)
+
+    async def watch(self, workload_class: str, pools: Iterable[str]) -> None:
+        """Keep (class, pool) statistics fresh from now on; the first time, read them now."""
+        new = {(workload_class, p) for p in pools} - self._watch
+        if new:
+            self._watch |= new
+            with contextlib.suppress(Exception):
+                await self.refresh(new)
+
+    def estimates(self, workload_class: str, pools: Iterable[str], k_max: int) -> dict[str, Estimate]:
+        """S(K) for K in 1..k_max per pool, from the statistics last read (no I/O)."""
+        plain = self._stats.get((workload_class, PLAIN_POOL), {})
+        return {p: estimate(self._stats.get((workload_class, p), {}), plain, k_max) for p in pools}
+
+
+def _decayed(stats: dict[str, float], half_life_s: float) -> dict[str, float]:
+    """Bring a hash read from Redis to the present (the script decays only on writes)."""
+    last = stats.pop("_t", None)
+    if last is None:
+        return stats
+    f = 0.5 ** (max(time.time() - last, 0.0) / half_life_s)
+    return {k: v * f for k, v in stats.items()}
+
+
+SHADOW_FIELDS = ("requests", "agreed", "disagreed", "sampled", "failed", "rounds", "drafted", "accepted", "tokens",
+                 "plain_seconds", "shadow_seconds")
+
+
+class ShadowLog:
+    """Cumulative shadow-mode outcomes per (class, pool): `{p}:shadow:{class}:{pool}` hash."""
+
+    def __init__(self, redis: Redis, prefix: str, ttl_s: int) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+
+    def key(self, workload_class: str, pool: str) -> str:
+        return f"{self.prefix}:shadow:{workload_class}:{pool}"
+
+    async def add(self, workload_class: str, pool: str, inc: dict[str, float]) -> None:
+        key = self.key(workload_class, pool)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for f, v in inc.items():
+                pipe.hincrbyfloat(key, f, v)
+            pipe.expire(key, self.ttl_s)
+            await pipe.execute()
+
+    async def summary(self, workload_class: str, pool: str) -> dict[str, float]:
+        raw = _fields(await self.redis.hgetall(self.key(workload_class, pool)))
+        return {f: raw.get(f, 0.0) for f in SHADOW_FIELDS}

@@ -1,0 +1,193 @@
+"""Preallocated KV storage for the batched runner: one fixed-capacity slot per session.
+
+The store owns the key/value tensors of every layer, allocated once under a memory budget,
+the slot each session holds, and the token ids each session has cached (their count is the
+session's length). It never copies a session's
+KV: a forward writes the new positions in place, `rollback` only moves the length back (the
+positions past it are overwritten by the next forward), `free` returns the slot.
+
+Why slots and not pages: docs/adr/0008-batched-runner-and-kv.md.
+
+Example:
+    store = KVSlots(layout, max_len=512, budget_bytes=64 << 20)
+    store.allocate("s1")          # raises KVBudgetExhausted when every slot is taken
+    ...runner.forward writes positions 0..9 of "s1"...
+    store.rollback("s1", 7)       # rejected drafts 7..9 dropped: length 7, nothing copied
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.errors import InvalidRequest, SpecserveError
+
+
+class KVBudgetExhausted(SpecserveError):
+    """Every KV slot is held by a session (gRPC RESOURCE_EXHAUSTED): free one or retry later."""
+
+
+class ContextTooLong(InvalidRequest):
+    """A session would grow past its slot's capacity (gRPC INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's KV across the model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+class KVSlots:
+    """`num_slots` sessions of at most `max_len` positions each, allocated up front.
+
+    Pass `budget_bytes` (the slot count is what fits) or `num_slots`. Per layer:
+    keys[layer], values[layer]: [num_slots, num_kv_heads, max_len, head_dim].
+    """
+
+    def __init__(self, layout: KVLayout, max_len: int, budget_bytes: int | None = None,
+                 num_slots: int | None = None, device: torch.device | str = "cpu") -> None:
+        if max_len <= 0:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        slot_bytes = layout.bytes_per_token * max_len
+        if budget_bytes is not None and num_slots is None:
+            num_slots = budget_bytes // slot_bytes
+            if num_slots < 1:
+                raise ValueError(
+                    f"a KV budget of {budget_bytes} bytes holds no session: one slot of "
+                    f"{max_len} positions needs {slot_bytes} bytes; raise the budget or lower max_len"
+                )
+        elif num_slots is None or budget_bytes is not None:
+            raise ValueError("give exactly one of budget_bytes and num_slots")
+        elif num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.layout = layout
+        self.max_len = max_len
+        self.num_slots = num_slots
+        shape = (num_slots, layout.num_kv_heads, max_len, layout.head_dim)
+        self.keys = [torch.zeros(shape, dtype=layout.dtype, device=device)
+                     for _ in range(layout.num_layers)]
+        self.values = [torch.zeros(shape, dtype=layout.dtype, device=device)
+                       for _ in range(layout.num_layers)]
+        self.ids: list[list[int]] = [[] for _ in range(num_slots)]  # token ids cached per slot
+        self.slot_of: dict[Hashable, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.bytes_per_token * self.max_len * self.num_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self, session: Hashable) -> int:
+        """A slot for a new session (length 0). Raises KVBudgetExhausted when none is free."""
+        if session in self.slot_of:
+            raise ValueError(f"session {session!r} already holds slot {self.slot_of[session]}")
+        if not self._free:
+            raise KVBudgetExhausted(
+                f"all {self.num_slots} KV slots are in use ({self.nbytes} bytes budgeted, "
+                f"{self.max_len} positions each): free a session or raise the KV budget"
+            )
+        slot = self._free.pop()
+        self.slot_of[session] = slot
+        self.ids[slot] = []
+        return slot
+
+    def free(self, session: Hashable) -> bool:
+        """Return the session's slot; False when it held none."""
+        slot = self.slot_of.pop(session, None)
+        if slot is None:
+            return False
+        self.ids[slot] = []
+        self._free.append(slot)
+        return True
+
+    def slot(self, session: Hashable) -> int:
+        try:
+            return self.slot_of[session]
+        except KeyError:
+            raise KeyError(f"session {session!r} holds no KV slot: allocate it first") from None
+
+    def length(self, session: Hashable) -> int:
+        return len(self.ids[self.slot(session)])
+
+    def cached_ids(self, session: Hashable) -> list[int]:
+        return list(self.ids[self.slot(session)])
+
+    def rollback(self, session: Hashable, length: int) -> int:
+        """Keep the first `length` positions (drop rejected drafts); returns how many were
+        dropped. Only the length moves: no tensor is touched."""
+        ids = self.ids[self.slot(session)]
+        current = len(ids)
+        if not 0 <= length <= current:
+            raise ValueError(f"rollback of session {session!r} to {length}: it caches {current}")
+        del ids[length:]
+        return current - length
+
+    def reconcile(self, session: Hashable, token_ids: Sequence[int], feed_at_least: int = 1) -> int:
+        """DESIGN §3 invariant 2, as `CachedLM.reconcile`: keep the longest cached prefix
+        that agrees with `token_ids`, leaving at least `feed_at_least` of them to feed;
+        returns the provisional positions rolled back. Feed `token_ids[length:]` next."""
+        ids = self.ids[self.slot(session)]
+        common = 0
+        for a, b in zip(ids, token_ids, strict=False):
+            if a != b:
+                break
+            common += 1
+        rolled_back = len(ids) - common
+        self.rollback(session, min(common, max(len(token_ids) - feed_at_least, 0)))
+        return rolled_back
+
+    def append(self, session: Hashable, token_ids: Sequence[int]) -> None:
+        """Record tokens whose KV a forward has just written."""
+        self.ids[self.slot(session)].extend(int(t) for t in token_ids)
+
+    def check_room(self, session: Hashable, new_tokens: int) -> None:
+        have = self.length(session)
+        if have + new_tokens > self.max_len:
+            raise ContextTooLong(
+                f"session {session!r} caches {have} positions; {new_tokens} more exceed its "
+                f"KV slot of {self.max_len}: shorten the prompt or lower max_tokens"
+            )
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store token i's k[i], v[i] ([num_kv_heads, head_dim]) at (slots[i], positions[i]):
+        slots, positions [M] int64; k, v [M, num_kv_heads, head_dim]. One scatter per layer."""
+        self.keys[layer][slots, :, positions] = k
+        self.values[layer][slots, :, positions] = v
+
+    def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of positions 0 .. length-1: two [num_kv_heads, length, head_dim]."""
+        return (self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length])
+
+
+def prefill_chunks(start: int, token_ids: list[int], chunk: int) -> list[list[int]]:
+    """Split the tokens to feed after `start` cached positions into pieces of at most `chunk`,
+    cut at absolute positions that are multiples of `chunk`.
+
+    The cuts depend only on positions, never on load or on when a prefill was interrupted, so
+    a session re-prefilled later is cut the same way. Example: start=5, 20 tokens, chunk=8 ->
+    pieces of 3, 8, 8, 1 tokens (positions 5-7, 8-15, 16-23, 24).
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    out, pos, i = [], start, 0
+    while i < len(token_ids):
+        take = chunk - pos % chunk
+        out.append(token_ids[i:i + take])
+        i += take
+        pos += take
+    return out

@@ -1,0 +1,390 @@
+"""The batched model runner: one forward over rows of different sessions, batch-invariant.
+
+Owns the weights of a Llama-family decoder (Llama, Qwen2, Qwen3) as plain tensors, the
+forward over preallocated KV slots (`kv_slots.KVSlots`), and the rule that decides which
+models it runs (`unsupported_reason`, `choose_path`); anything else stays on the per-session
+HF path (`kvcache.CachedLM`).
+
+A row is (session, new token ids) appended at that session's cached length: a prefill
+chunk, one plain token, or the last token + K drafts. Batch invariance (DESIGN §3, inv. 5):
+every per-token op (norms, projections, RoPE, MLP, LM head) runs on tiles of exactly `tile`
+tokens, so each kernel is called with one shape whatever the batch, and attention runs per
+row over that row's own slot. A row's logits are thus bitwise the same alone or in any
+batch, at any place in it. `tile=None` is the plain batched forward (one call over all
+tokens, shapes vary with the batch), kept for the benchmark. ADR 0008 has the measurements.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from specserve.errors import InvalidRequest
+from specserve.models.kv_slots import KVLayout, KVSlots
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# RoPE types whose frequencies do not depend on the sequence length ("dynamic" and
+# "longrope" rescale with it, so a cached key would change meaning).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+DEFAULT_TILE = 4  # tokens per tile on CPU (ADR 0008 has the sweep); larger on a GPU
+DEFAULT_FUSE_UPTO = 128  # tokens per fused GEMM call, where the start-up check allows it
+GRAIN = 32768  # at::internal::GRAIN_SIZE: smaller elementwise calls run on one thread
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None when the runner can run `model` exactly, else why not (for the log line)."""
+    cfg: Any = model.config
+    name = type(model).__name__
+    if name not in ARCHITECTURES:
+        return f"architecture {name} is not one of {', '.join(ARCHITECTURES)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act}"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return "sliding-window layers"
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in STATIC_ROPE:
+        return f"rope_type {rope.get('rope_type')}"
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        return "partial rotary embeddings"
+    return None
+
+
+def supports(model: torch.nn.Module) -> bool:
+    return unsupported_reason(model) is None
+
+
+def choose_path(model: torch.nn.Module) -> Literal["runner", "hf"]:
+    """Which path serves `model`; a fallback logs one line naming the architecture."""
+    reason = unsupported_reason(model)
+    if reason is None:
+        return "runner"
+    log.warning("batched runner cannot serve %s (%s): using the per-session HF path",
+                type(model).__name__, reason)
+    return "hf"
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]: q, k, v projections stacked
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] (Qwen2; Llama with attention_bias)
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None  # [D]
+    wo: torch.Tensor  # [H, Hq D]
+    bo: torch.Tensor | None  # [H]
+    mlp_norm: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [2 I, H]: gate and up stacked
+    w_down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[Layer]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    cos: torch.Tensor  # [max_positions, D], attention scaling folded in
+    sin: torch.Tensor  # [max_positions, D], first half negated (see `rotate`)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+
+def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin' [max_positions, D] float32 as HF's rotary embedding computes them, with the
+    first half of sin negated for `rotate`."""
+    rope = dict(config.rope_parameters)
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope.get("rope_type", "default") == "default":
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
+    freqs = torch.arange(max_positions).float()[:, None] * inv_freq.float()[None, :]  # [P, D/2]
+    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def load_weights(config, state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Weights:
+    """Weights from an HF config and state dict (`model.state_dict()` or a safetensors
+    file's tensors). Biases and q/k norms are taken when the state dict has them."""
+    def get(name: str) -> torch.Tensor:
+        return state[name].to(device=device, dtype=dtype)
+
+    def opt(name: str) -> torch.Tensor | None:
+        return get(name) if name in state else None
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        biases = [b for b in (opt(a + f"{x}_proj.bias") for x in "qkv") if b is not None]
+        layers.append(Layer(
+            attn_norm=get(p + "input_layernorm.weight"),
+            wqkv=torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
+            bqkv=torch.cat(biases) if len(biases) == 3 else None,
+            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
+            wo=get(a + "o_proj.weight"), bo=opt(a + "o_proj.bias"),
+            mlp_norm=get(p + "post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            w_down=get(p + "mlp.down_proj.weight"),
+        ))
+    embed = get("model.embed_tokens.weight")
+    tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state
+    max_positions = int(config.max_position_embeddings)
+    cos, sin = rope_tables(config, max_positions)
+    return Weights(
+        embed=embed, layers=layers, norm=get("model.norm.weight"),
+        lm_head=embed if tied else get("lm_head.weight"),
+        cos=cos.to(device=device, dtype=dtype), sin=sin.to(device=device, dtype=dtype),
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        eps=float(config.rms_norm_eps),
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    """New tokens of one session, appended at its cached length. `num_logits`: logits for
+    the last n of them (1 for a decode step, K+1 for a verify, 0 for a prefill chunk that is
+    not the last); None = all."""
+
+    session: Hashable
+    tokens: Sequence[int]
+    num_logits: int | None = None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] -> [..., H], as HF's LlamaRMSNorm (float32 statistics, cast, then weight)."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+
+
+def silu_rows(gate: torch.Tensor) -> torch.Tensor:
+    """SiLU of gate [T, I] (a row-strided view) with every row computed alike. CPU kernels
+    split a large tensor across threads by flat index and finish each piece's odd end with
+    scalar code whose exp differs from the vector code in the last bit, so a row cut by a
+    split would depend on its place in the tile. Calls of at most GRAIN elements stay on one
+    thread, and a row-strided view runs one inner loop per row."""
+    rows = max(1, GRAIN // gate.shape[1])
+    if gate.shape[0] <= rows:
+        return F.silu(gate)
+    return torch.cat([F.silu(gate[i:i + rows]) for i in range(0, gate.shape[0], rows)])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, 1, D] -> RoPE applied. HF's x*cos + rotate_half(x)*sin
+    with rotate_half(x) = cat(-x2, x1) is x*cos + roll(x, D/2)*sin', sin' = cat(-s, s)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def fused_tiles_agree(w: Weights, tile: int, upto: int) -> bool:
+    """Whether one GEMM over k tiles gives each row the bits that k calls of one tile give,
+    for every weight shape and every k with k * tile <= upto, at this thread count.
+
+    Reduction order in a BLAS kernel depends on the call's shape, not on the data, so random
+    inputs show any difference. The runner then calls one GEMM per run of at most `upto`
+    tokens, a multiple of the tile. MKL on the development CPU passes (ADR 0008).
+    """
+    g = torch.Generator().manual_seed(0)
+    lay = w.layers[0]
+    mats = [(lay.wqkv, lay.bqkv), (lay.wo, lay.bo), (lay.w_gate_up, None), (lay.w_down, None),
+            (w.lm_head, None)]
+    n = upto // tile * tile
+    for m, b in mats:
+        x = torch.randn(n, m.shape[1], generator=g).to(m.device, m.dtype)
+        ref = torch.cat([F.linear(x[i:i + tile], m, b) for i in range(0, n, tile)])
+        if not all(torch.equal(F.linear(x[:k], m, b), ref[:k]) for k in range(2 * tile, n + 1, tile)):
+            log.info("tile GEMMs are not fused: one call over several tiles changes a row's bits")
+            return False
+    return True
+
+
+class ModelRunner:
+    """Weights + KV slots + the batched forward. Sessions are allocated, rolled back and
+    freed through the runner; `forward` appends rows and returns their logits."""
+
+    def __init__(self, weights: Weights, kv: KVSlots, tile: int | None = DEFAULT_TILE,
+                 fuse_upto: int = 0) -> None:
+        if tile is not None and tile <= 0:
+            raise ValueError(f"tile must be >= 1 or None, got {tile}")
+        self.w = weights
+        self.kv = kv
+        self.tile = tile
+        self.device = weights.embed.device
+        # One GEMM over several tiles instead of one per tile, where a start-up check shows
+        # that it gives every row the same bits (ADR 0008); else tile by tile.
+        self.fuse_upto, self.fused_threads = 0, 0
+        if tile is not None and fuse_upto >= 2 * tile and fused_tiles_agree(weights, tile, fuse_upto):
+            self.fuse_upto, self.fused_threads = fuse_upto // tile * tile, torch.get_num_threads()
+
+    @classmethod
+    def from_hf(cls, model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
+                max_sessions: int | None = None, max_len: int | None = None,
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                tile: int | None = DEFAULT_TILE,
+                fuse_upto: int = DEFAULT_FUSE_UPTO) -> ModelRunner:
+        """A runner for an HF model (check `supports(model)` first). KV capacity: a byte
+        budget or a session count; each session holds up to `max_len` positions (default:
+        the model's context length). `fuse_upto`: see `fused_tiles_agree`."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the batched runner cannot serve this model: {reason}")
+        cfg: Any = model.config
+        weights = load_weights(cfg, model.state_dict(), device, dtype)
+        max_len = int(max_len or cfg.max_position_embeddings)
+        if max_len > weights.cos.shape[0]:
+            raise ValueError(f"max_len {max_len} exceeds the model's {weights.cos.shape[0]} positions")
+        layout = KVLayout(cfg.num_hidden_layers, weights.num_kv_heads, weights.head_dim, dtype)
+        kv = KVSlots(layout, max_len, kv_budget_bytes, max_sessions, device)
+        return cls(weights, kv, tile, fuse_upto)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.w.vocab_size
+
+    def allocate(self, session: Hashable) -> None:
+        self.kv.allocate(session)
+
+    def free(self, session: Hashable) -> bool:
+        return self.kv.free(session)
+
+    def length(self, session: Hashable) -> int:
+        return self.kv.length(session)
+
+    def rollback(self, session: Hashable, length: int) -> int:
+        return self.kv.rollback(session, length)
+
+    def reconcile(self, session: Hashable, token_ids: Sequence[int]) -> int:
+        return self.kv.reconcile(session, token_ids)
+
+    def _tiles(self, n: int) -> list[slice]:
+        """Slices of the padded tokens, one kernel call each: tiles, runs of at most
+        `fuse_upto` tokens when fused (checked shapes only), or everything (tile=None)."""
+        if self.tile is None:
+            t = max(n, 1)
+        elif self.fused_threads == torch.get_num_threads():
+            t = self.fuse_upto
+        else:
+            t = self.tile
+        return [slice(i, i + t) for i in range(0, n, t)]
+
+    def _padded(self, n: int) -> int:
+        return n if self.tile is None else -(-n // self.tile) * self.tile
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """Append each row's tokens to its session; logits [num_logits, V] float32 per row."""
+        if not rows:
+            return []
+        sessions = [r.session for r in rows]
+        if len(set(sessions)) != len(sessions):
+            raise ValueError("a session appears twice in one batch")
+        for r in rows:
+            if not r.tokens:
+                raise ValueError(f"row for session {r.session!r} has no tokens")
+            self.kv.check_room(r.session, len(r.tokens))
+        slots = [self.kv.slot(s) for s in sessions]
+        starts = [len(self.kv.ids[s]) for s in slots]
+        sizes = [len(r.tokens) for r in rows]
+        offsets = [sum(sizes[:i]) for i in range(len(rows))]
+        m = sum(sizes)
+        mp = self._padded(m)
+        flat = [int(t) for r in rows for t in r.tokens]
+        if min(flat) < 0 or max(flat) >= self.vocab_size:
+            raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
+        # Padding tokens (id 0 at position 0) fill the last tile; their KV is never written.
+        ids = torch.tensor(flat + [0] * (mp - m), device=self.device)  # [Mp]
+        pos = torch.tensor([p for s, n in zip(starts, sizes, strict=True) for p in range(s, s + n)]
+                           + [0] * (mp - m), device=self.device)  # [Mp]
+        slot_of_token = torch.tensor([s for s, n in zip(slots, sizes, strict=True) for _ in range(n)],
+                                     device=self.device)  # [M]
+        cos, sin = self.w.cos[pos].unsqueeze(1), self.w.sin[pos].unsqueeze(1)  # [Mp, 1, D]
+        masks = [self._mask(start, n) for start, n in zip(starts, sizes, strict=True)]
+        hq, hkv = self.w.num_heads, self.w.num_kv_heads
+
+        h = self.w.embed[ids]  # [Mp, H]
+        for li, layer in enumerate(self.w.layers):
+            qkv = self._qkv(layer, h, cos, sin)  # [Mp, Hq + 2 Hkv, D], RoPE applied
+            q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+            self.kv.write(li, slot_of_token, pos[:m], k[:m], v[:m])
+            o = torch.zeros(mp, hq * self.w.head_dim, dtype=h.dtype, device=self.device)
+            for slot, start, off, n, mask in zip(slots, starts, offsets, sizes, masks, strict=True):
+                o[off:off + n] = self._attend(li, slot, start + n, q[off:off + n], mask)
+            for t in self._tiles(mp):
+                self._mlp_block(layer, h[t], o[t])
+
+        for r in rows:
+            self.kv.append(r.session, r.tokens)
+        return self._logits(h, rows, offsets, sizes)
+
+    def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h [Mp, H] -> q, k, v stacked [Mp, Hq + 2 Hkv, D], tile by tile."""
+        w, hq, hkv = self.w, self.w.num_heads, self.w.num_kv_heads
+        out = torch.empty(h.shape[0], hq + 2 * hkv, w.head_dim, dtype=h.dtype, device=self.device)
+        for t in self._tiles(h.shape[0]):
+            x = rms_norm(h[t], layer.attn_norm, w.eps)
+            qkv = F.linear(x, layer.wqkv, layer.bqkv).view(x.shape[0], hq + 2 * hkv, w.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qkv = torch.cat([rms_norm(qkv[:, :hq], layer.q_norm, w.eps),
+                                 rms_norm(qkv[:, hq:hq + hkv], layer.k_norm, w.eps), qkv[:, hq + hkv:]], 1)
+            out[t, :hq + hkv] = rotate(qkv[:, :hq + hkv], cos[t], sin[t])
+            out[t, hq + hkv:] = qkv[:, hq + hkv:]
+        return out
+
+    def _mask(self, start: int, n: int) -> torch.Tensor | None:
+        """[n, start + n] bool: query i sees keys 0 .. start + i (None: no mask needed)."""
+        if n == 1 or start == 0:
+            return None
+        keys = torch.arange(start + n, device=self.device)
+        return keys[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
+
+    def _attend(self, layer: int, slot: int, length: int, q: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """One row's attention over its own slot: q [n, Hq, D] -> [n, Hq D]."""
+        n, hq, d = q.shape
+        keys, values = self.kv.read(layer, slot, length)  # [Hkv, L, D] each
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            is_causal=n > 1 and mask is None, scale=d ** -0.5, enable_gqa=hq != keys.shape[0],
+        )  # [1, Hq, n, D]
+        return out[0].transpose(0, 1).reshape(n, hq * d)
+
+    def _mlp_block(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> None:
+        """h [T, H] (a view of the residual stream, updated in place), o [T, Hq D]."""
+        h += F.linear(o, layer.wo, layer.bo)
+        x = rms_norm(h, layer.mlp_norm, self.w.eps)
+        gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+        act = silu_rows(gate) if self.tile else F.silu(gate)
+        h += F.linear(act * up, layer.w_down)
+
+    def _logits(self, h: torch.Tensor, rows: Sequence[Row], offsets: list[int],
+                sizes: list[int]) -> list[torch.Tensor]:
+        """Final norm + LM head on the positions whose logits were asked for, in tiles."""
+        wanted: list[int] = []
+        counts: list[int] = []
+        for r, off, n in zip(rows, offsets, sizes, strict=True):
+            c = n if r.num_logits is None else max(0, min(r.num_logits, n))
+            wanted.extend(range(off + n - c, off + n))
+            counts.append(c)
+        r_total = len(wanted)
+        idx = torch.zeros(self._padded(r_total), dtype=torch.long)
+        idx[:r_total] = torch.tensor(wanted, dtype=torch.long)
+        hs = h[idx.to(self.device)]  # [Rp, H]
+        out = torch.empty(hs.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
+        for t in self._tiles(hs.shape[0]):
+            out[t] = F.linear(rms_norm(hs[t], self.w.norm, self.w.eps), self.w.lm_head).float()
+        return list(out[:r_total].split(counts))

@@ -1,0 +1,90 @@
+"""Prometheus metrics (DESIGN §6), names prefixed `specserve_`, labelled by workload class
+and draft pool. Each service owns a registry (no global state); the Grafana dashboard in
+deploy/grafana/ queries exactly these names (a test parses it)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LABELS = ("workload_class", "draft_pool")
+_MS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.acceptance_length = Histogram(
+            "specserve_acceptance_length", "Draft tokens accepted per speculative round.", LABELS,
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=r)
+        self.proposed = Counter("specserve_proposed_tokens", "Draft tokens proposed, by position in the block.",
+                                (*LABELS, "position"), registry=r)
+        self.accepted = Counter("specserve_accepted_tokens", "Draft tokens accepted, by position in the block.",
+                                (*LABELS, "position"), registry=r)
+        self.target_passes = Counter("specserve_target_passes", "Target forward passes (rounds).", LABELS, registry=r)
+        self.output_tokens = Counter("specserve_output_tokens", "Committed output tokens.", LABELS, registry=r)
+        self.passes_per_token = Histogram(
+            "specserve_target_passes_per_token", "Target passes per output token, per request.", LABELS,
+            buckets=(0.1, 0.15, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 1.0), registry=r)
+        self.tpot = Histogram("specserve_tpot_seconds", "Time per output token after the first, per request.",
+                              LABELS, buckets=_MS, registry=r)
+        self.ttft = Histogram("specserve_ttft_seconds", "Time to the first committed token.", LABELS,
+                              buckets=_MS, registry=r)
+        self.draft_latency = Histogram("specserve_draft_latency_seconds", "Propose call latency seen by the router.",
+                                       LABELS, buckets=_MS, registry=r)
+        self.verify_latency = Histogram("specserve_verify_latency_seconds", "Verify call latency seen by the router.",
+                                        LABELS, buckets=_MS, registry=r)
+        self.round_overhead = Histogram(
+            "specserve_round_overhead_seconds", "Round time outside draft and target compute (network, Redis).",
+            LABELS, buckets=_MS, registry=r)
+        self.rollback_tokens = Counter("specserve_rollback_tokens", "Rejected draft positions rolled back.",
+                                       LABELS, registry=r)
+        self.rejected_kv_bytes = Counter("specserve_rejected_kv_bytes", "Target KV bytes computed for rejected drafts.",
+                                         LABELS, registry=r)
+        self.fallbacks = Counter("specserve_fallbacks", "Rounds run without a draft, by reason.", (*LABELS, "reason"),
+                                 registry=r)
+        self.sessions_active = Gauge("specserve_sessions_active", "Sessions this router is driving.", LABELS,
+                                     registry=r)
+        self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
+                                registry=r)
+        # classification, policies, the controller, shadow mode (DESIGN §4)
+        self.classified = Counter("specserve_classified_requests", "Requests by workload class and how it was chosen.",
+                                  ("workload_class", "reason"), registry=r)
+        self.decisions = Counter(
+            "specserve_controller_decisions",
+            "Requests by the controller's decision (speculate|plain|learn|shadow|off|pinned) and the arm they ran "
+            "(speculative|plain|shadow).", (*LABELS, "decision", "arm"), registry=r)
+        self.expected_speedup = Gauge("specserve_controller_expected_speedup",
+                                      "The controller's expected speedup S at its chosen K (0 = not enough data).",
+                                      LABELS, registry=r)
+        self.speculating = Gauge("specserve_controller_speculating",
+                                 "1 while the controller lets the class speculate, 0 while it runs plain.",
+                                 LABELS, registry=r)
+        self.chosen_k = Gauge("specserve_controller_k", "The K the controller uses for the class.", LABELS,
+                              registry=r)
+        self.policy_version = Gauge("specserve_policy_version", "Version of the policy this router applies.",
+                                    ("workload_class",), registry=r)
+        self.shadow_active = Gauge("specserve_shadow_sessions_active", "Shadow runs this router is driving.",
+                                   LABELS, registry=r)
+        self.shadow_requests = Counter(
+            "specserve_shadow_requests",
+            "Finished shadow runs by outcome (agree|disagree at temperature 0, sampled, failed).",
+            (*LABELS, "outcome"), registry=r)
+        self.shadow_speedup = Histogram("specserve_shadow_would_be_speedup",
+                                        "Plain wall time / speculative wall time of shadowed requests.", LABELS,
+                                        buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0),
+                                        registry=r)
+
+
+class WorkerMetrics:
+    """Draft and target workers: call latency, cached sessions, rolled-back positions."""
+
+    def __init__(self, service: str, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.call_latency = Histogram(f"specserve_{service}_call_seconds", f"{service} worker compute per call.",
+                                      ("method",), buckets=_MS, registry=r)
+        self.sessions = Gauge(f"specserve_{service}_sessions", f"Sessions cached by the {service} worker.",
+                              registry=r)
+        self.rollback_tokens = Counter(f"specserve_{service}_rollback_tokens",
+                                       f"Provisional positions the {service} worker dropped.", registry=r)
+        self.predrafts = Counter(f"specserve_{service}_predrafts", "Blocks drafted ahead while the target verified.",
+                                 registry=r)

@@ -1,0 +1,416 @@
+"""The session/commit store: committed tokens in Redis are the single source of truth.
+
+A session is one generation request (DESIGN §2). The router appends each round's emitted
+tokens with `commit`, one Lua script that is atomic and fenced (DESIGN §3, invariant 3): it
+appends only if the stored length equals the router's `expected_len` and the session epoch
+equals the router's lease, and a retried round (same round id) is a no-op. Readers
+(`GenerateStream`, `Resume`) follow the `:out` stream, so only committed text is ever shown.
+
+Keys, all under a prefix `p` and all with a TTL that every write refreshes (DESIGN §5):
+  {p}:sess:{id}          hash: status, params, prompt_ids, epoch, owner, created, updated,
+                         finish_reason, committed, request_id, error
+  {p}:sess:{id}:tok      list: committed generated token ids (the prompt is in the hash)
+  {p}:sess:{id}:out      stream: one entry per commit: offset, tokens, text, finish_reason
+  {p}:sess:{id}:rounds   set: applied round ids (idempotency)
+  {p}:req:{request_id}   string: session id, so a retried request joins its session
+Stream entry ids are "{offset}-1" rather than timestamps: offsets strictly increase from one
+commit to the next, and a reader resuming at any offset finds its chunk with one XREVRANGE.
+The scripts build the `:req:` key from the prefix, so this store assumes a single Redis node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from redis.asyncio import Redis
+
+from specserve.errors import InvalidRequest, RequestIdConflict, SessionNotFound
+
+
+class SessionStatus(StrEnum):
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class CommitStatus(StrEnum):
+    OK = "ok"
+    DUPLICATE = "duplicate"  # this round id was applied before: nothing written
+    MISSING = "missing"  # no such session (never created, or expired)
+    CLOSED = "closed"  # finished, cancelled or failed: no more tokens
+    STALE_EPOCH = "stale_epoch"  # another router took the session over
+    STALE_LEN = "stale_len"  # expected_len is not the committed length
+
+
+@dataclass(frozen=True)
+class SessionHandle:
+    session_id: str
+    epoch: int
+    created: bool  # False: the request_id was seen before and this call joined its session
+
+    @property
+    def joined(self) -> bool:
+        return not self.created
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    status: CommitStatus
+    committed_len: int  # the number of committed generated tokens after the call
+
+    @property
+    def applied(self) -> bool:
+        """The round's tokens are committed, by this call or by an earlier retry."""
+        return self.status in (CommitStatus.OK, CommitStatus.DUPLICATE)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    status: SessionStatus
+    params: dict[str, Any]
+    prompt_ids: list[int]
+    epoch: int
+    owner: str
+    created: float  # unix seconds, from the Redis clock
+    updated: float
+    finish_reason: str | None
+    committed: int
+    request_id: str | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offset: int  # index of the first token among the generated tokens
+    tokens: tuple[int, ...]
+    text: str  # newly visible text; "" when partial (the caller re-detokenizes)
+    finish_reason: str | None  # set on the last chunk of a session only
+    partial: bool = False  # the tail of a stored chunk: a reader resumed inside it
+    error: str | None = None  # why the session failed
+
+
+# Shared by the scripts below. KEYS are the session's own keys; ARGV[1] = prefix, ARGV[2] = ttl.
+_LUA_HELPERS = """
+local function now()
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', t[2])
+end
+local function touch(request_id)
+  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[2]) end
+  if request_id and request_id ~= '' then
+    redis.call('EXPIRE', ARGV[1] .. ':req:' .. request_id, ARGV[2])
+  end
+end
+"""
+
+# KEYS: hash [, req]. ARGV[3..7]: session_id, params, prompt_ids, owner, request_id.
+# GET-then-SET inside one script is SET NX made atomic with the hash write, so a joiner never
+# sees a request mapped to a session whose hash does not exist yet.
+_CREATE = (
+    _LUA_HELPERS
+    + """
+if KEYS[2] then
+  local existing = redis.call('GET', KEYS[2])
+  if existing then
+    local h = redis.call('HMGET', ARGV[1] .. ':sess:' .. existing, 'prompt_ids', 'epoch')
+    if h[1] then
+      if h[1] ~= ARGV[5] then return {'conflict', existing, 0} end
+      return {'joined', existing, tonumber(h[2])}
+    end
+  end
+  redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2])
+end
+local t = now()
+redis.call('HSET', KEYS[1], 'status', 'running', 'params', ARGV[4], 'prompt_ids', ARGV[5],
+  'epoch', 1, 'owner', ARGV[6], 'created', t, 'updated', t, 'finish_reason', '',
+  'committed', 0, 'request_id', ARGV[7], 'error', '')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {'created', ARGV[3], 1}
+"""
+)
+
+# KEYS: hash, tok, out, rounds. ARGV[3..7]: epoch, expected_len, round_id, text,
+# finish_reason ('' = not final); ARGV[8..]: token ids.
+_COMMIT = (
+    _LUA_HELPERS
+    + """
+local len = redis.call('LLEN', KEYS[2])
+if redis.call('SISMEMBER', KEYS[4], ARGV[5]) == 1 then return {'duplicate', len} end
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'request_id')
+if not h[1] then return {'missing', len} end
+if h[1] ~= 'running' then return {'closed', len} end
+if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', len} end
+if len ~= tonumber(ARGV[4]) then return {'stale_len', len} end
+-- XADD first: it is the only write that could fail, and a failed script is not rolled back.
+redis.call('XADD', KEYS[3], len .. '-1', 'offset', len, 'tokens', table.concat(ARGV, ',', 8),
+  'text', ARGV[6], 'finish_reason', ARGV[7])
+for i = 8, #ARGV, 1000 do  -- unpack() has a stack limit
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+local n = len + #ARGV - 7
+redis.call('SADD', KEYS[4], ARGV[5])
+redis.call('HSET', KEYS[1], 'committed', n, 'updated', now())
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[7])
+end
+touch(h[3])
+return {'ok', n}
+"""
+)
+
+# Cancel and fail. KEYS: hash, tok, out, rounds. ARGV[3..6]: status, finish_reason, error,
+# epoch ('' = any: a client's Cancel is not fenced, a router's fail is).
+_CLOSE = (
+    _LUA_HELPERS
+    + """
+local len = redis.call('LLEN', KEYS[2])
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'request_id')
+if not h[1] then return {'missing', len} end
+if h[1] ~= 'running' then return {'closed', len} end
+if ARGV[6] ~= '' and tonumber(h[2]) ~= tonumber(ARGV[6]) then return {'stale_epoch', len} end
+redis.call('XADD', KEYS[3], len .. '-1', 'offset', len, 'tokens', '', 'text', '',
+  'finish_reason', ARGV[4], 'error', ARGV[5])
+redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finish_reason', ARGV[4], 'error', ARGV[5],
+  'updated', now())
+touch(h[3])
+return {'ok', len}
+"""
+)
+
+# KEYS: hash, tok, out, rounds. ARGV[3]: owner. Returns the new epoch, or 0 if missing.
+_TAKE_OVER = (
+    _LUA_HELPERS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'updated', now())
+touch(redis.call('HGET', KEYS[1], 'request_id'))
+return epoch
+"""
+)
+
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else could alias a sub-key
+_MAX_REQUEST_ID = 256
+_PAGE = 256  # stream entries per XRANGE while a reader catches up
+
+
+class SessionStore:
+    def __init__(self, redis: Redis, prefix: str = "specserve", ttl_s: int = 3600) -> None:
+        if not prefix or any(c.isspace() for c in prefix):
+            raise InvalidRequest(f"store prefix must be non-empty without spaces, got {prefix!r}")
+        if not isinstance(ttl_s, int) or ttl_s <= 0:
+            raise InvalidRequest(f"store ttl_s must be a positive int of seconds, got {ttl_s!r}")
+        # redis-py types its commands as sync | async unions; the client here is always async.
+        self._r: Any = redis
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        # register_script runs EVALSHA and reloads the script after a NOSCRIPT (Redis restart).
+        self._create: Any = redis.register_script(_CREATE)
+        self._commit: Any = redis.register_script(_COMMIT)
+        self._close: Any = redis.register_script(_CLOSE)
+        self._take_over: Any = redis.register_script(_TAKE_OVER)
+
+    def _keys(self, session_id: str) -> list[str]:
+        if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+            raise InvalidRequest(f"session_id must be 32 lowercase hex digits, got {session_id!r}")
+        base = f"{self.prefix}:sess:{session_id}"
+        return [base, f"{base}:tok", f"{base}:out", f"{base}:rounds"]
+
+    def _req_key(self, request_id: str) -> str:
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= _MAX_REQUEST_ID:
+            raise InvalidRequest(f"request_id must be 1..{_MAX_REQUEST_ID} characters")
+        return f"{self.prefix}:req:{request_id}"
+
+    async def create_or_join(
+        self, request_id: str | None, params: dict, prompt_ids: list[int], owner: str
+    ) -> SessionHandle:
+        """A new running session, or the session an earlier call with `request_id` created
+        (its stored params win; a different prompt raises RequestIdConflict)."""
+        session_id = uuid.uuid4().hex
+        keys = self._keys(session_id)[:1]
+        if request_id is not None:
+            keys.append(self._req_key(request_id))
+        params_json = json.dumps(params, sort_keys=True)
+        prompt_json = json.dumps([int(t) for t in prompt_ids])
+        rid = request_id or ""
+        args = [self.prefix, self.ttl_s, session_id, params_json, prompt_json, owner, rid]
+        outcome, sid, epoch = await self._create(keys=keys, args=args)
+        outcome, sid = _str(outcome), _str(sid)
+        if outcome == "conflict":
+            raise RequestIdConflict(
+                f"request_id {request_id!r} already names session {sid} with a different prompt"
+            )
+        return SessionHandle(sid, int(epoch), created=outcome == "created")
+
+    async def take_over(self, session_id: str, owner: str) -> int:
+        """Fence out the previous owner: its commits now fail with STALE_EPOCH."""
+        args = [self.prefix, self.ttl_s, owner]
+        epoch = int(await self._take_over(keys=self._keys(session_id), args=args))
+        if epoch == 0:
+            raise SessionNotFound(f"session {session_id} does not exist or expired")
+        return epoch
+
+    async def commit(
+        self,
+        session_id: str,
+        expected_len: int,
+        epoch: int,
+        round_id: str,
+        tokens: list[int],
+        text: str,
+        finish_reason: str | None,
+    ) -> CommitResult:
+        """Append one round's emitted tokens iff the session is where the caller thinks."""
+        if expected_len < 0 or epoch < 1 or not round_id:
+            raise InvalidRequest("commit needs expected_len >= 0, epoch >= 1 and a round_id")
+        if not tokens and not finish_reason:
+            raise InvalidRequest("a commit without tokens must finish the session")
+        if any(t < 0 for t in tokens):
+            raise InvalidRequest("token ids must be non-negative")
+        args = [self.prefix, self.ttl_s, epoch, expected_len, round_id, text, finish_reason or ""]
+        status, length = await self._commit(
+            keys=self._keys(session_id), args=args + [int(t) for t in tokens]
+        )
+        return CommitResult(CommitStatus(_str(status)), int(length))
+
+    async def cancel(self, session_id: str) -> bool:
+        """Close a running session on a client's request; False if it already ended."""
+        status = await self._close_session(
+            session_id, SessionStatus.CANCELLED, "cancelled", "", None
+        )
+        return status is CommitStatus.OK
+
+    async def fail(self, session_id: str, epoch: int, reason: str) -> CommitStatus:
+        """Close a running session as failed; fenced like commit, so a stale router cannot."""
+        return await self._close_session(session_id, SessionStatus.FAILED, "error", reason, epoch)
+
+    async def _close_session(
+        self, session_id: str, status: SessionStatus, finish: str, error: str, epoch: int | None
+    ) -> CommitStatus:
+        fence = "" if epoch is None else epoch
+        args = [self.prefix, self.ttl_s, status.value, finish, error, fence]
+        outcome, _ = await self._close(keys=self._keys(session_id), args=args)
+        return CommitStatus(_str(outcome))
+
+    async def annotate(self, session_id: str, fields: dict[str, str]) -> bool:
+        """Add informational fields (e.g. a shadow run's record) to a session that exists."""
+        key = self._keys(session_id)[0]
+        if not await self._r.exists(key):
+            return False
+        await self._r.hset(key, mapping=fields)
+        return True
+
+    async def committed_tokens(self, session_id: str) -> list[int]:
+        hash_key, tok_key, _, _ = self._keys(session_id)
+        async with self._r.pipeline(transaction=True) as pipe:
+            exists, tokens = await pipe.exists(hash_key).lrange(tok_key, 0, -1).execute()
+        if not exists:
+            raise SessionNotFound(f"session {session_id} does not exist or expired")
+        return [int(t) for t in tokens]
+
+    async def get(self, session_id: str) -> SessionInfo | None:
+        raw = await self._r.hgetall(self._keys(session_id)[0])
+        if not raw:
+            return None
+        h = {_str(k): _str(v) for k, v in raw.items()}
+        return SessionInfo(
+            session_id=session_id,
+            status=SessionStatus(h["status"]),
+            params=json.loads(h["params"]),
+            prompt_ids=json.loads(h["prompt_ids"]),
+            epoch=int(h["epoch"]),
+            owner=h["owner"],
+            created=float(h["created"]),
+            updated=float(h["updated"]),
+            finish_reason=h.get("finish_reason") or None,
+            committed=int(h["committed"]),
+            request_id=h.get("request_id") or None,
+            error=h.get("error") or None,
+        )
+
+    async def request_session(self, request_id: str) -> str | None:
+        value = await self._r.get(self._req_key(request_id))
+        return None if value is None else _str(value)
+
+    async def read_chunks(
+        self, session_id: str, from_offset: int = 0, block_ms: int = 1000
+    ) -> AsyncIterator[Chunk]:
+        """Committed chunks from generated token `from_offset` on, then live ones, until the
+        chunk that ends the session. `block_ms` bounds each XREAD: between blocks the reader
+        checks that the session still exists, so it never waits on an expired one forever."""
+        hash_key, tok_key, out_key, _ = self._keys(session_id)
+        if from_offset < 0 or block_ms < 1:
+            raise InvalidRequest("read_chunks needs from_offset >= 0 and block_ms >= 1")
+        async with self._r.pipeline(transaction=True) as pipe:
+            exists, length = await pipe.exists(hash_key).llen(tok_key).execute()
+        if not exists:
+            raise SessionNotFound(f"session {session_id} does not exist or expired")
+        if from_offset > length:
+            raise InvalidRequest(f"offset {from_offset} is past the {length} committed tokens")
+        # The chunk holding from_offset is the last one that starts at or before it.
+        before = await self._r.xrevrange(out_key, max=f"{from_offset}-1", min="-", count=1)
+        start, last_id, catching_up = (_str(before[0][0]) if before else "-"), "0-0", True
+        while True:
+            closed = False
+            if catching_up:  # page through what is already committed
+                entries = await self._r.xrange(out_key, min=start, max="+", count=_PAGE)
+                catching_up = len(entries) == _PAGE
+            else:  # follow live commits
+                reply = await self._r.xread({out_key: last_id}, block=block_ms)
+                entries = _xread_entries(reply)
+                if not entries:
+                    status = await self._r.hget(hash_key, "status")
+                    if status is None:
+                        raise SessionNotFound(f"session {session_id} expired while being read")
+                    if _str(status) == SessionStatus.RUNNING:
+                        continue
+                    # Closed: its final chunk was written with the status, so one read gets it.
+                    entries = await self._r.xrange(out_key, min=f"({last_id}", max="+")
+                    closed = True
+            for entry_id, fields in entries:
+                last_id = _str(entry_id)
+                chunk = _chunk(fields, from_offset)
+                if chunk is not None:
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+            start = f"({last_id}"
+            if closed:  # defensive: a closed session whose final chunk is missing
+                return
+
+
+def _str(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _xread_entries(reply: Any) -> list:
+    """XREAD's entries for our one stream; RESP2 answers a list, RESP3 a dict."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values()))[0]
+    return reply[0][1]
+
+
+def _chunk(fields: dict, from_offset: int) -> Chunk | None:
+    """A stream entry as a Chunk from `from_offset` on; None if it lies wholly before it."""
+    f = {_str(k): _str(v) for k, v in fields.items()}
+    offset = int(f["offset"])
+    tokens = tuple(int(t) for t in f["tokens"].split(",")) if f["tokens"] else ()
+    finish = f.get("finish_reason") or None
+    error = f.get("error") or None
+    if offset >= from_offset:
+        return Chunk(offset, tokens, f["text"], finish, error=error)
+    if offset + len(tokens) <= from_offset and finish is None:
+        return None
+    # The reader resumed inside this chunk (or right after the last one, and this is the end).
+    tail = tokens[from_offset - offset :]
+    return Chunk(from_offset, tail, "", finish, partial=True, error=error)

@@ -1,0 +1,243 @@
+"""The local stack behind `make run` / `specserve up` and the integration tests: Redis (or
+SPECSERVE_REDIS_URL), the target launcher (which owns a loopback Ray head), draft replicas
+per pool and the router, each a process started here and stopped by PID (`down`).
+
+Everything binds 127.0.0.1 on a free port; `run_dir/stack.json` records what was started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class PoolSpec:
+    model: str  # "ngram" or a model directory
+    replicas: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # e.g. SPECSERVE_DRAFT_SIMULATED_TOKEN_MS
+
+
+@dataclass
+class StackSpec:
+    pair_dir: str  # built pair: target/ and draft/
+    run_dir: str
+    pools: dict[str, PoolSpec] = field(default_factory=dict)
+    redis_url: str = ""  # empty: start a local redis-server
+    key_prefix: str = "specserve"
+    target_threads: int = 2
+    routers: int = 1  # router replicas (same Redis, same pools)
+    router_env: dict[str, str] = field(default_factory=dict)
+    router_env_each: list[dict[str, str]] = field(default_factory=list)  # router i's own additions
+    env: dict[str, str] = field(default_factory=dict)  # for every service (e.g. OTEL_*, SPECSERVE_TRACING)
+
+
+@dataclass
+class StackInfo:
+    router: str = ""
+    routers: list[str] = field(default_factory=list)  # every replica; router == routers[0]
+    redis_url: str = ""
+    pools: dict[str, list[str]] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)  # name -> pid, in start order
+    target: dict = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)  # name -> host:port of /metrics
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout_s: float, log: Path) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise StackError(f"{what} exited with {proc.returncode}; log tail:\n{_tail(log)}")
+        time.sleep(0.2)
+    raise StackError(f"{what} not ready after {timeout_s:.0f} s; log tail:\n{_tail(log)}")
+
+
+def _tail(log: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_serving(address: str, service: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise StackError(f"{service} at {address} not SERVING after {timeout_s:.0f} s")
+
+
+class Stack:
+    def __init__(self, spec: StackSpec) -> None:
+        self.spec = spec
+        self.run_dir = Path(spec.run_dir)
+        self.info = StackInfo()
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+        log = self.run_dir / f"{name}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.spec.env, **env}
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", module], env=full_env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = proc
+        self.info.pids[name] = proc.pid
+        self._save()
+        return proc, log
+
+    def _save(self) -> None:
+        (self.run_dir / "stack.json").write_text(json.dumps(asdict(self.info), indent=1))
+
+    @contextlib.contextmanager
+    def running(self, timeout_s: float = 600.0) -> Iterator[Stack]:
+        """`up`, then `down` however the block ends."""
+        self.up(timeout_s)
+        try:
+            yield self
+        finally:
+            self.down()
+
+    def up(self, timeout_s: float = 600.0) -> StackInfo:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._up(timeout_s)
+        except BaseException:
+            self.down()
+            raise
+        return self.info
+
+    def _up(self, timeout_s: float) -> None:
+        spec, pair = self.spec, Path(self.spec.pair_dir)
+        if spec.redis_url:
+            self.info.redis_url = spec.redis_url
+        else:
+            from specserve.tooling.redis_server import start_redis
+
+            redis = start_redis(self.run_dir / "redis")
+            self.info.redis_url = redis.url
+            self.info.pids["redis"] = redis.pid
+            self._save()
+        target_info = self.run_dir / "target.json"
+        target_info.unlink(missing_ok=True)
+        proc, log = self._spawn("target", "services.target", {
+            "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
+            "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
+            "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
+            "SPECSERVE_TARGET_METRICS_PORT": "0",
+        })
+        ports: list[tuple[str, str, subprocess.Popen, Path, Path]] = []
+        for pool, ps in spec.pools.items():
+            for i in range(ps.replicas):
+                name = f"draft-{pool}-{i}"
+                port_file = self.run_dir / f"{name}.port"
+                port_file.unlink(missing_ok=True)
+                model = ps.model if ps.model == "ngram" else str(pair / ps.model) if not Path(ps.model).is_absolute() else ps.model
+                p, lg = self._spawn(name, "services.draft", {
+                    "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model,
+                    "SPECSERVE_DRAFT_PORT_FILE": str(port_file), "SPECSERVE_DRAFT_METRICS_PORT": "0",
+                    "SPECSERVE_DRAFT_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"), **ps.env})
+                ports.append((pool, name, p, lg, port_file))
+        for pool, name, p, lg, port_file in ports:
+            port = _wait_file(port_file, p, name, timeout_s, lg)
+            wait_serving(f"127.0.0.1:{port}", "specserve.v1.Draft", timeout_s)
+            self.info.pools.setdefault(pool, []).append(f"127.0.0.1:{port}")
+            self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
+        self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
+        self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"
+        for i in range(spec.routers):
+            name = "router" if i == 0 else f"router-{i}"
+            router_port = self.run_dir / f"{name}.port"
+            router_port.unlink(missing_ok=True)
+            p, lg = self._spawn(name, "services.router", {
+                "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
+                "SPECSERVE_ROUTER_METRICS_PORT": "0",
+                "SPECSERVE_ROUTER_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"),
+                "SPECSERVE_ROUTER_REDIS_URL": self.info.redis_url, "SPECSERVE_ROUTER_KEY_PREFIX": spec.key_prefix,
+                "SPECSERVE_ROUTER_TOKENIZER": str(pair / "target"),
+                "SPECSERVE_ROUTER_DRAFT_POOLS": json.dumps(self.info.pools),
+                "SPECSERVE_ROUTER_DEFAULT_POOL": next(iter(spec.pools), "none"), **spec.router_env,
+                **(spec.router_env_each[i] if i < len(spec.router_env_each) else {}),
+            })
+            address = f"127.0.0.1:{_wait_file(router_port, p, name, timeout_s, lg)}"
+            wait_serving(address, "specserve.v1.Generation", timeout_s)
+            self.info.routers.append(address)
+            self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
+        self.info.router = self.info.routers[0]
+        self._save()
+
+    def down(self, grace_s: float = 15.0) -> None:
+        stop(self.info.pids, grace_s)
+
+
+def stop(pids: dict[str, int], grace_s: float = 15.0) -> list[str]:
+    """SIGTERM in reverse start order (router first), wait, then SIGKILL what is left.
+    Only the PIDs recorded at start are touched."""
+    stopped = []
+    order = list(reversed(list(pids.items())))
+    for name, pid in order:
+        if _alive(pid):
+            with _quiet():
+                os.killpg(pid, signal.SIGTERM) if name != "redis" else os.kill(pid, signal.SIGTERM)
+            stopped.append(name)
+    deadline = time.monotonic() + grace_s
+    for _name, pid in order:
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            with _quiet():
+                os.killpg(pid, signal.SIGKILL)
+    return stopped
+
+
+def down_from(run_dir: str) -> list[str]:
+    path = Path(run_dir) / "stack.json"
+    if not path.exists():
+        return []
+    stopped = stop(json.loads(path.read_text())["pids"])
+    path.unlink()
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return exc[0] in (ProcessLookupError, PermissionError)

@@ -1,0 +1,180 @@
+"""The arm choice as a table: every precedence rule of ADR 0006, one row each, then the
+choice across several pools (learn all of them, settle on the best, move when it degrades)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.control.arms import (
+    NO_SPECULATION,
+    Decision,
+    Fallback,
+    RequestFacts,
+    assess,
+    choose_arm,
+)
+from specserve.control.controller import Batch, Estimate, estimate
+from specserve.control.policy import Policy
+
+MIN_ROUNDS = 8
+PLAIN = {"n:0": 50.0, "v:0": 50 * 10.0, "o:0": 50 * 2.0}  # a plain step costs 12 ms
+
+
+def stats(alpha: list[float], rounds: dict[int, tuple[float, float, float]], n: float = 100.0) -> dict[str, float]:
+    s: dict[str, float] = {}
+    for i, a in enumerate(alpha, start=1):
+        s[f"pe:{i}"], s[f"pa:{i}"] = n, n * a
+    for k, (d, v, o) in rounds.items():
+        s[f"n:{k}"], s[f"d:{k}"], s[f"v:{k}"], s[f"o:{k}"] = n, n * d, n * v, n * o
+    return s
+
+
+GOOD = stats([0.9, 0.8, 0.7, 0.6], {4: (2.0, 12.0, 2.0)})  # E(4) = 1 + .9 + .72 + .504 + .3024; S(4) = 3.43 * 12 / 16 = 2.57
+FAIR = stats([0.6, 0.5, 0.4, 0.3], {4: (2.0, 12.0, 2.0)})  # E(4) = 1 + .6 + .3 + .12 + .036; S(4) = 2.06 * 12 / 16 = 1.54
+POOR = stats([0.1], {4: (8.0, 14.0, 2.0)})  # S(4) = 1.11 * 12 / 24 < 1
+
+
+def est(spec: dict, k_max: int = 4) -> Estimate:
+    return estimate(spec, PLAIN, k_max)
+
+
+FACTS = RequestFacts(temperature=0.0, prompt_tokens=10)
+P = Policy("c", draft_pool="a", k=4, safety_margin=0.1, probe_fraction=0.0)
+
+
+@pytest.mark.parametrize("facts, policy, here, estimates, expect", [
+    # 1. the request opts out (draft_pool "none", or K = 0): before everything else, even policy off
+    (RequestFacts(0.0, 10, pinned_pool=NO_SPECULATION), Policy("c", mode="off", draft_pool="a"), {"a"}, {},
+     (Decision.PINNED, Fallback.SPECULATION_OFF, None, False)),
+    (RequestFacts(0.0, 10, pinned_k=0), P, {"a"}, {"a": est(GOOD)}, (Decision.PINNED, Fallback.SPECULATION_OFF, None, False)),
+    # 2. policy off beats the ceilings and a pinned pool
+    (RequestFacts(5.0, 10, pinned_pool="a"), Policy("c", mode="off", draft_pool="a", temperature_ceiling=0.5), {"a"},
+     {}, (Decision.OFF, Fallback.POLICY_OFF, None, False)),
+    # 3. temperature ceiling, then prompt limit: plain even when speculation pays
+    (RequestFacts(0.9, 10), Policy("c", draft_pool="a", temperature_ceiling=0.5), {"a"}, {"a": est(GOOD)},
+     (Decision.PLAIN, Fallback.TEMPERATURE, None, False)),
+    (RequestFacts(0.0, 500), Policy("c", draft_pool="a", max_prompt_tokens=100), {"a"}, {"a": est(GOOD)},
+     (Decision.PLAIN, Fallback.PROMPT, None, False)),
+    # 4. no allowed pool on this router
+    (FACTS, P, {"b"}, {}, (Decision.PLAIN, Fallback.POOL_UNKNOWN, None, False)),
+    # 5. shadow beats a pinned K: the served run is plain, the shadow run speculates
+    (RequestFacts(0.0, 10, pinned_k=3), Policy("c", mode="shadow", draft_pool="a"), {"a"}, {},
+     (Decision.SHADOW, Fallback.SHADOW, "a", True)),
+    (FACTS, Policy("c", mode="shadow", draft_pool="a", k=3), {"a"}, {}, (Decision.SHADOW, Fallback.SHADOW, "a", True)),
+    # 6. a pinned pool or K beats the controller, even one that says plain
+    (RequestFacts(0.0, 10, pinned_pool="a"), P, {"a"}, {"a": est(POOR)}, (Decision.PINNED, Fallback.NONE, "a", False)),
+    (RequestFacts(0.0, 10, pinned_k=2), P, {"a"}, {"a": est(POOR)}, (Decision.PINNED, Fallback.NONE, "a", False)),
+    # 7. the controller: speculate when S pays, plain when it does not, learn without statistics
+    (FACTS, P, {"a"}, {"a": est(GOOD)}, (Decision.SPECULATE, Fallback.NONE, "a", False)),
+    (FACTS, P, {"a"}, {"a": est(POOR)}, (Decision.PLAIN, Fallback.CONTROLLER_PLAIN, None, False)),
+])
+def test_precedence(facts, policy, here, estimates, expect):
+    choice, _ = choose_arm(facts, policy, here, estimates, random.Random(0), MIN_ROUNDS)
+    assert (choice.decision, choice.reason, choice.pool, choice.shadow) == expect
+
+
+def test_a_pinned_k_is_used_as_given_and_a_pinned_pool_takes_the_controllers_k():
+    adaptive = Policy("c", draft_pool="a", adaptive_k=True, k_min=1, k_max=6, probe_fraction=0.0)
+    c, _ = choose_arm(RequestFacts(0.0, 10, pinned_k=5), adaptive, {"a"}, {"a": est(GOOD, 6)}, random.Random(0), 8)
+    assert c.k == 5
+    c, a = choose_arm(RequestFacts(0.0, 10, pinned_pool="a"), adaptive, {"a"}, {"a": est(GOOD, 6)}, random.Random(0), 8)
+    assert a is not None and c.k == a.k
+
+
+def test_learning_ends_on_the_best_of_two_pools():
+    policy = Policy("c", draft_pool="a", draft_pools=("b",), k=4, probe_fraction=0.0)
+    a = assess(policy, {"a": est(FAIR), "b": est(GOOD)}, MIN_ROUNDS)
+    assert (a.decision, a.pool, a.k) == (Decision.SPECULATE, "b", 4) and "a S=1.54" in a.reason
+    # a pool without statistics does not block a decision on the measured one; it is explored
+    a = assess(policy, {"a": Estimate(), "b": est(GOOD)}, MIN_ROUNDS)
+    assert (a.decision, a.pool) == (Decision.SPECULATE, "b") and "exploring a" in a.reason
+    # nothing measured yet: learn, the preferred pool first
+    a = assess(policy, {"a": Estimate(), "b": Estimate()}, MIN_ROUNDS)
+    assert (a.decision, a.pool) == (Decision.LEARN, "a")
+
+
+def test_a_pool_without_statistics_gets_half_the_requests_until_it_has_them():
+    policy = Policy("c", draft_pool="a", draft_pools=("b",), k=4, probe_fraction=0.0)
+    rng = random.Random(5)
+    picks = [choose_arm(FACTS, policy, {"a", "b"}, {"a": Estimate(plain_rounds=50.0), "b": est(GOOD)}, rng,
+                        MIN_ROUNDS)[0] for _ in range(2000)]
+    explored = sum(c.pool == "a" for c in picks) / len(picks)
+    # binomial(2000, 0.5): sd 0.011; 5 sd bounds. The rest runs the decided arm, `b`.
+    assert abs(explored - 0.5) < 0.056 and all(c.probe for c in picks if c.pool == "a")
+    assert {c.pool for c in picks} == {"a", "b"}
+    # learning (nothing measured): plain and every pool without statistics, uniformly
+    picks = [choose_arm(FACTS, policy, {"a", "b"}, {"a": Estimate(), "b": Estimate()}, rng, MIN_ROUNDS)[0].pool
+             for _ in range(300)]
+    assert set(picks) == {None, "a", "b"}
+
+
+def test_probes_reach_every_allowed_pool_and_plain():
+    policy = Policy("c", draft_pool="a", draft_pools=("b",), k=4, probe_fraction=0.3)
+    rng = random.Random(3)
+    arms = [choose_arm(FACTS, policy, {"a", "b"}, {"a": est(GOOD), "b": est(FAIR)}, rng, MIN_ROUNDS)[0]
+            for _ in range(3000)]
+    on_a = sum(c.pool == "a" and not c.probe for c in arms) / len(arms)
+    probe_b = sum(c.pool == "b" and c.probe for c in arms) / len(arms)
+    probe_plain = sum(c.pool is None and c.probe for c in arms) / len(arms)
+    # 70 % decided arm; the 30 % of probes split between plain and the other pool (binomial
+    # sd at n=3000 is at most 0.009: 5 sd bounds)
+    assert abs(on_a - 0.7) < 0.045 and abs(probe_b - 0.15) < 0.045 and abs(probe_plain - 0.15) < 0.045
+
+
+def _feed(stats_by_pool: dict[str, Batch], pool: str | None, alpha: list[float], rounds: int, k: int,
+          draft_ms: float, rng: random.Random) -> None:
+    """Rounds of one request into the statistics, accepted positions drawn from alpha."""
+    for _ in range(rounds):
+        accepted = 0
+        if pool is not None:
+            while accepted < k and rng.random() < alpha[min(accepted, len(alpha) - 1)]:
+                accepted += 1
+        stats_by_pool.setdefault(pool or "none", Batch()).add_round(k if pool else 0, accepted,
+                                                                    draft_ms if pool else 0.0, 12.0 if pool else 10.0, 2.0)
+
+
+def _decayed(batch: Batch, f: float) -> dict[str, float]:
+    return {k: v * f for k, v in batch.inc.items()}
+
+
+def test_a_class_moves_to_the_pool_that_pays_and_again_when_it_degrades():
+    """A simulated class with three pools: `poor` accepts 0.1 per position, `fair` 0.5 and
+    `good` 0.85. Requests follow choose_arm; each runs 16 rounds into the statistics, decayed
+    by 0.97 per request (a half-life of ~23 requests, as the Redis script decays over time).
+    The class settles on `good` within a bounded number of requests; when `good` degrades
+    (0.05 acceptance, 3x its draft cost) it moves to `fair`, not to plain."""
+    policy = Policy("c", draft_pool="poor", draft_pools=("fair", "good"), k=4, safety_margin=0.1,
+                    probe_fraction=0.2)
+    pools = ("poor", "fair", "good")
+    alphas = {"good": [0.85], "fair": [0.5], "poor": [0.1]}
+    draft_ms = {"good": 2.0, "fair": 2.0, "poor": 2.0}
+    rng, sim = random.Random(7), random.Random(11)
+    batches: dict[str, Batch] = {}
+    history: list[str] = []
+
+    def request() -> None:
+        plain = _decayed(batches.get("none", Batch()), 1.0)
+        ests = {p: estimate(_decayed(batches.get(p, Batch()), 1.0), plain, 4) for p in pools}
+        choice, _ = choose_arm(FACTS, policy, set(pools), ests, rng, MIN_ROUNDS)
+        history.append(choice.pool or "plain")
+        pool = choice.pool or ""
+        _feed(batches, choice.pool, alphas.get(pool, [0.0]), 16, choice.k, draft_ms.get(pool, 0.0), sim)
+        for b in batches.values():
+            for f in b.inc:
+                b.inc[f] *= 0.97
+
+    for _ in range(60):
+        request()
+    # Learning needs ~8 rounds (one request) per arm. Once decided, 80 % of requests take the
+    # decided pool and the 20 % probes split between plain and the other pools: 16 of 20
+    # expected; 12 is more than 2 sd (binomial sd 1.8) below.
+    assert history.index("good") < 12 and history[40:60].count("good") >= 12, history
+    alphas["good"], draft_ms["good"] = [0.05], 6.0  # `good` degrades
+    for _ in range(100):
+        request()
+    after = history[60 + 80:]
+    # the decayed good rounds fade within ~2-3 half-lives; the last 20 requests run `fair`
+    # except for probes (16 expected), and `good` only as a probe (10 % of 20: 2 expected)
+    assert after.count("fair") >= 12 and after.count("good") <= 6, history[60:]
