@@ -25,7 +25,7 @@ from specserve.state.prefix import CommittedPrefix, chain
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.worker.qcodec import q_to_proto
 from specserve.worker.sessions import SessionLRU
-from specserve.worker.speculation import BlockKey, SpeculationCache, likely_prefixes
+from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 
 IDLE_POLL_S = 0.0005
 
@@ -130,18 +130,25 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def _draft_ahead(self, session_id: str, sess: _Session, ids: list[int], proposal: DraftProposal, k: int,
                            sampling: SamplingParams, seed: int, branches: int, push: Push | None) -> None:
-        """Blocks for the likely next prefixes (all accepted + the bonus guess first, then a
-        rejection at each position + the runner-up), each cached and pushed when ready."""
+        """Blocks for the likely next prefixes, likeliest first (likely_outcomes: all accepted
+        + the bonus guess, or a rejection at j + the runner-up), each cached and pushed when
+        ready. The bonus guess costs one draft forward, spent only when that branch comes."""
+        loop = asyncio.get_running_loop()
+        base = sess.prefix.hash_at(len(ids))
         try:
-            async with self._idle_device():
-                t0 = time.perf_counter()
-                guess = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, sess.draft.guess_next, [*ids, *proposal.tokens], sampling, seed)
-                if self.simulated_token_ms:
-                    await asyncio.sleep(self.simulated_token_ms / 1e3)
-                guess_s = time.perf_counter() - t0
-            base = sess.prefix.hash_at(len(ids))
-            for prefix in likely_prefixes(ids, proposal.tokens, guess, proposal.runner_up, branches):
+            for j in likely_outcomes(len(proposal.tokens), proposal.runner_up, proposal.confidence, branches):
+                guess, guess_s = None, 0.0
+                if j == len(proposal.tokens):
+                    async with self._idle_device():
+                        t0 = time.perf_counter()
+                        guess = await loop.run_in_executor(self.executor, sess.draft.guess_next,
+                                                           [*ids, *proposal.tokens], sampling, seed)
+                        if self.simulated_token_ms:
+                            await asyncio.sleep(self.simulated_token_ms / 1e3)
+                        guess_s = time.perf_counter() - t0
+                prefix = likely_prefix(ids, proposal.tokens, j, proposal.runner_up, guess)
+                if prefix is None:
+                    continue
                 async with self._idle_device():
                     block, elapsed = await self._draft(sess.draft, prefix, k, sampling, seed)
                 prefix_hash = chain(base, prefix[len(ids):])
@@ -151,7 +158,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     push(draft_pb2.ProposeReply(call_id=0, predraft=draft_pb2.Predraft(
                         session_id=session_id, prefix_len=len(prefix), prefix_hash=prefix_hash, k=k,
                         block=self._response(block, 0.0, True, elapsed + guess_s))))
-                guess_s = 0.0
         except asyncio.CancelledError:
             pass  # the next round arrived: what it needs was cached or is drafted afresh
 

@@ -22,7 +22,7 @@ from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import draft_pb2
 from specserve.worker.qcodec import q_from_proto
-from specserve.worker.speculation import BlockKey, SpeculationCache, likely_prefixes
+from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 
 
 @pytest.fixture
@@ -31,11 +31,18 @@ def run():
         yield runner.run
 
 
-def test_likely_prefixes_in_order():
-    # the docstring's example: all accepted + bonus guess, then a rejection at each position
-    assert likely_prefixes([5, 6], [7, 8], 9, [4, 3], 3) == [[5, 6, 7, 8, 9], [5, 6, 4], [5, 6, 7, 3]]
-    assert likely_prefixes([5, 6], [7, 8], None, [4, None], 3) == [[5, 6, 4]]
-
+def test_likely_outcomes_likeliest_first():
+    # the module docstring's example: P(all) = 0.5 * 0.9 * 0.7 = 0.315, P(0) = 0.3, P(1) = 0.025
+    conf = [(0.5, 0.3), (0.9, 0.05)]
+    assert likely_outcomes(2, [4, 3], conf, 3) == [2, 0, 1]
+    assert [likely_prefix([5, 6], [7, 8], j, [4, 3], 9) for j in (2, 0, 1)] == [[5, 6, 7, 8, 9], [5, 6, 4], [5, 6, 7, 3]]
+    # an unsure first token: a rejection there is the likeliest verdict
+    assert likely_outcomes(2, [4, 3], [(0.2, 0.6), (0.9, 0.05)], 2) == [0, 2]
+    # no probabilities (n-gram): all accepted first, then each position; no runner-up, no branch
+    assert likely_outcomes(2, [4, None], None, 3) == [2, 0]
+    assert likely_outcomes(2, None, None, 3) == [2]
+    assert likely_prefix([5, 6], [7, 8], 2, [4, 3], None) is None  # no bonus guess
+    assert likely_prefix([5, 6], [7, 8], 1, [4, None], 9) is None
 
 def test_a_cache_hit_drops_blocks_for_prefixes_that_can_no_longer_come():
     cache = SpeculationCache(capacity=4)

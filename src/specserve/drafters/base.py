@@ -20,6 +20,9 @@ class DraftProposal:
     # per position, the drafter's runner-up token: its guess of the recovered token should the
     # target reject that position (pre-drafting, ADR 0010); None where it has none
     runner_up: list[int | None] | None = None
+    # per position, the drafter's probability of its drafted token and of the runner-up: how
+    # likely each verdict is, so pre-drafting prepares the likeliest first; None = unknown
+    confidence: list[tuple[float, float]] | None = None
 
     @property
     def k(self) -> int:

@@ -61,6 +61,7 @@ class HFDraftSession:
         start = len(token_ids)
         tokens: list[int] = []
         runner_up: list[int | None] = []
+        confidence: list[tuple[float, float]] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
             probs = None if sampling.greedy else truncate_mass(
@@ -72,11 +73,13 @@ class HFDraftSession:
                 tok = int(draw(probs.unsqueeze(0), u)[0])
                 qs.append(probs)
             tokens.append(tok)
-            runner_up.append(_runner_up(logits, tok, sampling))
+            alt = _runner_up(logits, tok, sampling)
+            runner_up.append(alt)
+            confidence.append(_confidence(logits if probs is None else probs, probs is None, tok, alt))
             if i + 1 < k:
                 logits = self.lm.extend([tok])[-1]
         q = None if sampling.greedy else _pack_q(torch.stack(qs))
-        return DraftProposal(tokens, q, rollback_tokens=dropped, runner_up=runner_up)
+        return DraftProposal(tokens, q, rollback_tokens=dropped, runner_up=runner_up, confidence=confidence)
 
     @torch.inference_mode()
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
@@ -94,6 +97,13 @@ class HFDraftSession:
 
     def release(self) -> None:
         self.lm.reset()
+
+
+def _confidence(scores: torch.Tensor, are_logits: bool, drafted: int, alt: int | None) -> tuple[float, float]:
+    """(probability of the drafted token, of the runner-up) under the draft; at T = 0 the
+    softmax of its logits."""
+    probs = torch.softmax(scores.float(), -1) if are_logits else scores
+    return float(probs[drafted]), float(probs[alt]) if alt is not None else 0.0
 
 
 def _runner_up(logits: torch.Tensor, drafted: int, sampling: SamplingParams) -> int | None:

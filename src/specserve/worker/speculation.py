@@ -8,10 +8,13 @@ Lossless by construction: a drafter's block is a pure function of (prefix, K, sa
 (its draws are uniform(seed, absolute position, DRAFT)), so a prepared block used only for the
 exact prefix it assumed equals what drafting afresh would give. Torch-free.
 
-The likely prefixes after a block d_1..d_K drafted after `ids` (in order of preparation):
-  all accepted:         ids + d_1..d_K + [b]          b = the drafter's guess of the bonus token
-  rejected at j:        ids + d_1..d_j + [r_j]        r_j = its runner-up at position j+1
-Example: ids [5, 6], block [7, 8], bonus guess 9, runner-ups [4, 3] ->
+The likely prefixes after a block d_1..d_K drafted after `ids`:
+  all accepted (j = K): ids + d_1..d_K + [b]          b = the drafter's guess of the bonus token
+  rejected at j < K:    ids + d_1..d_j + [r_j]        r_j = its runner-up at position j+1
+prepared likeliest first, by the drafter's own probabilities a_i of its tokens and c_j of its
+runner-ups (its stand-in for the target's): P(j = K) ~ a_1..a_K * mean(a), P(j) ~ a_1..a_j * c_j.
+Example: ids [5, 6], block [7, 8], bonus guess 9, runner-ups [4, 3], confidence
+[(0.5, 0.3), (0.9, 0.05)] -> P(all) = 0.45 * 0.7 = 0.315, P(0) = 0.3, P(1) = 0.025 ->
   [5, 6, 7, 8, 9], [5, 6, 4], [5, 6, 7, 3]
 """
 
@@ -34,16 +37,30 @@ class BlockKey:
     seed: int
 
 
-def likely_prefixes(ids: Sequence[int], block: Sequence[int], bonus_guess: int | None,
-                    runner_up: Sequence[int | None] | None, branches: int) -> list[list[int]]:
-    """Up to `branches` committed prefixes round n+1 may start from, most useful first."""
-    out: list[list[int]] = []
-    if bonus_guess is not None:
-        out.append([*ids, *block, bonus_guess])
-    for j, alt in enumerate(runner_up or ()):
-        if alt is not None:
-            out.append([*ids, *block[:j], alt])
-    return out[:branches]
+def likely_outcomes(k: int, runner_up: Sequence[int | None] | None,
+                    confidence: Sequence[tuple[float, float]] | None, branches: int) -> list[int]:
+    """Up to `branches` positions j at which round n is likely to end, likeliest first: j = k
+    all accepted (then the bonus guess), j < k rejected at j (then the runner-up). Without
+    the drafter's probabilities: all accepted first, then j = 0, 1, ..."""
+    alts = list(runner_up or [None] * k)
+    candidates = [k, *(j for j in range(k) if alts[j] is not None)]
+    if confidence and len(confidence) == k:
+        accept = [a for a, _ in confidence]
+        reach = [1.0]
+        for a in accept:
+            reach.append(reach[-1] * a)  # reach[j]: P(the first j are accepted)
+        score = {j: reach[j] * (confidence[j][1] if j < k else sum(accept) / k) for j in candidates}
+        candidates.sort(key=lambda j: -score[j])  # stable: ties keep all-accepted first
+    return candidates[:branches]
+
+
+def likely_prefix(ids: Sequence[int], block: Sequence[int], j: int, runner_up: Sequence[int | None] | None,
+                  bonus_guess: int | None) -> list[int] | None:
+    """The committed prefix round n+1 starts from when round n ends at j (likely_outcomes)."""
+    if j == len(block):
+        return None if bonus_guess is None else [*ids, *block, bonus_guess]
+    alt = runner_up[j] if runner_up else None
+    return None if alt is None else [*ids, *block[:j], alt]
 
 
 class SpeculationCache:
