@@ -52,6 +52,7 @@ test-unit: setup
 bench: setup models
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_stack.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_stack.py --overlap --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_tracing.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_policies.py --models $(MODELS_DIR) --out bench/results
 

@@ -20,6 +20,7 @@ from specserve.errors import InvalidRequest
 from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.server import run_timed
 from specserve.serving.streams import Push, serve_calls
+from specserve.serving.telemetry import tracer
 from specserve.serving.wire import check_k, check_token_ids, sampling_from_proto
 from specserve.state.prefix import CommittedPrefix, chain
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -135,6 +136,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         ready. The bonus guess costs one draft forward, spent only when that branch comes."""
         loop = asyncio.get_running_loop()
         base = sess.prefix.hash_at(len(ids))
+        prepared = 0
+        # a child of the Propose's server span that outlives it: the waterfall draws it beside
+        # the round's Verify, which it overlaps
+        span = tracer().start_span("specserve.draft.ahead")
         try:
             for j in likely_outcomes(len(proposal.tokens), proposal.runner_up, proposal.confidence, branches):
                 guess, guess_s = None, 0.0
@@ -158,8 +163,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     push(draft_pb2.ProposeReply(call_id=0, predraft=draft_pb2.Predraft(
                         session_id=session_id, prefix_len=len(prefix), prefix_hash=prefix_hash, k=k,
                         block=self._response(block, 0.0, True, elapsed + guess_s))))
+                prepared += 1
         except asyncio.CancelledError:
             pass  # the next round arrived: what it needs was cached or is drafted afresh
+        finally:
+            span.set_attribute("specserve.predrafted_blocks", prepared)
+            span.end()
 
     async def ProposeStream(self, request_iterator, context):
         async for reply in serve_calls(request_iterator, lambda r, push: self.Propose(r, context, push),

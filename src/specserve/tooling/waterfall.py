@@ -2,7 +2,9 @@
 
 Each round is a row: the draft call (its server-side compute dark, network and queueing
 light), the verify call likewise, then the commit; markers show each drafted token accepted
-(green) or rejected (red) and the emitted recovered/bonus token (blue)."""
+(green) or rejected (red) and the emitted recovered/bonus token (blue). The overlap of ADR
+0010 shows as it happens: the draft worker drafting ahead (hatched) under the round's
+verify, and a round's commit running into the next round."""
 
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ def rounds_of(trace: list[dict]) -> list[dict]:
         calls = {c["name"]: c for c in by_parent.get(r["span_id"], [])}
         servers = {name: next((x for x in by_parent.get(c["span_id"], []) if x["kind"] == "SERVER"), None)
                    for name, c in calls.items()}
-        out.append({"round": r, "calls": calls, "servers": servers})
+        ahead = [x for srv in servers.values() if srv is not None for x in by_parent.get(srv["span_id"], [])
+                 if x["name"] == "specserve.draft.ahead"]
+        out.append({"round": r, "calls": calls, "servers": servers, "ahead": ahead})
     return out
 
 
@@ -64,6 +68,9 @@ def render(trace: list[dict], out: Path) -> Path:
             srv = r["servers"].get(name)
             if srv is not None:  # compute inside the remote process; the rest is network + queueing
                 ax.barh(y, ms(srv["end_ns"]) - ms(srv["start_ns"]), left=ms(srv["start_ns"]), color=color, height=0.6)
+        for x in r["ahead"]:
+            ax.barh(y, ms(x["end_ns"]) - ms(x["start_ns"]), left=ms(x["start_ns"]), color="none", hatch="////",
+                    edgecolor=_COLORS["specserve.draft.propose"], height=0.6, lw=0.5)
         a = r["round"]["attributes"]
         k, acc = int(a.get("specserve.k", 0)), int(a.get("specserve.num_accepted", 0))
         x = ms(r["round"]["end_ns"]) + step
