@@ -47,7 +47,7 @@ def _pct(xs, q) -> float:
 
 
 def stack_rows(pair: Path, prompts: dict, setting: str, pass_ms: float, token_ms: float, k: int, max_tokens: int,
-               banned: list[int], repeats: int, branches: int) -> list[dict]:
+               banned: list[int], repeats: int, branches: int, extra_ks: tuple[int, ...] = ()) -> list[dict]:
     import grpc
 
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
@@ -105,6 +105,17 @@ def stack_rows(pair: Path, prompts: dict, setting: str, pass_ms: float, token_ms
                         "draft_wall_ms_miss_p50": _pct([r.draft_wall_ms for r in misses], 50),
                         "overhead_ms": [r.overhead_ms for r in rounds],
                     })
+            for extra_k in extra_ks:  # the pre-draft hit rate at other K (overlap mode, model pool)
+                for cls, ps in prompts.items():
+                    drafted = []
+                    for p in ps:
+                        req = generation_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens, draft_pool="small",
+                                                             num_draft_tokens=extra_k, banned_token_ids=banned)
+                        drafted += [r for r in stubs["overlap"].Generate(req, timeout=600).stats.round if r.k > 0]
+                    rows.append({"setting": setting, "path": "stack-k", "mode": "overlap", "class": cls,
+                                 "pool": "small", "k": extra_k, "rounds": len(drafted),
+                                 "mean_accepted": statistics.mean(r.accepted for r in drafted) if drafted else None,
+                                 "hit_rate": sum(bool(r.predraft) for r in drafted) / len(drafted) if drafted else None})
             for c in channels:
                 c.close()
     return rows
@@ -264,7 +275,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def run(pair: Path, out: Path, prompts_per_class: int, max_tokens: int, k: int, repeats: int, pass_ms: float,
-        token_ms: float, branches: int, settings: list[str]) -> dict:
+        token_ms: float, branches: int, settings: list[str], extra_ks: tuple[int, ...] = (2, 5)) -> dict:
     from specserve.tooling.modelbuild.build import load_eval_prompts
 
     prompts = {c: [p["prompt"] for p in load_eval_prompts(pair) if p["workload_class"] == c][:prompts_per_class]
@@ -275,8 +286,10 @@ def run(pair: Path, out: Path, prompts_per_class: int, max_tokens: int, k: int, 
     costs = {"cpu": (0.0, 0.0), "simulated": (pass_ms, token_ms)}
     for setting in settings:
         p_ms, t_ms = costs[setting]
-        rows += stack_rows(pair, prompts, setting, p_ms, t_ms, k, max_tokens, banned, repeats, branches)
+        rows += stack_rows(pair, prompts, setting, p_ms, t_ms, k, max_tokens, banned, repeats, branches, extra_ks)
         rows += in_process_rows(pair, prompts, setting, p_ms, t_ms, k, max_tokens, banned, repeats)
+    ks_rows = [r for r in rows if r["path"] == "stack-k"]
+    rows = [r for r in rows if r["path"] != "stack-k"]
     for r in rows:
         base = next(b for b in rows if b["setting"] == r["setting"] and b["mode"] == r["mode"]
                     and b["class"] == r["class"] and b["pool"] == "none")
@@ -295,7 +308,9 @@ def run(pair: Path, out: Path, prompts_per_class: int, max_tokens: int, k: int, 
                                             "rounds": len(over)}
     result = {"args": {"pair": str(pair), "prompts_per_class": prompts_per_class, "max_tokens": max_tokens, "k": k,
                        "repeats": repeats, "pass_ms": pass_ms, "token_ms": token_ms, "predraft_branches": branches},
-              "summary": summary, "wire": wire_bytes(pair, k), "rows": rows}
+              "summary": summary, "wire": wire_bytes(pair, k), "rows": rows,
+              "hit_rate_by_k": [{**r, "k": k} for r in rows if r["mode"] == "overlap" and r["pool"] == "small"
+                                and r["path"] == "stack"] + ks_rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "overlap.json").write_text(json.dumps(result, indent=1))
     _plot(rows, out / "overlap.png")
@@ -322,6 +337,9 @@ def _print(result: dict) -> None:
     print("\n| setting/mode | critical-path overhead p50 | p99 | rounds |\n|---|---|---|---|")
     for key, s in result["summary"].items():
         print(f"| {key} | {s['overhead_ms_p50']:.2f} ms | {s['overhead_ms_p99']:.2f} ms | {s['rounds']} |")
+    print("\n| setting | class | K | pre-draft hit rate (overlap, pool small) | mean accepted |\n|---|---|---|---|---|")
+    for r in sorted(result["hit_rate_by_k"], key=lambda r: (r["setting"], r["class"], r["k"])):
+        print(f"| {r['setting']} | {r['class']} | {r['k']} | {_f(r['hit_rate'], '.0%')} | {_f(r['mean_accepted'])} |")
     print("\nbytes per round:", json.dumps(result["wire"], indent=1))
 
 

@@ -87,6 +87,11 @@ def test_trace_renders_as_a_waterfall(stub, otlp_receiver, eval_prompts, tmp_pat
     trace = _trace_of(otlp_receiver, resp.session_id)
     rounds = rounds_of(trace)
     assert len(rounds) == resp.stats.rounds
+    # the overlap of ADR 0010 is in the trace: the draft worker drafts ahead while the target
+    # verifies the same round (the hatched bars of the waterfall)
+    overlapping = [r for r in rounds for a in r["ahead"] if "specserve.target.verify" in r["calls"]
+                   and a["start_ns"] < r["calls"]["specserve.target.verify"]["end_ns"]]
+    assert overlapping, "no draft-ahead span overlaps its round's verify"
     png = render(trace, tmp_path / "trace.png")
     assert png.stat().st_size > 5000
 

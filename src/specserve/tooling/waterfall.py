@@ -37,8 +37,15 @@ def rounds_of(trace: list[dict]) -> list[dict]:
     out = []
     for r in sorted((s for s in trace if s["name"] == "specserve.round"), key=lambda s: s["start_ns"]):
         calls = {c["name"]: c for c in by_parent.get(r["span_id"], [])}
-        servers = {name: next((x for x in by_parent.get(c["span_id"], []) if x["kind"] == "SERVER"), None)
-                   for name, c in calls.items()}
+        def server_of(span_id: str) -> dict | None:
+            # a round that used a pushed pre-drafted block told the worker unawaited, under a
+            # `specserve.draft.inform` child of its propose span
+            children = by_parent.get(span_id, [])
+            found = next((x for x in children if x["kind"] == "SERVER"), None)
+            inform = next((x for x in children if x["name"] == "specserve.draft.inform"), None)
+            return found if found is not None or inform is None else server_of(inform["span_id"])
+
+        servers = {name: server_of(c["span_id"]) for name, c in calls.items()}
         ahead = [x for srv in servers.values() if srv is not None for x in by_parent.get(srv["span_id"], [])
                  if x["name"] == "specserve.draft.ahead"]
         out.append({"round": r, "calls": calls, "servers": servers, "ahead": ahead})
