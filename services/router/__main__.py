@@ -165,6 +165,9 @@ async def main(settings: RouterSettings) -> None:
         while True:
             up = await redis_answers(redis)
             if up != serving:  # health follows Redis: without it no session can be served
+                if up:  # a Redis that came back without its data gets the configured policies
+                    with contextlib.suppress(*REDIS_DOWN):
+                        await seed_policies(policy_store, settings)
                 await (server.set_serving() if up else server.set_not_serving())
                 (log.info if up else log.error)("Redis %s", "is back: SERVING" if up else
                                                 f"is unreachable at {settings.redis_url}: NOT_SERVING")
