@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup proto models test test-unit helm-lint bench lint run down demo-local clean
+.PHONY: setup proto models test test-unit test-faults helm-lint bench lint run down demo-local clean
 
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := src/specserve/v1/__init__.py
@@ -48,6 +48,10 @@ helm-lint: setup
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
+
+# The fault matrix alone (also part of `make test`): kills, stops and disconnects mid-generation.
+test-faults: setup
+	$(PY) -m pytest -q tests/faults
 
 bench: setup models
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results

@@ -376,3 +376,13 @@ def test_rollouts_keep_capacity(default_manifests, component):
     (dep,) = find(default_manifests, "Deployment", f"spec-specserve-{component}")
     assert _selects(pdb["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
     assert pdb["spec"]["minAvailable"] >= 1
+
+
+def test_bundled_redis_is_durable_and_needs_a_password(default_manifests):
+    """ADR 0011: the append-only file fsynced every second, and AUTH, by default."""
+    redis = next(d for d in default_manifests if d["kind"] == "StatefulSet"
+                 and d["metadata"]["labels"].get("app.kubernetes.io/component") == "redis")
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    pairs = dict(zip(args[::2], args[1::2], strict=False))
+    assert pairs["--appendonly"] == "yes" and pairs["--appendfsync"] == "everysec"
+    assert pairs["--requirepass"] == "$(REDIS_PASSWORD)"
