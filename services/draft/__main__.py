@@ -14,6 +14,7 @@ from specserve.serving.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
+from specserve.serving.tls import load as load_tls
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specserve.draft")
@@ -50,7 +51,8 @@ async def main(settings: DraftSettings) -> None:
     server = GrpcServer(
         [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,
         settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
-        interceptors=[TracingServerInterceptor()])
+        interceptors=[TracingServerInterceptor()],
+        credentials=tls.server(require_client_cert=True) if (tls := load_tls(settings.tls_dir)) else None)
     await server.start()
     publish_ports(server.port, settings.port_file, servicer.metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)

@@ -39,6 +39,7 @@ from specserve.serving.telemetry import (
     setup_tracing,
     shutdown_tracing,
 )
+from specserve.serving.tls import load as load_tls
 from specserve.state.store import REDIS_DOWN, SessionStore
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
@@ -112,11 +113,12 @@ async def main(settings: RouterSettings) -> None:
     classifier = classifier_from(settings)
     redis = redis_client(settings.redis_url)
     store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s, lease_s=settings.lease_s)
+    tls = load_tls(settings.tls_dir)
     pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000, settings.worker_streams,
-                             settings.predraft_branches)
+                             settings.predraft_branches, tls=tls)
              for name, addrs in settings.draft_pools.items()}
     targets = TargetDirectory(redis, settings.key_prefix, settings.verify_timeout_ms / 1000, settings.target_wait_s,
-                              settings.worker_streams)
+                              settings.worker_streams, tls=tls)
     metrics = RouterMetrics()
     policy_store = PolicyStore(redis, settings.key_prefix)
     policies = PolicyCache(policy_store, builtin_policy(settings), settings.policy_reload_s)
@@ -150,7 +152,8 @@ async def main(settings: RouterSettings) -> None:
                          policy_pb2.DESCRIPTOR.services_by_name["PolicyAdmin"].full_name],
                         settings.host, settings.port, settings.grace_s, add,
                         interceptors=[TracingServerInterceptor()], limits=ServerLimits(
-                            settings.max_message_bytes, settings.max_concurrent_rpcs))
+                            settings.max_message_bytes, settings.max_concurrent_rpcs),
+                        credentials=tls.server(require_client_cert=False) if tls else None)
     await server.start()
     publish_ports(server.port, settings.port_file, metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)

@@ -30,6 +30,7 @@ from opentelemetry.trace import SpanKind
 from specserve.errors import InvalidRequest, Unavailable
 from specserve.serving.streams import StreamClient
 from specserve.serving.telemetry import outgoing_metadata, tracer
+from specserve.serving.tls import TlsFiles, aio_channel
 from specserve.serving.wire import prefix_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -102,6 +103,7 @@ class DraftPool:
     predraft_branches: int = 0  # asked of the workers: likely next prefixes to draft ahead for
     replicas: dict[str, Replica] = field(default_factory=dict)
     max_sessions: int = 4096  # sessions whose pushed blocks are kept (least recently used go)
+    tls: TlsFiles | None = None  # mTLS to the replicas (ADR 0011)
 
     def __post_init__(self) -> None:
         # session -> (committed length, prefix hash, K) -> (block, replica that drafted it)
@@ -109,7 +111,7 @@ class DraftPool:
             OrderedDict()
         self.informing: dict[str, asyncio.Task] = {}  # a Propose sent without waiting, per session
         for a in self.addresses:
-            ch = grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS)
+            ch = aio_channel(a, self.tls, _CHANNEL_OPTIONS)
             stub = draft_pb2_grpc.DraftStub(ch)
             call: Call = StreamClient(stub.ProposeStream, draft_pb2.ProposeCall, functools.partial(self._on_push, a)) \
                 if self.streams else per_round_call(stub.Propose, stub.ProposeStream, draft_pb2.ProposeCall, False)
@@ -213,7 +215,8 @@ class TargetDirectory:
     """Targets registered in Redis; channels kept open per address."""
 
     def __init__(self, redis, prefix: str, verify_timeout_s: float = 10.0, wait_s: float = 30.0,
-                 streams: bool = True) -> None:
+                 streams: bool = True, tls: TlsFiles | None = None) -> None:
+        self.tls = tls
         self.verify_timeout_s = verify_timeout_s
         self.streams = streams
         self.calls: dict[str, Call] = {}
@@ -235,7 +238,7 @@ class TargetDirectory:
         self._set(sorted(set(found)))
         for a in self.addresses:
             if a not in self.stubs:
-                ch = grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS)
+                ch = aio_channel(a, self.tls, _CHANNEL_OPTIONS)
                 self.channels[a] = ch
                 stub = self.stubs[a] = target_pb2_grpc.TargetStub(ch)
                 self.calls[a] = per_round_call(stub.Verify, stub.VerifyStream, target_pb2.VerifyCall, self.streams)

@@ -66,6 +66,7 @@ class TargetWorker:
             start_metrics_server,
             tracer,
         )
+        from specserve.serving.tls import load as load_tls
         from specserve.v1 import target_pb2, target_pb2_grpc
 
         s = self.settings
@@ -78,7 +79,9 @@ class TargetWorker:
             servicer = TargetServicer(target, s.max_sessions, simulated_pass_ms=s.simulated_pass_ms)
             server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host, s.port,
                                 s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv),
-                                interceptors=[TracingServerInterceptor()])
+                                interceptors=[TracingServerInterceptor()],
+                                credentials=tls.server(require_client_cert=True) if (tls := load_tls(s.tls_dir))
+                                else None)
             await server.start()
             await asyncio.get_running_loop().run_in_executor(servicer.executor, _warm_up, target)
             await server.set_serving()

@@ -27,6 +27,9 @@ class DraftSettings(BaseSettings):
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     grace_s: float = Field(5.0, ge=0)  # SIGTERM drain
+    # TLS (ADR 0011): a directory with tls.crt, tls.key and ca.crt (a cert-manager Secret);
+    # empty = plaintext. Workers then require a client certificate signed by ca.crt (mTLS).
+    tls_dir: str = ""
     # benchmarks/tests on CPU: extra time per proposed token, as a slower draft device would take
     simulated_token_ms: float = Field(0.0, ge=0)
 
@@ -51,6 +54,9 @@ class TargetSettings(BaseSettings):
     resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"large_gpu": 1}
     max_restarts: int = Field(-1, ge=-1)  # -1 = restart forever
     grace_s: float = Field(5.0, ge=0)
+    # TLS (ADR 0011): a directory with tls.crt, tls.key and ca.crt (a cert-manager Secret);
+    # empty = plaintext. Workers then require a client certificate signed by ca.crt (mTLS).
+    tls_dir: str = ""
     # benchmarks/tests on CPU: extra time per forward pass, flat in K, as a large target on a
     # GPU takes (memory-bound decode); 0 = off
     simulated_pass_ms: float = Field(0.0, ge=0)
@@ -93,6 +99,9 @@ class RouterSettings(BaseSettings):
     reap_s: float = Field(2.0, gt=0)  # how often each router looks for orphaned sessions
     # a session runs on after its client goes away; nobody reading it for this long cancels it
     detached_idle_s: float = Field(60.0, gt=0)
+    # TLS (ADR 0011): tls.crt/tls.key/ca.crt; clients get server TLS, workers are called with
+    # this certificate as the client certificate (mTLS). Empty = plaintext.
+    tls_dir: str = ""
     # Redis down: commits and readers retry with backoff this long, then UNAVAILABLE
     redis_outage_s: float = Field(30.0, ge=0)
     # every gRPC server: the largest request accepted, and RPCs in flight before

@@ -1,5 +1,5 @@
 """The fault matrix's stack: real Redis (AOF + password), Ray target, draft replicas and two
-router replicas on loopback, with a simulated target pass time so that a request lasts long
+router replicas on loopback, TLS on every hop (mTLS to the workers, a local CA), with a simulated target pass time so that a request lasts long
 enough for a fault to land in the middle of it (ADR 0006's simulated costs, ADR 0011)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ LEASE_S = 2.0  # short, so a router's death is noticed quickly (production defau
 
 @pytest.fixture(scope="module")
 def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
+    from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     run_dir = tmp_path_factory.mktemp("faults")
@@ -23,6 +24,7 @@ def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
                     "SPECSERVE_ROUTER_LEASE_S": str(LEASE_S), "SPECSERVE_ROUTER_HEARTBEAT_S": "0.5",
                     "SPECSERVE_ROUTER_REAP_S": "1", "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "128"},
         env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": str(PASS_MS)},
+        tls_dir=str(make_local_ca(run_dir / "tls")),
     )
     with Stack(spec).running(timeout_s=480) as s:
         yield s

@@ -29,6 +29,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.serving.tls import channel
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_TOKENS = 32
@@ -48,7 +49,7 @@ def fault_report():
 
 @pytest.fixture(scope="module")
 def stubs(stack):
-    channels = [grpc.insecure_channel(a) for a in stack.info.routers]
+    channels = [channel(a, stack.spec.tls_dir) for a in stack.info.routers]
     yield [generation_pb2_grpc.GenerationStub(ch) for ch in channels]
     for ch in channels:
         ch.close()
@@ -154,9 +155,9 @@ def _mid_generation(r, session_id: str, want: list[int]) -> None:
     assert status == b"running" and int(committed) < len(want), (status, committed)
 
 
-def _wait_health(address: str, status, timeout_s: float) -> bool:
+def _wait_health(stack, address: str, status, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, stack.spec.tls_dir) as ch:
         while time.monotonic() < deadline:
             try:
                 if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status == status:
@@ -181,7 +182,7 @@ def test_corrupt_request_bytes_are_invalid_argument(stack):
     targets = {stack.info.router: "/specserve.v1.Generation/Generate",
                stack.info.pools["small"][0]: "/specserve.v1.Draft/Propose"}
     for address, method in targets.items():
-        with grpc.insecure_channel(address) as ch:
+        with channel(address, stack.spec.tls_dir) as ch:
             call = ch.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
             codes = set()
             for _ in range(100):
@@ -196,7 +197,34 @@ def test_corrupt_request_bytes_are_invalid_argument(stack):
             # OK or INVALID_ARGUMENT only: a byte string can happen to parse as a valid request
             assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, (method, codes)
             assert grpc.StatusCode.INVALID_ARGUMENT in codes
-        assert _wait_health(address, health_pb2.HealthCheckResponse.SERVING, 5)
+        assert _wait_health(stack, address, health_pb2.HealthCheckResponse.SERVING, 5)
+
+
+# -- TLS on every hop: the router needs the CA, the workers a client certificate -----------
+
+def _health(ch) -> int:
+    return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_tls_refuses_clients_without_the_ca_and_workers_refuse_calls_without_a_certificate(stack):
+    from pathlib import Path
+
+    ca = (Path(stack.spec.tls_dir) / "ca.crt").read_bytes()
+    router = stack.info.router
+    with grpc.secure_channel(router, grpc.ssl_channel_credentials(root_certificates=ca)) as ch:
+        assert _health(ch) == health_pb2.HealthCheckResponse.SERVING  # the CA is all a client needs
+    for refused in (grpc.secure_channel(router, grpc.ssl_channel_credentials()),  # system CAs only
+                    grpc.insecure_channel(router)):  # plaintext
+        with refused as ch, pytest.raises(grpc.RpcError) as err:
+            _health(ch)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    for worker in (stack.info.pools["small"][0], stack.info.target["address"]):
+        with grpc.secure_channel(worker, grpc.ssl_channel_credentials(root_certificates=ca)) as ch, \
+                pytest.raises(grpc.RpcError) as err:
+            _health(ch)  # TLS, but no client certificate: refused in the handshake
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with channel(worker, stack.spec.tls_dir) as ch:  # the router's certificate: accepted
+            assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
 
 
 # -- cancel mid-round: Cancel stops at once, and nothing is committed after it ---------------
@@ -300,14 +328,14 @@ def test_kill_redis_mid_stream(stack, stubs, r, pick, reference):
         rest = {c: pool.submit(list, s) for c, s in streams.items()}
         # While Redis is down: the router says NOT_SERVING, and a new request is refused as
         # UNAVAILABLE with a message that says what to do (not INTERNAL with the raw error).
-        assert _wait_health(stack.info.routers[1], health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        assert _wait_health(stack, stack.info.routers[1], health_pb2.HealthCheckResponse.NOT_SERVING, 10)
         with pytest.raises(grpc.RpcError) as err:
             stubs[1].Generate(_req(pick("greedy", 0), "greedy"), timeout=20)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
         assert "Redis" in err.value.details() and "retry" in err.value.details()
         stack.redis = stack.redis.restart()
         stack.info.pids["redis"] = stack.redis.pid
-        assert _wait_health(stack.info.routers[1], health_pb2.HealthCheckResponse.SERVING, 10)
+        assert _wait_health(stack, stack.info.routers[1], health_pb2.HealthCheckResponse.SERVING, 10)
         rest = {c: f.result() for c, f in rest.items()}
     TIMES["kill_redis"] = time.monotonic() - t0  # bound: restart + the rest of the request (< 60 s)
     assert TIMES["kill_redis"] < 60

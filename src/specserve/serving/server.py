@@ -181,7 +181,7 @@ class GrpcServer:
     def __init__(self, service_names: Iterable[str], host: str, port: int, grace_s: float,
                  add_servicers: Callable[[grpc.aio.Server], None],
                  interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
-                 limits: ServerLimits = ServerLimits()) -> None:
+                 limits: ServerLimits = ServerLimits(), credentials: grpc.ServerCredentials | None = None) -> None:
         self.service_names = list(service_names)
         self.grace_s = grace_s
         self.server = grpc.aio.server(
@@ -194,7 +194,8 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                     else self.server.add_insecure_port(f"{host}:{port}"))
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         self._stopping: asyncio.Event | None = None

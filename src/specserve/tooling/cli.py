@@ -51,7 +51,6 @@ def demo(
     decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`)."""
     import time
 
-    import grpc
     from rich.console import Console
     from rich.table import Table
 
@@ -68,7 +67,7 @@ def demo(
                         f"{prompts_per_class} held-out prompts per class")
     for col in ("class", "speculation", "ms/token", "speedup", "accepted/drafted", "same tokens as off"):
         table.add_column(col)
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, run_dir) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         def call(prompt: str, cls: str, pool: str) -> tuple[generation_pb2.GenerateResponse, float]:
@@ -239,14 +238,21 @@ def up(
     models: Path = typer.Option(Path("models"), help="Directory that holds built pairs."),
     preset: str = typer.Option("default", help="Which built pair to serve."),
     run_dir: Path = typer.Option(RUN_DIR, help="Logs, ports and PIDs of the local stack."),
+    tls: bool = typer.Option(False, "--tls", help="TLS on every hop (mTLS to workers), with a local CA in run/tls."),
 ) -> None:
     """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, two draft pools
     (small: 2 replicas, ngram: 1) and the router, all on loopback."""
+    from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import Stack, StackError, down_from
 
     down_from(str(run_dir))  # a stale stack from an earlier `up` is stopped first
+    spec = _stack_spec(models, preset, run_dir)
+    (run_dir / "router.tls").unlink(missing_ok=True)
+    if tls:
+        spec.tls_dir = str(make_local_ca(run_dir.resolve() / "tls"))
+        (run_dir / "router.tls").write_text(spec.tls_dir)  # where the CLI's clients find the CA
     try:
-        info = Stack(_stack_spec(models, preset, run_dir)).up()
+        info = Stack(spec).up()
     except StackError as err:
         typer.echo(f"specserve up failed: {err}", err=True)
         raise typer.Exit(1) from err
@@ -264,6 +270,14 @@ def down(run_dir: Path = typer.Option(RUN_DIR, help="The run directory `up` used
 
     stopped = down_from(str(run_dir))
     typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+def _channel(address: str, run_dir: Path):
+    """A channel to the router: TLS with the local CA when `specserve up --tls` made one."""
+    from specserve.serving.tls import channel
+
+    path = run_dir / "router.tls"
+    return channel(address, path.read_text().strip() if path.exists() else "")
 
 
 def _router_address(router: str | None, run_dir: Path) -> str:
@@ -303,7 +317,7 @@ def generate(
         req.seed = seed
     if k is not None:
         req.num_draft_tokens = k
-    with grpc.insecure_channel(_router_address(router, run_dir)) as channel:
+    with _channel(_router_address(router, run_dir), run_dir) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             if stream:
@@ -357,14 +371,13 @@ def _admin_token(token: str | None, router: str | None, run_dir: Path) -> str:
 
 
 def _admin(router: str | None, token: str | None, run_dir: Path = RUN_DIR):
-    import grpc
 
     from specserve.v1 import policy_pb2_grpc
 
     token = _admin_token(token, router, run_dir)
     if not token:
         raise typer.BadParameter("an admin token is needed: --token or SPECSERVE_ADMIN_TOKEN")
-    channel = grpc.insecure_channel(_router_address(router, run_dir))
+    channel = _channel(_router_address(router, run_dir), run_dir)
     return policy_pb2_grpc.PolicyAdminStub(channel), [("authorization", f"Bearer {token}")]
 
 

@@ -41,6 +41,7 @@ class StackSpec:
     router_env: dict[str, str] = field(default_factory=dict)
     router_env_each: list[dict[str, str]] = field(default_factory=list)  # router i's own additions
     env: dict[str, str] = field(default_factory=dict)  # for every service (e.g. OTEL_*, SPECSERVE_TRACING)
+    tls_dir: str = ""  # tls.crt/tls.key/ca.crt: TLS on every hop, mTLS to workers (ADR 0011)
 
 
 @dataclass
@@ -76,9 +77,11 @@ def _tail(log: Path, n: int = 20) -> str:
         return "(no log)"
 
 
-def wait_serving(address: str, service: str, timeout_s: float) -> None:
+def wait_serving(address: str, service: str, timeout_s: float, tls_dir: str = "") -> None:
+    from specserve.serving.tls import channel
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls_dir) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:
@@ -101,7 +104,10 @@ class Stack:
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
         log = self.run_dir / f"{name}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **self.spec.env, **env}
+        tls = {f"SPECSERVE_{s}_TLS_DIR": self.spec.tls_dir for s in ("ROUTER", "DRAFT", "TARGET")} \
+            if self.spec.tls_dir else {}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **tls, **self.spec.env,
+                    **env}
         with open(log, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", module], env=full_env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -164,7 +170,7 @@ class Stack:
                 ports.append((pool, name, p, lg, port_file))
         for pool, name, p, lg, port_file in ports:
             port = _wait_file(port_file, p, name, timeout_s, lg)
-            wait_serving(f"127.0.0.1:{port}", "specserve.v1.Draft", timeout_s)
+            wait_serving(f"127.0.0.1:{port}", "specserve.v1.Draft", timeout_s, spec.tls_dir)
             self.info.pools.setdefault(pool, []).append(f"127.0.0.1:{port}")
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
@@ -184,7 +190,7 @@ class Stack:
                 **(spec.router_env_each[i] if i < len(spec.router_env_each) else {}),
             })
             address = f"127.0.0.1:{_wait_file(router_port, p, name, timeout_s, lg)}"
-            wait_serving(address, "specserve.v1.Generation", timeout_s)
+            wait_serving(address, "specserve.v1.Generation", timeout_s, spec.tls_dir)
             self.info.routers.append(address)
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
         self.info.router = self.info.routers[0]
