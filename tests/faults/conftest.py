@@ -5,9 +5,7 @@ enough for a fault to land in the middle of it (ADR 0006's simulated costs, ADR 
 from __future__ import annotations
 
 import pytest
-
-PASS_MS = 80  # every target pass sleeps this long: 32 tokens take >= ~1 s at any acceptance
-LEASE_S = 2.0  # short, so a router's death is noticed quickly (production default 5 s)
+from faultkit import DETACHED_IDLE_S, LEASE_S, PASS_MS
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +20,8 @@ def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
         target_threads=1, routers=2,
         router_env={"SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "1000", "SPECSERVE_ROUTER_TARGET_WAIT_S": "180",
                     "SPECSERVE_ROUTER_LEASE_S": str(LEASE_S), "SPECSERVE_ROUTER_HEARTBEAT_S": "0.5",
-                    "SPECSERVE_ROUTER_REAP_S": "1", "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "128"},
+                    "SPECSERVE_ROUTER_REAP_S": "1", "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "128",
+                    "SPECSERVE_ROUTER_DETACHED_IDLE_S": str(DETACHED_IDLE_S)},
         env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": str(PASS_MS)},
         tls_dir=str(make_local_ca(run_dir / "tls")),
     )

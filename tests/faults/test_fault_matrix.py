@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import redis
+from faultkit import DETACHED_IDLE_S, FlakyProxy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.serving.tls import channel
@@ -264,6 +265,60 @@ def test_client_disconnect_then_resume(stubs, r, pick, reference, column):
     rest = list(stubs[0].Resume(generation_pb2.ResumeRequest(session_id=sid, from_offset=n), timeout=40))
     TIMES[f"disconnect_resume/{column}"] = time.monotonic() - t0  # bound: the rest of the request (< 40 s)
     _check(rest, want, start=n)
+
+
+# -- a slow, flaky network between client and router: the client resumes where it was ---------
+
+@pytest.mark.parametrize("column", COLUMNS)
+def test_network_delay_and_dropped_connections(stack, stubs, r, pick, reference, column):
+    """Through a proxy that delays every piece by 20 ms and cuts every connection after
+    0.5 s, the client keeps what it got and Resumes from its offset; the
+    session runs on meanwhile (it is detached from the client)."""
+    prompt = pick(column, 6)
+    want = reference(column, prompt)
+    with FlakyProxy(stack.info.router, delay_s=0.02, cut_after_s=0.5) as proxy, \
+            channel(proxy.address, stack.spec.tls_dir) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        chunks: list = []
+        t0 = time.monotonic()
+        for _attempt in range(40):
+            pos = sum(len(c.token_ids) for c in chunks)
+            if chunks:
+                call = stub.Resume(generation_pb2.ResumeRequest(session_id=chunks[0].session_id, from_offset=pos),
+                                   timeout=30, wait_for_ready=True)
+            else:  # not even the first chunk came: the same request again joins the session
+                call = stub.GenerateStream(_req(prompt, column, request_id=f"flaky-{column}"), timeout=30,
+                                           wait_for_ready=True)
+            try:
+                for c in call:
+                    chunks.append(c)
+            except grpc.RpcError as err:
+                assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), err
+            if chunks and chunks[-1].finish_reason:
+                break
+        TIMES[f"network/{column}"] = time.monotonic() - t0  # bound: 40 reconnects (< 60 s)
+        assert proxy.dropped >= 1, "the proxy never cut a connection: the fault did not happen"
+    assert TIMES[f"network/{column}"] < 60
+    _check(chunks, want)
+
+
+# -- detached: a session keeps running when its client goes away, until nobody reads it -----
+
+def test_an_unread_session_runs_on_then_is_cancelled(stubs, r, pick):
+    stream = stubs[0].GenerateStream(_req(pick("greedy", 0), "greedy", max_tokens=128, draft_pool="none"),
+                                     timeout=60)
+    first = next(stream)
+    stream.cancel()  # the client goes away at once
+    key = f"specserve:sess:{first.session_id}"
+    at_disconnect = int(r.hget(key, "committed"))
+    time.sleep(DETACHED_IDLE_S / 2)
+    assert r.hget(key, "status") == b"running" and int(r.hget(key, "committed")) > at_disconnect  # driven on
+    deadline = time.monotonic() + DETACHED_IDLE_S + 5  # bound: idle + a heartbeat + a round
+    while r.hget(key, "status") == b"running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.hget(key, "status") == b"cancelled"
+    assert "nobody read it" in r.hget(key, "error").decode()
+    assert int(r.hget(key, "committed")) < 128  # stopped before the end: 128 plain steps take > 10 s
 
 
 # -- a draft replica stopped (SIGSTOP 5 s): the pool fails over ------------------------------
