@@ -101,6 +101,7 @@ class Stack:
         self.info = StackInfo()
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis = None  # the LocalRedis started here (fault tests kill and restart it)
+        self.launched: dict[str, tuple[str, dict[str, str]]] = {}  # name -> (module, env), for restart
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
         log = self.run_dir / f"{name}.log"
@@ -112,6 +113,7 @@ class Stack:
             proc = subprocess.Popen([sys.executable, "-m", module], env=full_env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[name] = proc
+        self.launched[name] = (module, env)
         self.info.pids[name] = proc.pid
         self._save()
         return proc, log
@@ -195,6 +197,21 @@ class Stack:
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
         self.info.router = self.info.routers[0]
         self._save()
+
+    def restart(self, name: str, address: str, timeout_s: float = 120.0) -> None:
+        """Start a draft replica or router again (after a crash) on its old `address`."""
+        module, env = self.launched[name]
+        port = address.rsplit(":", 1)[1]
+        kind = "ROUTER" if module == "services.router" else "DRAFT"
+        proc, log = self._spawn(name, module, {**env, f"SPECSERVE_{kind}_PORT": port})
+        service = "specserve.v1.Generation" if kind == "ROUTER" else "specserve.v1.Draft"
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                return wait_serving(address, service, 5.0, self.spec.tls_dir)
+            except StackError:
+                continue
+        raise StackError(f"{name} did not come back; log tail:\n{_tail(log)}")
 
     def down(self, grace_s: float = 15.0) -> None:
         stop(self.info.pids, grace_s)

@@ -1,0 +1,249 @@
+"""Soak (issue 13, ADR 0011; not part of `make test`): many concurrent streams for minutes,
+with random cancels and client disconnects, and every `--kill-every-s` a `kill -9` of one
+draft replica and one router replica, which the harness restarts on the same address.
+
+Every request is greedy, so every finished output must equal target-only greedy decoding
+(the in-process engine). A client whose router dies retries the same request_id on another
+router (it joins the session; the session is taken over when the lease lapses); a client
+that disconnects Resumes from its offset. Sampled every few seconds: tokens/s delivered,
+each process's RSS, and Redis's key count.
+
+Checks reported (not asserted): wrong outputs (must be 0), errors other than for cancelled
+requests (must be 0), RSS growth of every process after warm-up (< 10 %), and Redis keys
+back to baseline once the sessions' TTL (`--session-ttl-s`) has passed.
+
+  python bench/soak.py --models models --preset default --minutes 10 --streams 64 --out bench/results
+Writes <out>/soak.json and <out>/soak.png (throughput and RSS over time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import redis
+
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+MAX_TOKENS = 32
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", type=Path, default=Path("models"))
+    ap.add_argument("--preset", default="default")
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--kill-every-s", type=float, default=60.0)
+    ap.add_argument("--session-ttl-s", type=int, default=60)
+    ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+
+    from specserve.tooling.modelbuild.build import PRESETS, build_pair, load_eval_prompts
+    from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+
+    pair = build_pair(PRESETS[args.preset], args.models, log=print)
+    prompts = [p["prompt"] for p in load_eval_prompts(pair)][:12]
+    refs = references(pair, prompts)
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        spec = StackSpec(pair_dir=str(pair), run_dir=tmp, pools={"small": PoolSpec("draft", replicas=2)},
+                         routers=2, target_threads=1,
+                         router_env={"SPECSERVE_ROUTER_SESSION_TTL_S": str(args.session_ttl_s),
+                                     "SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "1000",
+                                     "SPECSERVE_ROUTER_DETACHED_IDLE_S": "20"})
+        with Stack(spec).running() as stack:
+            result = soak(stack, args, prompts, refs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "soak.png")
+    print(json.dumps(result["summary"], indent=1))
+
+
+def references(pair: Path, prompts: list[str]) -> dict[str, list[int]]:
+    from specserve.drafters import NgramDrafter
+    from specserve.models.engine import GenerationParams, SpecEngine
+    from specserve.models.loading import load_pair
+    from specserve.models.verifier import TargetModel
+
+    loaded = load_pair(str(pair / "target"), str(pair / "draft"))
+    target = TargetModel(loaded.target)
+    engine = SpecEngine(target, NgramDrafter(target.vocab_size), loaded.tokenizer)
+    return {p: engine.generate(p, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=0)).token_ids
+            for p in prompts}
+
+
+class Client:
+    """One stream at a time, forever: finish, cancel or disconnect + Resume, at random."""
+
+    def __init__(self, i: int, stubs, prompts, refs, stats: Counter, delivered: list[int], stop: threading.Event):
+        self.rng = random.Random(i)
+        self.i, self.stubs, self.prompts, self.refs = i, stubs, prompts, refs
+        self.stats, self.delivered, self.stop = stats, delivered, stop
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            prompt = self.rng.choice(self.prompts)
+            action = self.rng.choices(["finish", "cancel", "disconnect"], [0.8, 0.1, 0.1])[0]
+            try:
+                self.one(prompt, action, f"soak-{self.i}-{n}")
+            except grpc.RpcError as err:
+                self.stats[f"error:{err.code().name}"] += 1
+
+    def one(self, prompt: str, action: str, request_id: str) -> None:
+        req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, draft_pool="small",
+                                             request_id=request_id)
+        chunks: list = []
+        for attempt in range(10):
+            stub = self.stubs[(self.i + attempt) % len(self.stubs)]
+            pos = sum(len(c.token_ids) for c in chunks)
+            call = stub.Resume(generation_pb2.ResumeRequest(session_id=chunks[0].session_id, from_offset=pos),
+                               timeout=60, wait_for_ready=True) if chunks else \
+                stub.GenerateStream(req, timeout=60, wait_for_ready=True)
+            try:
+                for c in call:
+                    chunks.append(c)
+                    self.delivered[0] += len(c.token_ids)
+                    got = sum(len(x.token_ids) for x in chunks)
+                    if action != "finish" and got >= 4 and not c.finish_reason:
+                        if action == "cancel":
+                            stub.Cancel(generation_pb2.CancelRequest(session_id=c.session_id), timeout=10)
+                        else:
+                            call.cancel()  # the client goes away; it Resumes on the next attempt
+                            action = "finish"
+                        break
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise
+                self.stats["retried"] += 1
+            if chunks and chunks[-1].finish_reason:
+                break
+        tokens = [t for c in chunks for t in c.token_ids]
+        want = self.refs[prompt]
+        reason = chunks[-1].finish_reason if chunks else ""
+        if reason == "cancelled":
+            self.stats["cancelled"] += 1
+            ok = tokens == want[: len(tokens)]
+        else:
+            ok = reason in ("eos", "length") and tokens == want
+        self.stats["ok" if ok else "wrong"] += 1
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def soak(stack, args, prompts, refs) -> dict:
+    from specserve.serving.tls import channel
+
+    channels = [channel(a, stack.spec.tls_dir) for a in stack.info.routers]
+    stubs = [generation_pb2_grpc.GenerationStub(ch) for ch in channels]
+    r = redis.Redis.from_url(stack.info.redis_url)
+    baseline_keys = r.dbsize()
+    stats: Counter = Counter()
+    delivered = [0]
+    stop = threading.Event()
+    clients = [threading.Thread(target=Client(i, stubs, prompts, refs, stats, delivered, stop).run, daemon=True)
+               for i in range(args.streams)]
+    for t in clients:
+        t.start()
+    samples, kills = [], []
+    t0 = last_kill = time.monotonic()
+    last_tokens, rng = 0, random.Random(0)
+    while time.monotonic() - t0 < args.minutes * 60:
+        time.sleep(args.sample_s)
+        now = time.monotonic()
+        if now - last_kill >= args.kill_every_s:
+            last_kill = now
+            kills.append(chaos(stack, rng, now - t0))
+        target = json.loads(r.get("specserve:target:target-0") or "{}")
+        pids = {**{n: p for n, p in stack.info.pids.items() if n.startswith(("router", "draft", "redis"))},
+                "target": target.get("pid", 0)}
+        samples.append({"t": round(now - t0, 1), "tokens_per_s": (delivered[0] - last_tokens) / args.sample_s,
+                        "rss_mb": {n: round(rss_mb(p), 1) for n, p in pids.items()}, "redis_keys": r.dbsize()})
+        last_tokens = delivered[0]
+        print(f"t={samples[-1]['t']:6.0f}s  {samples[-1]['tokens_per_s']:7.1f} tok/s  {dict(stats)}", flush=True)
+    stop.set()
+    for t in clients:
+        t.join(120)
+    drained = time.monotonic()
+    while r.dbsize() > baseline_keys and time.monotonic() - drained < args.session_ttl_s + 30:
+        time.sleep(2)
+    for ch in channels:
+        ch.close()
+    return {"config": vars(args) | {"out": str(args.out), "models": str(args.models)}, "samples": samples,
+            "kills": kills, "summary": summary(samples, stats, baseline_keys, r.dbsize(), kills)}
+
+
+def chaos(stack, rng: random.Random, at: float) -> dict:
+    """kill -9 one draft replica and one router replica; restart both on their addresses."""
+    draft = rng.choice([n for n in stack.info.pids if n.startswith("draft-")])
+    router = rng.choice([n for n in stack.info.pids if n.startswith("router")])
+    addresses = {draft: stack.info.pools["small"][int(draft.rsplit("-", 1)[1])],
+                 router: stack.info.routers[0 if router == "router" else int(router.rsplit("-", 1)[1])]}
+    for name in (draft, router):
+        os.killpg(stack.info.pids[name], signal.SIGKILL)
+    t = time.monotonic()
+    for name in (draft, router):
+        stack.restart(name, addresses[name])
+    return {"at_s": round(at, 1), "killed": [draft, router], "restart_s": round(time.monotonic() - t, 1)}
+
+
+def summary(samples, stats: Counter, baseline_keys: int, final_keys: int, kills) -> dict:
+    warm = [s for s in samples if s["t"] >= 60] or samples
+    growth = {}
+    for name in warm[0]["rss_mb"]:
+        first = next((s["rss_mb"][name] for s in warm if s["rss_mb"].get(name)), 0)
+        last = warm[-1]["rss_mb"].get(name, 0)
+        growth[name] = round((last - first) / first * 100, 1) if first else None
+    errors = {k: v for k, v in stats.items() if k.startswith("error:")}
+    return {"requests": dict(stats), "wrong_outputs": stats["wrong"], "errors": errors,
+            "mean_tokens_per_s": round(sum(s["tokens_per_s"] for s in samples) / max(len(samples), 1), 1),
+            "rss_growth_pct_after_warmup": growth, "redis_keys_baseline": baseline_keys,
+            "redis_keys_final": final_keys, "kills": len(kills),
+            "note": "RSS growth compares a process's first and last sample after 60 s; a restarted process "
+                    "starts afresh (compare the un-killed ones)"}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = result["samples"]
+    t = [s["t"] for s in samples]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    a.plot(t, [s["tokens_per_s"] for s in samples])
+    a.set_ylabel("tokens/s delivered")
+    for k in result["kills"]:
+        a.axvline(k["at_s"], color="red", alpha=0.3)
+    for name in samples[0]["rss_mb"]:
+        b.plot(t, [s["rss_mb"].get(name, 0) for s in samples], label=name)
+    b.set_ylabel("RSS (MB)")
+    b.set_xlabel("seconds (red: kill -9 of a draft and a router replica)")
+    b.legend(fontsize=7)
+    fig.suptitle(f"soak: {result['config']['streams']} streams, {result['config']['minutes']} min")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
