@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
         # Ray nices its workers (15) by default: the target is the critical path of every
         # round, and a niced target starves behind routers and drafts on a busy node
         os.environ.setdefault("RAY_worker_niceness", "0")
+        # Ray's token authentication (Ray >= 2.52; this venv has 2.60): every process of the
+        # cluster started here (GCS, raylet, workers inherit the environment) demands the token,
+        # so another local user cannot submit work to it. RAY_AUTH_MODE=disabled opts out.
+        if os.environ.setdefault("RAY_AUTH_MODE", "token") == "token":
+            os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
     import ray
 
     from services.target.actor import TargetWorker

@@ -386,3 +386,16 @@ def test_bundled_redis_is_durable_and_needs_a_password(default_manifests):
     pairs = dict(zip(args[::2], args[1::2], strict=False))
     assert pairs["--appendonly"] == "yes" and pairs["--appendfsync"] == "everysec"
     assert pairs["--requirepass"] == "$(REDIS_PASSWORD)"
+
+
+def test_every_ray_process_needs_the_token(default_manifests):
+    """Ray token auth: the head, the workers and the launchers all run with the token."""
+    cluster = next(d for d in default_manifests if d["kind"] == "RayCluster")
+    specs = [cluster["spec"]["headGroupSpec"]["template"]["spec"]] + \
+        [g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]
+    for spec in specs:
+        for c in spec["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env["RAY_AUTH_MODE"]["value"] == "token", c["name"]
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token", c["name"]
+    assert any(d["kind"] == "Secret" and d["metadata"]["name"].endswith("-ray-token") for d in default_manifests)

@@ -236,6 +236,24 @@ livenessProbe:
 {{- end -}}
 
 {{/* preStop sleep, then SIGTERM starts the service's own drain (settings.grace_s). */}}
+{{- /* Ray's token authentication (Ray >= 2.52): every Ray process and client of the cluster
+       needs the token, from a Secret (key `token`). */ -}}
+{{- define "specserve.rayAuthSecret" -}}
+{{- default (printf "%s-ray-token" (include "specserve.fullname" .)) .Values.target.rayAuth.existingSecret -}}
+{{- end -}}
+
+{{- define "specserve.rayAuthEnv" -}}
+{{- if .Values.target.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "specserve.rayAuthSecret" . | quote }}
+      key: token
+{{- end }}
+{{- end -}}
+
 {{- define "specserve.preStop" -}}
 lifecycle:
   preStop:
