@@ -113,7 +113,7 @@ async def main(settings: RouterSettings) -> None:
     classifier = classifier_from(settings)
     redis = redis_client(settings.redis_url)
     store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s, lease_s=settings.lease_s)
-    tls = load_tls(settings.tls_dir)
+    tls = load_tls(settings.tls_dir, settings.tls_server_name)
     pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000, settings.worker_streams,
                              settings.predraft_branches, tls=tls)
              for name, addrs in settings.draft_pools.items()}

@@ -102,6 +102,8 @@ class RouterSettings(BaseSettings):
     # TLS (ADR 0011): tls.crt/tls.key/ca.crt; clients get server TLS, workers are called with
     # this certificate as the client certificate (mTLS). Empty = plaintext.
     tls_dir: str = ""
+    # the name workers' certificates are checked against (they are dialled by IP); empty = the address
+    tls_server_name: str = ""
     # Redis down: commits and readers retry with backoff this long, then UNAVAILABLE
     redis_outage_s: float = Field(30.0, ge=0)
     # every gRPC server: the largest request accepted, and RPCs in flight before

@@ -18,10 +18,11 @@ SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 CHART_WIRED = {
     "router": {"host", "port", "port_file", "metrics_port", "metrics_port_file", "redis_url",
                "key_prefix", "tokenizer", "draft_pools", "default_pool",
-               "admin_token", "admin_tokens"},  # secrets: from a Secret (router.adminToken), never values
-    "draft": {"pool", "model", "host", "port", "port_file", "metrics_port", "metrics_port_file"},
+               "admin_token", "admin_tokens",  # secrets: from a Secret (router.adminToken), never values
+               "tls_dir", "tls_server_name"},  # from values.tls
+    "draft": {"pool", "model", "host", "port", "port_file", "metrics_port", "metrics_port_file", "tls_dir"},
     "target": {"model", "redis_url", "key_prefix", "name", "host", "port", "metrics_port",
-               "num_gpus"},
+               "num_gpus", "tls_dir"},
 }
 CLASSES = {"router": RouterSettings, "draft": DraftSettings, "target": TargetSettings}
 CONSTRAINTS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -134,3 +135,27 @@ def test_admin_token_comes_from_a_secret_and_policies_are_seeded(render):
     env = router_env(render(sets=("router.adminToken.secretName=ops-admin",)))
     ref = env["SPECSERVE_ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "ops-admin", "key": "admin-token"} and "value" not in env["SPECSERVE_ROUTER_ADMIN_TOKEN"]
+
+
+def test_tls_mounts_the_secret_everywhere_and_probes_by_tcp(render):
+    """tls.enabled: every specserve container gets the Secret and its *_TLS_DIR; the router
+    checks workers against workerServerName; probes become TCP connects (no TLS in kubelet)."""
+    manifests = render(sets=("tls.enabled=true", "tls.secretName=my-certs"))
+    wired = {}
+    for m in manifests:
+        spec = (m.get("spec", {}).get("template") or {}).get("spec")
+        specs = [spec] if spec else []
+        if m["kind"] == "RayCluster":
+            specs = [g["template"]["spec"] for g in m["spec"]["workerGroupSpecs"]]
+        for s in specs:
+            for c in s["containers"]:
+                env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                dirs = [v for k, v in env.items() if k.endswith("_TLS_DIR")]
+                if dirs:
+                    wired[c["name"]] = env
+                    assert dirs == ["/etc/specserve/tls"]
+                    assert {"name": "tls", "secret": {"secretName": "my-certs"}} in s["volumes"]
+                    assert any(v["name"] == "tls" and v["readOnly"] for v in c["volumeMounts"])
+                    assert "tcpSocket" in c["readinessProbe"] and "grpc" not in c["readinessProbe"]
+    assert {"router", "target-launcher"} <= set(wired) and any(n.startswith("draft") for n in wired), wired
+    assert wired["router"]["SPECSERVE_ROUTER_TLS_SERVER_NAME"] == "specserve-workers"

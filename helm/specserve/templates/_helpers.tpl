@@ -210,26 +210,56 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* gRPC probes on grpc.health.v1: startup and readiness ask for the service by name,
      liveness for the server as a whole (""). (dict "ctx" $ "port" 50051 "service" "specserve.v1.Generation") */}}
+{{- /* TLS on every hop (ADR 0011): the Secret (tls.crt, tls.key, ca.crt) mounted read-only. */ -}}
+{{- define "specserve.tlsEnv" -}}
+{{- if .ctx.Values.tls.enabled }}
+- name: {{ .name }}
+  value: /etc/specserve/tls
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/specserve/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName | quote }}
+{{- end }}
+{{- end -}}
+
+{{- /* The kubelet's gRPC probe speaks no TLS: with TLS on, the probes are TCP connects. */ -}}
+{{- define "specserve.probeCheck" -}}
+{{- if .ctx.Values.tls.enabled }}
+tcpSocket:
+  port: {{ .port }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: {{ .service | quote }}
+{{- end }}
+{{- end -}}
+
 {{- define "specserve.grpcProbes" -}}
 {{- $p := .ctx.Values.probes -}}
 startupProbe:
-  grpc:
-    port: {{ .port }}
-    service: {{ .service }}
+  {{- include "specserve.probeCheck" . | nindent 2 }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
   timeoutSeconds: {{ $p.startup.timeoutSeconds }}
 readinessProbe:
-  grpc:
-    port: {{ .port }}
-    service: {{ .service }}
+  {{- include "specserve.probeCheck" . | nindent 2 }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
 livenessProbe:
-  grpc:
-    port: {{ .port }}
-    service: ""
+  {{- include "specserve.probeCheck" (dict "ctx" .ctx "port" .port "service" "") | nindent 2 }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   failureThreshold: {{ default $p.liveness.failureThreshold .livenessFailureThreshold }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}

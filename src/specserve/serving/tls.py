@@ -26,14 +26,16 @@ class TlsFiles:
     cert: bytes
     key: bytes
     ca: bytes
+    server_name: str = ""  # check the peers' certificates against this name, not their address
 
     @classmethod
-    def load(cls, directory: str | Path) -> TlsFiles:
+    def load(cls, directory: str | Path, server_name: str = "") -> TlsFiles:
         d = Path(directory)
         missing = [n for n in ("tls.crt", "tls.key", "ca.crt") if not (d / n).is_file()]
         if missing:
             raise SystemExit(f"TLS directory {d} lacks {', '.join(missing)} (cert-manager names)")
-        return cls((d / "tls.crt").read_bytes(), (d / "tls.key").read_bytes(), (d / "ca.crt").read_bytes())
+        return cls((d / "tls.crt").read_bytes(), (d / "tls.key").read_bytes(), (d / "ca.crt").read_bytes(),
+                   server_name)
 
     def server(self, require_client_cert: bool) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
@@ -45,13 +47,15 @@ class TlsFiles:
                                             certificate_chain=self.cert)
 
 
-def load(directory: str) -> TlsFiles | None:
-    return TlsFiles.load(directory) if directory else None
+def load(directory: str, server_name: str = "") -> TlsFiles | None:
+    return TlsFiles.load(directory, server_name) if directory else None
 
 
 def aio_channel(address: str, tls: TlsFiles | None, options: list) -> grpc.aio.Channel:
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name:
+        options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
     return grpc.aio.secure_channel(address, tls.client(), options=options)
 
 
