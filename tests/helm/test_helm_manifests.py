@@ -399,3 +399,24 @@ def test_every_ray_process_needs_the_token(default_manifests):
             assert env["RAY_AUTH_MODE"]["value"] == "token", c["name"]
             assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token", c["name"]
     assert any(d["kind"] == "Secret" and d["metadata"]["name"].endswith("-ray-token") for d in default_manifests)
+
+
+def test_egress_is_allow_listed(default_manifests):
+    """Router -> draft/target/Redis only (plus DNS); drafts reach no specserve pod; Redis
+    reaches nothing."""
+    egress = {m["metadata"]["name"].split("specserve-", 1)[1]: m["spec"] for m in default_manifests
+              if m["kind"] == "NetworkPolicy" and m["spec"]["policyTypes"] == ["Egress"]}
+    assert set(egress) == {"router-egress", "draft-egress", "target-egress", "redis-egress"}
+
+    def components(spec) -> set[str]:
+        return {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                for rule in spec["egress"] for p in rule.get("to", []) if "podSelector" in p}
+
+    def dns(spec) -> bool:
+        return any({"port": 53, "protocol": "UDP"} in rule.get("ports", []) for rule in spec["egress"])
+
+    assert components(egress["router-egress"]) == {"draft", "target", "redis"}
+    assert components(egress["target-egress"]) == {"target", "redis"}
+    assert components(egress["draft-egress"]) == set()
+    assert all(dns(egress[n]) for n in ("router-egress", "draft-egress", "target-egress"))
+    assert egress["redis-egress"]["egress"] == []

@@ -284,6 +284,30 @@ livenessProbe:
 {{- end }}
 {{- end -}}
 
+{{- /* Egress every specserve pod needs: DNS, the OTLP collector, and the cluster's extras. */ -}}
+{{- define "specserve.egressCommon" -}}
+{{- $e := .Values.networkPolicy.egress -}}
+- to:
+    - namespaceSelector: {}
+  ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+{{- if .Values.tracing.enabled }}
+- ports:
+    - port: {{ $e.otlpPort }}
+      protocol: TCP
+  {{- with $e.otlp }}
+  to:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- with $e.extra }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{- define "specserve.preStop" -}}
 lifecycle:
   preStop:
