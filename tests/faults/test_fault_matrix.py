@@ -201,6 +201,12 @@ def test_corrupt_request_bytes_are_invalid_argument(stack):
         assert _wait_health(stack, address, health_pb2.HealthCheckResponse.SERVING, 5)
 
 
+def test_oversized_requests_are_refused(stubs):
+    with pytest.raises(grpc.RpcError) as err:  # the router takes requests up to 4 MiB
+        stubs[0].Generate(generation_pb2.GenerateRequest(prompt="x" * (5 << 20), max_tokens=4), timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # -- TLS on every hop: the router needs the CA, the workers a client certificate -----------
 
 def _health(ch) -> int:
