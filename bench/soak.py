@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--session-ttl-s", type=int, default=60)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--run-dir", type=Path, default=None, help="keep the services' logs here (default: a temp dir)")
     args = ap.parse_args()
 
     from specserve.tooling.modelbuild.build import PRESETS, build_pair, load_eval_prompts
@@ -56,7 +57,7 @@ def main() -> None:
     prompts = [p["prompt"] for p in load_eval_prompts(pair)][:12]
     refs = references(pair, prompts)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        spec = StackSpec(pair_dir=str(pair), run_dir=tmp, pools={"small": PoolSpec("draft", replicas=2)},
+        spec = StackSpec(pair_dir=str(pair), run_dir=str(args.run_dir or tmp), pools={"small": PoolSpec("draft", replicas=2)},
                          routers=2, target_threads=1,
                          router_env={"SPECSERVE_ROUTER_SESSION_TTL_S": str(args.session_ttl_s),
                                      "SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "1000",
@@ -105,12 +106,12 @@ class Client:
         req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, draft_pool="small",
                                              request_id=request_id)
         chunks: list = []
-        for attempt in range(10):
+        for attempt in range(20):
+            # a router that does not answer: the next one (it joins or Resumes the same session)
             stub = self.stubs[(self.i + attempt) % len(self.stubs)]
             pos = sum(len(c.token_ids) for c in chunks)
             call = stub.Resume(generation_pb2.ResumeRequest(session_id=chunks[0].session_id, from_offset=pos),
-                               timeout=60, wait_for_ready=True) if chunks else \
-                stub.GenerateStream(req, timeout=60, wait_for_ready=True)
+                               timeout=60) if chunks else stub.GenerateStream(req, timeout=60)
             try:
                 for c in call:
                     chunks.append(c)
@@ -127,6 +128,7 @@ class Client:
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise
                 self.stats["retried"] += 1
+                time.sleep(0.2)
             if chunks and chunks[-1].finish_reason:
                 break
         tokens = [t for c in chunks for t in c.token_ids]
@@ -174,13 +176,15 @@ def soak(stack, args, prompts, refs) -> dict:
         t.start()
     samples, kills = [], []
     t0 = last_kill = last_t = time.monotonic()
-    last_tokens, rng = 0, random.Random(0)
+    last_tokens, rng, chaos_thread = 0, random.Random(0), None
     while time.monotonic() - t0 < args.minutes * 60:
         time.sleep(args.sample_s)
         now = time.monotonic()
-        if now - last_kill >= args.kill_every_s:  # in the background: sampling goes on meanwhile
-            last_kill = now
-            threading.Thread(target=lambda at=now - t0: kills.append(chaos(stack, rng, at)), daemon=True).start()
+        if now - last_kill >= args.kill_every_s and not (chaos_thread and chaos_thread.is_alive()):
+            last_kill = now  # in the background (sampling goes on), one at a time
+            chaos_thread = threading.Thread(target=lambda at=now - t0: kills.append(chaos(stack, rng, at)),
+                                            daemon=True)
+            chaos_thread.start()
         target = json.loads(r.get("specserve:target:target-0") or "{}")
         pids = {**{n: p for n, p in stack.info.pids.items() if n.startswith(("router", "draft", "redis"))},
                 "target": target.get("pid", 0)}
@@ -189,6 +193,8 @@ def soak(stack, args, prompts, refs) -> dict:
         last_tokens, last_t = delivered[0], now
         print(f"t={samples[-1]['t']:6.0f}s  {samples[-1]['tokens_per_s']:7.1f} tok/s  {dict(stats)}", flush=True)
     stop.set()
+    if chaos_thread is not None:
+        chaos_thread.join(180)
     for t in clients:
         t.join(120)
     drained = time.monotonic()
