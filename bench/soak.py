@@ -202,7 +202,8 @@ def soak(stack, args, prompts, refs) -> dict:
         time.sleep(2)
     for ch in channels:
         ch.close()
-    return {"config": vars(args) | {"out": str(args.out), "models": str(args.models)}, "samples": samples,
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {"config": config, "samples": samples,
             "kills": kills, "summary": summary(samples, stats, baseline_keys, session_keys(r), kills)}
 
 
