@@ -63,8 +63,8 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
         actor: Any = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json(), carrier())
         info = ray.get(actor.info.remote())
     log.info("target actor %s ready at %s (pid %s)", settings.name, info["address"], info["pid"])
-    if info_file:
-        Path(info_file).write_text(json.dumps(info))
+    if info_file:  # for launchers and tests: where the actor serves, and the Ray cluster's GCS
+        Path(info_file).write_text(json.dumps({**info, "ray_gcs": ray.get_runtime_context().gcs_address}))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -234,6 +234,20 @@ def test_tls_refuses_clients_without_the_ca_and_workers_refuse_calls_without_a_c
             assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_the_local_ray_cluster_refuses_a_driver_without_the_token(stack):
+    """The launcher's Ray head runs with token authentication (Ray 2.60): a driver without
+    the token cannot join it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    code = f"import ray; ray.init(address={stack.info.target['ray_gcs']!r}); print('joined')"
+    env.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "joined" not in out.stdout, out.stdout[-500:]
+    assert "auth" in (out.stdout + out.stderr).lower()
+
+
 # -- cancel mid-round: Cancel stops at once, and nothing is committed after it ---------------
 
 @pytest.mark.parametrize("column", COLUMNS)
