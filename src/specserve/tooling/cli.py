@@ -287,6 +287,9 @@ def generate(
     pool: str = typer.Option("", help="Draft pool; 'none' disables speculation."),
     k: int | None = typer.Option(None, "--k", help="Draft tokens per round."),
     stream: bool = typer.Option(False, help="Print chunks as they are committed."),
+    predict: Path | None = typer.Option(None, "--predict", help="Predicted Outputs: a file holding the text "
+                                        "the output is expected to mostly repeat (it drafts; the output is "
+                                        "exact)."),
     router: str | None = typer.Option(None, help="host:port of a router (default: the local stack)."),
     run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
@@ -303,6 +306,10 @@ def generate(
         req.seed = seed
     if k is not None:
         req.num_draft_tokens = k
+    if predict is not None:
+        if not predict.is_file():
+            raise typer.BadParameter(f"{predict} is not a readable file", param_hint="--predict")
+        req.prediction = predict.read_text()
     with grpc.insecure_channel(_router_address(router, run_dir)) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
@@ -319,7 +326,9 @@ def generate(
     st = resp.stats
     typer.echo(resp.text)
     typer.echo(f"[{resp.finish_reason}] class={st.workload_class} pool={st.draft_pool or '-'} rounds={st.rounds} "
-               f"accepted={st.accepted_tokens}/{st.draft_tokens} seed={st.seed}")
+               f"accepted={st.accepted_tokens}/{st.draft_tokens} seed={st.seed}"
+               + (f" prediction accepted={st.accepted_prediction_tokens} rejected={st.rejected_prediction_tokens}"
+                  if predict is not None else ""))
 
 
 @app.command("trace")
