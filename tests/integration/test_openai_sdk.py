@@ -81,23 +81,29 @@ def test_chat_equals_grpc_on_the_templated_prompt(client, grpc_generate, tiny_pa
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_predicted_outputs_are_lossless_and_counted(client, grpc_generate, prompt):
-    plain = grpc_generate(prompt, draft_pool="none")
+def test_predicted_outputs_are_lossless_and_counted(client, grpc_generate, tiny_pair_dir):
+    messages = [{"role": "user", "content": "Return this function unchanged."}]
+    templated = ChatTemplate.for_model(str(tiny_pair_dir / "target")).render(messages)
+    plain = grpc_generate(templated, draft_pool="none")
     edited = plain.text[: len(plain.text) // 2] + " x = 1\n" + plain.text[len(plain.text) // 2 :]
     for prediction in (plain.text, edited):
-        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                        prediction={"type": "content", "content": prediction})
-        assert got.choices[0].text == plain.text  # the prediction only drafts
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                             prediction={"type": "content", "content": prediction})
+        assert got.choices[0].message.content == plain.text  # the prediction only drafts
         d = got.usage.completion_tokens_details
         assert d.accepted_prediction_tokens > 0
         assert d.accepted_prediction_tokens <= got.usage.completion_tokens
         # the same request over gRPC drafts the same blocks at T = 0
-        via_grpc = grpc_generate(prompt, draft_pool="", prediction=prediction)
+        via_grpc = grpc_generate(templated, draft_pool="", prediction=prediction)
         assert via_grpc.stats.draft_pool == "prediction"
         assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (
             via_grpc.stats.accepted_prediction_tokens, via_grpc.stats.rejected_prediction_tokens)
         assert via_grpc.stats.accepted_prediction_tokens + via_grpc.stats.rejected_prediction_tokens == \
             via_grpc.stats.draft_tokens
+    # /v1/completions takes it too (the SDK sends it there as extra_body)
+    got = client.completions.create(model=MODEL, prompt=templated, max_tokens=MAX_TOKENS, temperature=0,
+                                    extra_body={"prediction": {"type": "content", "content": plain.text}})
+    assert got.choices[0].text == plain.text and got.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
 def test_idempotency_key_joins_the_session(client, prompt):

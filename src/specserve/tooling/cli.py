@@ -117,10 +117,10 @@ def _demo_openai(console, run_dir: Path, prompt: str, plain, max_tokens: int) ->
     client = OpenAI(base_url=f"{http.read_text().strip()}/v1", api_key="unused")
     t = time.perf_counter()
     got = client.completions.create(model="specserve", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                    prediction={"type": "content", "content": plain.text})
+                                    extra_body={"prediction": {"type": "content", "content": plain.text}})
     ms = (time.perf_counter() - t) * 1e3
     d = got.usage.completion_tokens_details
-    console.rule("[bold]OpenAI SDK: client.completions.create(..., prediction=...)[/bold]")
+    console.rule("[bold]OpenAI SDK: client.completions.create(..., extra_body={\"prediction\": ...})[/bold]")
     console.print(f"[dim]base_url:[/dim] {client.base_url}  [dim]output:[/dim] {got.choices[0].text!r}")
     console.print(f"{got.usage.completion_tokens} tokens in {ms:.0f} ms; prediction tokens accepted "
                   f"{d.accepted_prediction_tokens}, rejected {d.rejected_prediction_tokens}; same text as plain "
