@@ -25,7 +25,12 @@ def proposes(prediction, output, k=3):
 
 
 def test_empty_output_proposes_the_prediction_start():
-    assert proposes([1, 2, 3, 4], []) == [1, 2, 3]
+    assert proposes([1, 2, 3, 4], []) == [1]  # no evidence yet that the output follows it
+
+
+def test_block_grows_with_the_evidence_up_to_k():
+    pred = list(range(1, 40))
+    assert [len(proposes(pred, pred[:n], k=16)) for n in (0, 1, 2, 4, 8)] == [1, 3, 5, 9, 16]
 
 
 def test_in_step_proposes_what_follows():
@@ -53,7 +58,7 @@ def test_deletion_skips_ahead():
 
 def test_longest_suffix_wins_over_nearest_single_token():
     # `5` alone occurs at index 1, right where the walk expected it; `2 5` only at 6-7
-    assert resync(np.array([1, 5, 8, 0, 0, 0, 2, 5, 9]), [1, 7, 2, 5], expected=2, min_n=1, max_n=4) == 8
+    assert resync(np.array([1, 5, 8, 0, 0, 0, 2, 5, 9]), [1, 7, 2, 5], expected=2, min_n=1, max_n=4) == (8, 2)
 
 
 def test_repeated_token_resyncs_to_the_occurrence_nearest_the_cursor():
@@ -61,7 +66,7 @@ def test_repeated_token_resyncs_to_the_occurrence_nearest_the_cursor():
     # in step to index 4, then `0` replaces `5`; `4` follows: found at index 5 only
     assert proposes(pred, [5, 1, 2, 3, 0, 4], k=2) == [6, 5]
     # `5` occurs at indices 0, 4 and 7: the one ending nearest the expected end (5) wins
-    assert resync(np.array(pred), [5, 1, 2, 3, 0, 5], expected=5, min_n=1, max_n=1) == 5
+    assert resync(np.array(pred), [5, 1, 2, 3, 0, 5], expected=5, min_n=1, max_n=1) == (5, 1)
 
 
 def test_end_of_prediction_proposes_nothing():

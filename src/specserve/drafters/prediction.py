@@ -4,8 +4,12 @@ tokens; after a divergence (an edit) it finds its place again the way the n-gram
 does, by the last few committed tokens, taking the occurrence nearest to where the walk
 expected to be. Its q is one-hot (deterministic), so rejection sampling stays exact.
 
+The block grows with the evidence: 1 + 2 x (output tokens in step since the last resync),
+capped at K. An output that does not follow the prediction (a chat answer that quotes none of
+it) then costs one rejected token per round, not K; one that does reaches K in three rounds.
+
 Example (prediction `a b c d e f`, k = 3):
-    output `a b`          -> proposes `c d e`  (in step)
+    output `a b`          -> proposes `c d e`  (in step, 2 tokens of evidence)
     output `a b X`        -> proposes nothing  (`X` is not in the prediction)
     output `a b X d`      -> proposes `e f`    (`d` found at index 3: back in step)
 """
@@ -56,7 +60,7 @@ class PredictionSession:
         cursor = self.advance(token_ids[self.d.prompt_len :])
         if cursor is None or k <= 0:
             return DraftProposal([], None)
-        tokens = [int(t) for t in self.d.prediction[cursor : cursor + k]]
+        tokens = [int(t) for t in self.d.prediction[cursor : cursor + min(k, 1 + 2 * self.run)]]
         banned = set(sampling.banned_token_ids)
         for i, t in enumerate(tokens):  # a banned token can never be accepted: stop before it
             if t in banned:
@@ -71,6 +75,7 @@ class PredictionSession:
         self.walked: list[int] = []
         self.cursor = 0  # index in the prediction where the next output token is expected
         self.in_step = True  # False: the last tokens were not found in the prediction
+        self.run = 0  # output tokens in step with the prediction since the last resync
 
     def advance(self, output: Sequence[int]) -> int | None:
         """The cursor after walking `output` (the committed generated tokens); None while
@@ -81,29 +86,30 @@ class PredictionSession:
             n = 0
         for i in range(n, len(output)):
             self.walked.append(int(output[i]))
-            self.cursor, self.in_step = step(self.d.prediction, self.walked, self.cursor, self.in_step,
-                                             self.d.min_n, self.d.max_n)
+            self.cursor, self.in_step, self.run = step(self.d.prediction, self.walked, self.cursor,
+                                                       self.in_step, self.run, self.d.min_n, self.d.max_n)
         return self.cursor if self.in_step else None
 
 
-def step(prediction: np.ndarray, output: list[int], cursor: int, in_step: bool, min_n: int,
-         max_n: int) -> tuple[int, bool]:
-    """(cursor, in step) after output[-1]: one past it while in step, else re-synchronised
-    near where the walk expected to be; out of step (the cursor still advancing with the
-    output) when the last tokens occur nowhere in the prediction."""
+def step(prediction: np.ndarray, output: list[int], cursor: int, in_step: bool, run: int, min_n: int,
+         max_n: int) -> tuple[int, bool, int]:
+    """(cursor, in step, run) after output[-1]: one past it while in step, else re-synchronised
+    near where the walk expected to be (run = the matched n); out of step (the cursor still
+    advancing with the output) when the last tokens occur nowhere in the prediction."""
     if in_step and cursor < len(prediction) and prediction[cursor] == output[-1]:
-        return cursor + 1, True
+        return cursor + 1, True, run + 1
     found = resync(prediction, output, cursor + 1, min_n, max_n)
-    return (found, True) if found is not None else (cursor + 1, False)
+    return (found[0], True, found[1]) if found is not None else (cursor + 1, False, 0)
 
 
-def resync(prediction: np.ndarray, output: list[int], expected: int, min_n: int, max_n: int) -> int | None:
-    """One past the occurrence of the output's last n tokens (longest n first) in the
-    prediction whose end is nearest to `expected`; None when none occurs."""
+def resync(prediction: np.ndarray, output: list[int], expected: int, min_n: int,
+           max_n: int) -> tuple[int, int] | None:
+    """(one past, n) for the occurrence of the output's last n tokens (longest n first) in
+    the prediction whose end is nearest to `expected`; None when none occurs."""
     for n in range(min(max_n, len(output), len(prediction)), min_n - 1, -1):
         pattern = np.asarray(output[-n:], dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view(prediction, n)
         ends = np.flatnonzero((windows == pattern).all(axis=1)) + n
         if ends.size:
-            return int(ends[np.argmin(np.abs(ends - expected))])
+            return int(ends[np.argmin(np.abs(ends - expected))]), n
     return None
