@@ -5,6 +5,8 @@ output and report what they drafted; errors come back as the SDK's typed excepti
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import openai
 import pytest
@@ -121,3 +123,25 @@ def test_errors_are_typed(client, prompt):
     with pytest.raises(openai.BadRequestError, match="max_tokens must be in"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=100_000)
     assert [m.id for m in client.models.list()] == [MODEL]  # and the router still serves
+
+
+def test_http_requests_are_traced_like_grpc_ones(client, otlp_receiver, prompt):
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                    extra_body={"draft_pool": "small"})
+    session_id = got.id.removeprefix("cmpl-")
+    deadline = time.monotonic() + 30
+    while True:  # the router exports its spans in batches every 0.5 s
+        spans = otlp_receiver.snapshot()
+        gen = [s for s in spans if s["name"] == "specserve.generate"
+               and s["attributes"].get("specserve.session_id") == session_id]
+        by_id = {s["span_id"]: s for s in spans}
+        if (gen and gen[0]["parent_span_id"] in by_id) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert gen, "no specserve.generate span arrived"
+    assert gen[0]["attributes"]["specserve.api"] == "http"
+    server = by_id[gen[0]["parent_span_id"]]
+    assert (server["name"], server["kind"], server["attributes"]["specserve.api"]) == \
+        ("POST /v1/completions", "SERVER", "http")
+    rounds = [s for s in spans if s["name"] == "specserve.round" and s["trace_id"] == gen[0]["trace_id"]]
+    assert rounds and all(r["attributes"]["specserve.draft_pool"] == "small" for r in rounds)

@@ -4,14 +4,15 @@ tokens; after a divergence (an edit) it finds its place again the way the n-gram
 does, by the last few committed tokens, taking the occurrence nearest to where the walk
 expected to be. Its q is one-hot (deterministic), so rejection sampling stays exact.
 
-The block grows with the evidence: 1 + 2 x (output tokens in step since the last resync),
-capped at K. An output that does not follow the prediction (a chat answer that quotes none of
+The block grows with the evidence: 1 + 2 x (output tokens in step since the last resync,
+beyond the first), capped at K. An output that does not follow the prediction (a chat answer that quotes none of
 it) then costs one rejected token per round, not K; one that does reaches K in three rounds.
 
 Example (prediction `a b c d e f`, k = 3):
     output `a b`          -> proposes `c d e`  (in step, 2 tokens of evidence)
     output `a b X`        -> proposes nothing  (`X` is not in the prediction)
-    output `a b X d`      -> proposes `e f`    (`d` found at index 3: back in step)
+    output `a b X d`      -> proposes `e`      (`d` found at index 3: back in step, on 1 token)
+    output `a b X d e`    -> proposes `f`      (in step; the prediction ends there)
 """
 
 from __future__ import annotations
@@ -94,12 +95,13 @@ class PredictionSession:
 def step(prediction: np.ndarray, output: list[int], cursor: int, in_step: bool, run: int, min_n: int,
          max_n: int) -> tuple[int, bool, int]:
     """(cursor, in step, run) after output[-1]: one past it while in step, else re-synchronised
-    near where the walk expected to be (run = the matched n); out of step (the cursor still
+    near where the walk expected to be; out of step (the cursor still
     advancing with the output) when the last tokens occur nowhere in the prediction."""
     if in_step and cursor < len(prediction) and prediction[cursor] == output[-1]:
         return cursor + 1, True, run + 1
     found = resync(prediction, output, cursor + 1, min_n, max_n)
-    return (found[0], True, found[1]) if found is not None else (cursor + 1, False, 0)
+    # a single matching token is weak evidence (common tokens occur everywhere): run = n - 1
+    return (found[0], True, found[1] - 1) if found is not None else (cursor + 1, False, 0)
 
 
 def resync(prediction: np.ndarray, output: list[int], expected: int, min_n: int,
