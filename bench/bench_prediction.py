@@ -82,7 +82,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="K of the small and ngram pools")
     ap.add_argument("--prediction-k", type=int, nargs="+", default=[16], help="K of the prediction drafter")
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per request")
+    ap.add_argument("--table", metavar="JSON", help="only print the table of an earlier run's JSON")
     a = ap.parse_args()
+    if a.table:
+        done = json.loads(Path(a.table).read_text())
+        print_table(summarise(done["rows"], list(dict.fromkeys(r["mode"] for r in done["rows"]))))
+        return
     pair = Path(a.models)
     pair = (pair / "default" if not (pair / "target").exists() else pair).resolve()
     out = Path(a.out)
@@ -124,27 +129,41 @@ def main() -> None:
     summary = summarise(rows, [m[0] for m in modes])
     (out / "prediction.json").write_text(json.dumps({"args": vars(a), "pair": str(pair), "summary": summary,
                                                      "rows": rows, "items": [t[0] for t in tasks]}, indent=1))
-    print("| mode | ms/token | speedup vs plain | accepted / drafted | accepted / rejected prediction tokens "
-          "| draft ms per round | same tokens as plain |")
-    print("|---|---|---|---|---|---|---|")
-    for m in summary:
-        print(f"| {m['mode']} | {m['ms_per_token']:.1f} | {m['speedup']:.2f}x | {m['accepted']}/{m['drafted']} "
-              f"| {m['accepted_prediction']} / {m['rejected_prediction']} | {_fmt(m['draft_wall_ms_mean'])} "
-              f"| {m['same_as_plain']} |")
+    print_table(summary)
     _plot(summary, out / "prediction.png")
     print(f"wrote {out / 'prediction.json'} and {out / 'prediction.png'}", file=sys.stderr)
 
 
+def print_table(summary: list[dict]) -> None:
+    print("| mode | ms/token | speedup vs plain (total / median item) | tokens per target pass "
+          "| accepted / drafted | accepted / rejected prediction tokens | draft ms per round | same tokens as plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in summary:
+        print(f"| {m['mode']} | {m['ms_per_token']:.1f} | {m['speedup']:.2f}x / {m['median_speedup']:.2f}x "
+              f"| {m['tokens_per_pass']:.2f} | {m['accepted']}/{m['drafted']} "
+              f"| {m['accepted_prediction']} / {m['rejected_prediction']} | {_fmt(m['draft_wall_ms_mean'])} "
+              f"| {m['same_as_plain']} |")
+
+
 def summarise(rows: list[dict], modes: list[str]) -> list[dict]:
+    """Per mode: totals, and the median over items of the per-item speedup (robust to a busy
+    machine slowing one request) and tokens per target pass (rounds: independent of timing)."""
     def total(mode: str, key: str):
         return sum(r[key] for r in rows if r["mode"] == mode)
 
+    def per_item(mode: str) -> dict[int, float]:
+        return {r["item"]: r["seconds"] / r["tokens"] for r in rows if r["mode"] == mode}
+
     base = total("plain", "seconds") / total("plain", "tokens")
+    plain_items = per_item("plain")
     out = []
     for mode in modes:
         per_token = total(mode, "seconds") / total(mode, "tokens")
+        item_speedups = [plain_items[i] / t for i, t in per_item(mode).items()]
         drafting = [r["draft_wall_ms_mean"] for r in rows if r["mode"] == mode and r["draft_wall_ms_mean"]]
         out.append({"mode": mode, "ms_per_token": per_token * 1e3, "speedup": base / per_token,
+                    "median_speedup": float(np.median(item_speedups)),
+                    "tokens_per_pass": total(mode, "tokens") / total(mode, "rounds"),
                     "accepted": total(mode, "accepted"), "drafted": total(mode, "drafted"),
                     "accepted_prediction": total(mode, "accepted_prediction"),
                     "rejected_prediction": total(mode, "rejected_prediction"),
