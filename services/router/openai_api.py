@@ -130,7 +130,7 @@ class OpenAIApp:
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
             req.prompt_ids.ids.extend(body.prompt)
         else:
-            req.prompt = body.prompt if isinstance(body.prompt, str) else (body.prompt or [""])[0]
+            req.prompt = body.prompt if isinstance(body.prompt, str) else str(body.prompt[0]) if body.prompt else ""
         return await self._serve(req, body, request, "text_completion", "cmpl")
 
     async def chat_completions(self, body: ChatRequest, request: Request):

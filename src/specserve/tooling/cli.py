@@ -119,10 +119,12 @@ def _demo_openai(console, run_dir: Path, prompt: str, plain, max_tokens: int) ->
     got = client.completions.create(model="specserve", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                     extra_body={"prediction": {"type": "content", "content": plain.text}})
     ms = (time.perf_counter() - t) * 1e3
-    d = got.usage.completion_tokens_details
+    usage = got.usage
+    assert usage is not None and usage.completion_tokens_details is not None, "the router always reports usage"
+    d = usage.completion_tokens_details
     console.rule("[bold]OpenAI SDK: client.completions.create(..., extra_body={\"prediction\": ...})[/bold]")
     console.print(f"[dim]base_url:[/dim] {client.base_url}  [dim]output:[/dim] {got.choices[0].text!r}")
-    console.print(f"{got.usage.completion_tokens} tokens in {ms:.0f} ms; prediction tokens accepted "
+    console.print(f"{usage.completion_tokens} tokens in {ms:.0f} ms; prediction tokens accepted "
                   f"{d.accepted_prediction_tokens}, rejected {d.rejected_prediction_tokens}; same text as plain "
                   f"decoding over gRPC: {got.choices[0].text == plain.text}", highlight=False)
 
