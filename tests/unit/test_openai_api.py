@@ -203,3 +203,20 @@ def test_template_refusal_is_invalid_request():
     chat = ChatTemplate("{{ raise_exception('roles must alternate') }}")
     with pytest.raises(InvalidRequest, match="roles must alternate"):
         chat.render([{"role": "user", "content": "hi"}])
+
+
+def test_http_requests_are_counted_by_route_and_status():
+    from specserve.serving.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    api = OpenAIApp(FakeServicer(), MODEL, ChatTemplate(CHAT_TEMPLATE), set(), 8, lambda: True, metrics)
+    client = TestClient(api.app)
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    api.servicer.fail = Unavailable("no target")
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+
+    def count(status: str) -> float:
+        return metrics.registry.get_sample_value("specserve_api_requests_total",
+                                                 {"api": "http", "route": "/v1/completions", "status": status})
+
+    assert (count("200"), count("503")) == (1.0, 1.0)
