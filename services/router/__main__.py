@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import uuid
+from pathlib import Path
 
 import redis.asyncio as aioredis
 
@@ -16,6 +17,7 @@ from services.router.admin import PolicyAdminServicer
 from services.router.classifier import Classifier, Rule
 from services.router.model_info import ModelInfo
 from services.router.observers import ControllerFeed, MetricsObserver, RoundObserver, SpanObserver
+from services.router.openai_api import OpenAIApp, start_http
 from services.router.planner import Planner
 from services.router.pools import DraftPool, TargetDirectory
 from services.router.rounds import RoundLoop
@@ -27,6 +29,7 @@ from specserve.control.controller import Controller, ShadowLog
 from specserve.control.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
 from specserve.errors import InvalidRequest
 from specserve.params import GenerationParams
+from specserve.serving.chat import ChatTemplate
 from specserve.serving.metrics import RouterMetrics
 from specserve.serving.server import GrpcServer
 from specserve.serving.telemetry import (
@@ -121,6 +124,15 @@ async def main(settings: RouterSettings) -> None:
                         settings.host, settings.port, settings.grace_s, add,
                         interceptors=[TracingServerInterceptor()])
     await server.start()
+    serving = False
+    http = None
+    if settings.http_port >= 0:
+        api = OpenAIApp(servicer, settings.model_name, ChatTemplate.for_model(settings.tokenizer),
+                        {k.get_secret_value() for k in settings.api_keys}, settings.http_max_in_flight,
+                        lambda: serving, metrics)
+        http = await start_http(api.app, settings.host, settings.http_port)
+        if settings.http_port_file:
+            Path(settings.http_port_file).write_text(str(http[2]))
     publish_ports(server.port, settings.port_file, metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)
     await redis.ping()
@@ -137,8 +149,14 @@ async def main(settings: RouterSettings) -> None:
 
     watcher = asyncio.create_task(watch())
     await server.set_serving()
-    log.info("router serving on %s:%d (pools: %s)", settings.host, server.port, ", ".join(pools) or "none")
+    serving = True
+    log.info("router serving on %s:%d (pools: %s)%s", settings.host, server.port, ", ".join(pools) or "none",
+             f"; HTTP on {settings.host}:{http[2]}" if http else "")
     await server.wait_for_termination()
+    serving = False
+    if http is not None:  # in-flight HTTP requests get uvicorn's graceful shutdown
+        http[0].should_exit = True
+        await asyncio.gather(http[1], return_exceptions=True)
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher

@@ -102,6 +102,13 @@ class RouterSettings(BaseSettings):
     # classifier rules [{"workload_class", "pattern", "weight", "name"}]; null = built-in rules
     classifier_rules: list[dict] | None = None
     classifier_fallback: str = "chat"
+    # the OpenAI-compatible HTTP API (ADR 0012): its port (0 = a free one, -1 = off), the model
+    # id it serves, and the API keys it accepts (none configured = no key asked for)
+    http_port: int = Field(8000, ge=-1, le=65535)
+    http_port_file: str = ""
+    model_name: str = "specserve"
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    http_max_in_flight: int = Field(256, ge=1)  # HTTP requests served at once; beyond: 429
 
     @field_validator("draft_pools")
     @classmethod

@@ -220,9 +220,15 @@ startupProbe:
   failureThreshold: {{ $p.startup.failureThreshold }}
   timeoutSeconds: {{ $p.startup.timeoutSeconds }}
 readinessProbe:
+  {{- if .readinessHttp }}
+  httpGet:
+    path: /health
+    port: {{ .readinessHttp }}
+  {{- else }}
   grpc:
     port: {{ .port }}
     service: {{ .service }}
+  {{- end }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}

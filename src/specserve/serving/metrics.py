@@ -46,6 +46,8 @@ class RouterMetrics:
                                      registry=r)
         self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
                                 registry=r)
+        self.api_requests = Counter("specserve_api_requests", "Client requests by API (grpc|http), route and status.",
+                                    ("api", "route", "status"), registry=r)
         # classification, policies, the controller, shadow mode (DESIGN §4)
         self.classified = Counter("specserve_classified_requests", "Requests by workload class and how it was chosen.",
                                   ("workload_class", "reason"), registry=r)
