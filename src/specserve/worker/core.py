@@ -28,8 +28,13 @@ class WorkerCore:
         self.scheduler = Scheduler(max_batch, max_wait_ms / 1e3, on_batch=self._observe)
         self._loop: asyncio.Task | None = None
 
-    def _close(self, handle: Any) -> None:
-        self.executor.submit(self.engine.close, handle)
+    def _close(self, handle: Any, busy: bool) -> None:
+        """Free a session's KV now, or, while one of its items may be running, on the model
+        thread after it."""
+        if busy:
+            self.executor.submit(self.engine.close, handle)
+        else:
+            self.engine.close(handle)
 
     def _observe(self, size: int, seconds: float) -> None:
         m = self.metrics

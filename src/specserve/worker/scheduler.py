@@ -67,6 +67,7 @@ class BatchStats:
     batches: int = 0
     last_size: int = 0
     last_s: float = 0.0
+    max_size: int = 0
 
 
 class Scheduler:
@@ -148,6 +149,7 @@ class Scheduler:
     def _finish(self, batch: list[Work], results: list[Any], elapsed: float) -> None:
         self.stats.batches += 1
         self.stats.last_size, self.stats.last_s = len(batch), elapsed
+        self.stats.max_size = max(self.stats.max_size, len(batch))
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed)
         total = sum(max(w.tokens, 1) for w in batch)

@@ -40,9 +40,10 @@ class Sequence:
 
 class SessionTable:
     """Sessions by id, least recently used first. `open(session_id)` makes a backend handle
-    (raising KVBudgetExhausted when full), `close(handle)` frees it."""
+    (raising KVBudgetExhausted when full), `close(handle, busy)` frees it (`busy`: a call of
+    the session may still be on the model thread)."""
 
-    def __init__(self, open: Callable[[str], Any], close: Callable[[Any], None], max_sessions: int,
+    def __init__(self, open: Callable[[str], Any], close: Callable[[Any, bool], None], max_sessions: int,
                  evict_idle_s: float = 1.0, on_close: Callable[[Sequence], None] | None = None) -> None:
         self.open = open
         self.close = close
@@ -89,7 +90,7 @@ class SessionTable:
             return False
         if self.on_close is not None:
             self.on_close(seq)
-        self.close(seq.handle)
+        self.close(seq.handle, seq.busy > 0)
         return True
 
     def __len__(self) -> int:
