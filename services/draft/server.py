@@ -67,7 +67,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return self.simulated_token_ms * max(1 if w.payload.guess else w.payload.k for w in batch) / 1e3
 
     def _session(self, session_id: str) -> Sequence:
-        seq = self.sessions.get(session_id)
+        seq = self.core.session(session_id)
         if seq.extra is None:
             seq.extra = _Ahead()
         return seq

@@ -41,7 +41,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     def _reconcile(self, request):
         check_token_ids(request.prefix.tokens, self.target.vocab_size)
-        seq = self.sessions.get(request.session_id)
+        seq = self.core.session(request.session_id)
         return seq, seq.reconcile(request.prefix)
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:

@@ -142,12 +142,16 @@ def test_recently_used_sessions_keep_their_slots_until_idle_long_enough():
     assert kv.closed == ["a"]
 
 
-def test_the_session_count_bound_evicts_like_an_lru():
+def test_the_session_count_is_a_budget_evicted_like_an_lru():
     kv = FakeKV(10)
-    table = SessionTable(kv.open, kv.close, max_sessions=2)
+    table = SessionTable(kv.open, kv.close, max_sessions=2, evict_idle_s=0.0)
     table.get("a"), table.get("b"), table.get("a"), table.get("c")
     assert list(table.sessions) == ["a", "c"] and kv.closed == ["b"]
     assert table.release("a") and not table.release("a")
+    busy = SessionTable(kv.open, kv.close, max_sessions=1, evict_idle_s=0.0)
+    busy.get("x").busy = 1
+    with pytest.raises(KVBudgetExhausted, match="all 1 sessions"):
+        busy.get("y")
 
 
 def test_a_sequence_reconciles_to_the_committed_prefix():

@@ -93,5 +93,7 @@ class WorkerMetrics:
                                  registry=r)
         self.kv_slots = Gauge(f"specserve_{service}_kv_slots", "KV slots of the batched runner, used or free.",
                               ("state",), registry=r)
+        self.refused = Counter(f"specserve_{service}_refused_sessions",
+                               "New sessions answered RESOURCE_EXHAUSTED: no KV room.", registry=r)
         self.predrafts = Counter(f"specserve_{service}_predrafts", "Blocks drafted ahead while the target verified.",
                                  registry=r)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from specserve.errors import KVBudgetExhausted
 from specserve.serving.metrics import WorkerMetrics
 from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
 from specserve.worker.sequence import Sequence, SessionTable
@@ -45,6 +46,14 @@ class WorkerCore:
             used, free = self.engine.slots
             m.kv_slots.labels("used").set(used)
             m.kv_slots.labels("free").set(free)
+
+    def session(self, session_id: str) -> Sequence:
+        """The session's entry (KVBudgetExhausted, counted, when there is no room for it)."""
+        try:
+            return self.sessions.get(session_id)
+        except KVBudgetExhausted:
+            self.metrics.refused.inc()
+            raise
 
     async def run(self, seq: Sequence, job: Any, tokens: int, priority: int = FOREGROUND) -> Done:
         """Queue one item for `seq` and wait for its batch (the session is not evicted meanwhile)."""

@@ -56,8 +56,6 @@ class SessionTable:
         """The session, created on first use (evicting idle ones for room); marks it used."""
         seq = self.sessions.get(session_id)
         if seq is None:
-            while len(self.sessions) >= self.max_sessions and self._evict(force=True):
-                pass
             seq = Sequence(session_id, self._open(session_id))
             self.sessions[session_id] = seq
         self.sessions.move_to_end(session_id)
@@ -65,21 +63,25 @@ class SessionTable:
         return seq
 
     def _open(self, session_id: str) -> Any:
+        """A handle for a new session: room is made by evicting idle sessions, else
+        KVBudgetExhausted (max_sessions is a budget like the KV slots)."""
         while True:
             try:
+                if len(self.sessions) >= self.max_sessions:
+                    raise KVBudgetExhausted(f"all {self.max_sessions} sessions of this worker are in use")
                 return self.open(session_id)
             except KVBudgetExhausted as exc:
-                if not self._evict(force=False):
+                if not self._evict():
                     raise KVBudgetExhausted(
                         f"{exc} ({len(self.sessions)} sessions are running; none has been idle for "
                         f"{self.evict_idle_s:g} s)") from None
 
-    def _evict(self, force: bool) -> bool:
-        """Drop the least recently used idle session; False when none qualifies. `force`
-        (the session-count bound): any session without a call in flight."""
+    def _evict(self) -> bool:
+        """Drop the least recently used idle session (no call in flight, unused for
+        evict_idle_s); False when none qualifies."""
         now = time.monotonic()
         for sid, seq in self.sessions.items():
-            if seq.busy == 0 and (force or now - seq.last_used >= self.evict_idle_s):
+            if seq.busy == 0 and now - seq.last_used >= self.evict_idle_s:
                 self.release(sid)
                 return True
         return False
