@@ -17,7 +17,13 @@ import pytest
 
 from specserve.drafters import NgramDrafter
 from specserve.models.engine import GenerationParams, SpecEngine
-from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
+from specserve.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
 
 MAX_TOKENS = 16
 
