@@ -124,12 +124,15 @@ def test_greedy_tokens_do_not_change_with_predrafting_or_prefill_chunking(pair):
         ts, ds = _servicers(pair)
         with_ahead = await _generate(ts, ds, "a", prompt, params, branches=2)
         ts2, ds2 = _servicers(pair, Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=64))
+        prefilled = await ts2.Prefill(target_pb2.PrefillRequest(
+            session_id="b", prefix=prefix_to_proto(CommittedPrefix(prompt), 0)), None)
         without = await _generate(ts2, ds2, "b", prompt, params, branches=0)
-        return with_ahead, without, ts.core.scheduler.stats.batches
+        return with_ahead, without, ts.core.scheduler.stats.batches, prefilled.cached_len
 
-    (a, _), (b, _), batches = asyncio.run(go())
+    (a, _), (b, _), batches, cached = asyncio.run(go())
     assert a == b
     assert batches > 10  # the prompt went through the target in chunks, one batch each
+    assert cached == len(prompt)  # the Prefill call cached the whole prompt first
 
 
 def test_an_unsupported_architecture_falls_back_to_the_per_session_path(pair, caplog):
