@@ -108,11 +108,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def _draft(self, seq: Sequence, ids: list[int], k: int, sampling: SamplingParams, seed: int,
                      priority: int = 0, guess: bool = False):
-        """One block (or the bonus guess) through the scheduler: (result, this item's share
-        of its batch's seconds)."""
+        """One block (or the bonus guess) through the scheduler: (result, its cost in seconds
+        at the current batch size, worker/cost.py)."""
         done = await self.core.run(seq, DraftJob(seq.handle, ids, k, sampling, seed, guess),
                                    1 if guess else k, priority)
-        return done.value, done.share_s
+        return done.value, done.cost_s
 
     async def _draft_ahead(self, session_id: str, seq: Sequence, ids: list[int], proposal: DraftProposal, k: int,
                            sampling: SamplingParams, seed: int, branches: int, push: Push | None) -> None:

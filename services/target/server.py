@@ -3,8 +3,8 @@ scheduler, model runner). Verify = reconcile to the committed prefix, then a row
 batch (last committed token + drafts), rejection sampling on the batch, rollback of the
 rejected positions. Prefill = the committed prompt fed ahead, chunk by chunk.
 
-Each reply's verify_ms is the call's share of its batch's wall time, split by the tokens
-each row fed (ADR 0013): what the round cost at the current load, not the wait for the batch.
+Each reply's verify_ms is what a batch of rows like this one takes at the current batch size
+(worker/cost.py, ADR 0013): the round's cost at the current load, not the wait for the batch.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                  f"of {self.max_positions}")
         done = await self.core.run(seq, VerifyJob(seq.handle, ids, drafts, q, sampling, int(request.seed)), k + 1)
         result, verdict = done.value, done.value.verdict
-        self.metrics.call_latency.labels("verify").observe(done.share_s)
+        self.metrics.call_latency.labels("verify").observe(done.cost_s)
         self.metrics.sessions.set(len(self.sessions))
         self.metrics.rollback_tokens.inc(result.rolled_back)
         return target_pb2.VerifyResponse(
             tokens=verdict.tokens, num_accepted=verdict.num_accepted,
             rejected_position=-1 if verdict.rejected_position is None else verdict.rejected_position,
-            p_draft=verdict.p_draft, q_draft=verdict.q_draft, verify_ms=done.share_s * 1e3,
+            p_draft=verdict.p_draft, q_draft=verdict.q_draft, verify_ms=done.cost_s * 1e3,
             rollback_tokens=result.rolled_back)
 
     async def VerifyStream(self, request_iterator, context):

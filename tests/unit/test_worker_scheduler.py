@@ -12,6 +12,7 @@ import pytest
 
 from specserve.errors import KVBudgetExhausted, NeedsFullPrefix
 from specserve.v1 import common_pb2
+from specserve.worker.cost import CostModel
 from specserve.worker.scheduler import AGAIN, BACKGROUND, FOREGROUND, Scheduler, Work
 from specserve.worker.sequence import SessionTable
 
@@ -90,6 +91,26 @@ def test_the_loop_resolves_items_splits_the_batch_time_by_tokens_and_requeues_ag
     assert r1.batch_s == pytest.approx(first_batch_s)
     # r0: 3/4 of the first batch, 3/4 of the second (beside c), all of the third
     assert r0.share_s > 0.75 * first_batch_s + 0.99 * r0.batch_s
+
+
+def test_the_cost_model_prices_a_row_as_a_batch_of_rows_like_it():
+    cost = CostModel(min_batches=4)
+    assert cost.row_cost(4, 5, batch_s=0.02) == 0.02  # not fitted yet: the batch's own time
+    a, r, b = 0.009, 0.0008, 0.0003  # the CPU figures, roughly
+    for rows, tokens in [(1, 1), (1, 5), (4, 4), (4, 20), (16, 16), (16, 80), (8, 30), (2, 9)]:
+        cost.observe(rows, tokens, a + r * rows + b * tokens)
+    plain16, verify16 = cost.row_cost(16, 1, 0.0), cost.row_cost(16, 5, 0.0)
+    assert plain16 == pytest.approx(a + r * 16 + b * 16)
+    assert verify16 == pytest.approx(a + r * 16 + b * 80)
+    # the price of K = 4 over a plain step grows with the batch: the controller sees load
+    assert verify16 / plain16 > 1.4 > cost.row_cost(1, 5, 0.0) / cost.row_cost(1, 1, 0.0)
+
+
+def test_the_cost_model_drops_a_negative_term():
+    cost = CostModel(min_batches=2)
+    for rows, tokens in [(1, 1), (2, 2), (4, 4), (8, 8), (3, 30)]:
+        cost.observe(rows, tokens, 0.01 + 0.001 * tokens - 0.0001 * rows)
+    assert cost.coef is not None and cost.coef.min() >= 0
 
 
 def test_max_wait_is_bounded_by_one_millisecond():

@@ -11,8 +11,9 @@ An item the model could not finish in one pass (a long prompt prefilled chunk by
 answers `AGAIN` and is queued again at the front: its next chunk shares the next batch with
 the running sessions instead of stalling them.
 
-Cost attribution (ADR 0013): a batch's wall time is split between its items by the tokens
-they fed (`Work.tokens`); each item's `Done.share_s` is what a reply reports as its compute.
+Cost attribution (ADR 0013): each item's `Done.cost_s` is what a batch of rows like it takes
+at the current batch size (worker/cost.py, fitted on the recent batches); a reply reports it
+as its compute. `Done.share_s` is its share of the batch's wall time by tokens fed.
 
 Example:
     sched = Scheduler(max_batch=32)
@@ -27,6 +28,8 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
+
+from specserve.worker.cost import CostModel
 
 FOREGROUND, BACKGROUND = 0, 1
 MAX_WAIT_LIMIT_S = 0.001
@@ -58,6 +61,7 @@ class Done:
     batch_s: float  # the batch's wall time (and simulated device time)
     share_s: float  # this item's share of it (and of its earlier passes), by tokens fed
     batch_size: int
+    cost_s: float = 0.0  # what a batch of rows like it takes at this batch size (worker/cost.py)
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Scheduler:
         self.on_batch = on_batch  # (batch size, seconds) after every batch
         self.queue: list[Work] = []
         self.stats = BatchStats()
+        self.cost = CostModel()
         self._wake: asyncio.Event | None = None
 
     def _event(self) -> asyncio.Event:
@@ -153,8 +158,10 @@ class Scheduler:
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed)
         total = sum(max(w.tokens, 1) for w in batch)
+        self.cost.observe(len(batch), total, elapsed)
         again = []
         for w, r in zip(batch, results, strict=True):
+            earlier = w.spent_s
             w.spent_s += elapsed * max(w.tokens, 1) / total
             if r is AGAIN:
                 again.append(w)
@@ -164,7 +171,8 @@ class Scheduler:
             if isinstance(r, BaseException):
                 w.future.set_exception(r)
             else:
-                w.future.set_result(Done(r, elapsed, w.spent_s, len(batch)))
+                cost = earlier + self.cost.row_cost(len(batch), max(w.tokens, 1), elapsed)
+                w.future.set_result(Done(r, elapsed, w.spent_s, len(batch), cost))
         if again:
             self.queue[:0] = again
             self._event().set()
