@@ -91,7 +91,7 @@ async def main(settings: RouterSettings) -> None:
                              settings.predraft_branches)
              for name, addrs in settings.draft_pools.items()}
     targets = TargetDirectory(redis, settings.key_prefix, settings.verify_timeout_ms / 1000, settings.target_wait_s,
-                              settings.worker_streams)
+                              settings.worker_streams, settings.admission_wait_s)
     metrics = RouterMetrics()
     policy_store = PolicyStore(redis, settings.key_prefix)
     policies = PolicyCache(policy_store, builtin_policy(settings), settings.policy_reload_s)
