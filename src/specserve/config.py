@@ -107,6 +107,19 @@ class RouterSettings(BaseSettings):
     admission_wait_s: float = Field(10.0, ge=0)
     session_ttl_s: int = Field(3600, ge=1)
     grace_s: float = Field(10.0, ge=0)
+    # session ownership (ADR 0011): the owner renews its lease every heartbeat_s; a follower
+    # or a reaper takes a running session over once lease_s passes without a renewal
+    heartbeat_s: float = Field(1.0, gt=0)
+    lease_s: float = Field(5.0, gt=0)
+    reap_s: float = Field(2.0, gt=0)  # how often each router looks for orphaned sessions
+    # a session runs on after its client goes away; nobody reading it for this long cancels it
+    detached_idle_s: float = Field(60.0, gt=0)
+    # Redis down: commits and readers retry with backoff this long, then UNAVAILABLE
+    redis_outage_s: float = Field(30.0, ge=0)
+    # every gRPC server: the largest request accepted, and RPCs in flight before
+    # RESOURCE_EXHAUSTED (streams count while open)
+    max_message_bytes: int = Field(4 << 20, ge=1024)
+    max_concurrent_rpcs: int = Field(2048, ge=1)
     # PolicyAdmin: one token ("admin"), or named tokens {"alice": "..."}; the name is the
     # audit log's "who". No token configured = policy administration is refused.
     admin_token: SecretStr = SecretStr("")
@@ -130,6 +143,14 @@ class RouterSettings(BaseSettings):
     model_name: str = "specserve"
     api_keys: list[SecretStr] = Field(default_factory=list)
     http_max_in_flight: int = Field(256, ge=1)  # HTTP requests served at once; beyond: 429
+
+    @field_validator("lease_s")
+    @classmethod
+    def _lease_outlives_heartbeats(cls, v: float, info) -> float:
+        beat = info.data.get("heartbeat_s", 1.0)
+        if v < 2 * beat:
+            raise ValueError(f"lease_s ({v}) must be at least two heartbeats ({2 * beat})")
+        return v
 
     @field_validator("draft_pools")
     @classmethod
