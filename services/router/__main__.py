@@ -12,6 +12,10 @@ import uuid
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from services.router.admin import PolicyAdminServicer
 from services.router.classifier import Classifier, Rule
@@ -22,7 +26,7 @@ from services.router.planner import Planner
 from services.router.pools import DraftPool, TargetDirectory
 from services.router.rounds import RoundLoop
 from services.router.service import GenerationServicer
-from services.router.sessions import Sessions
+from services.router.sessions import Ownership, Sessions
 from specserve.algorithm.stops import StopChecker
 from specserve.config import RouterSettings
 from specserve.control.controller import Controller, ShadowLog
@@ -31,19 +35,43 @@ from specserve.errors import InvalidRequest
 from specserve.params import GenerationParams
 from specserve.serving.chat import ChatTemplate
 from specserve.serving.metrics import RouterMetrics
-from specserve.serving.server import GrpcServer
+from specserve.serving.server import GrpcServer, ServerLimits
 from specserve.serving.telemetry import (
     TracingServerInterceptor,
     publish_ports,
     setup_tracing,
     shutdown_tracing,
 )
-from specserve.state.store import SessionStore
+from specserve.state.store import REDIS_DOWN, SessionStore
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 log = logging.getLogger("specserve.router")
 
-HEALTH_INTERVAL_S = 2.0
+HEALTH_INTERVAL_S = 1.0
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """A client that reconnects with backoff (a few quick retries per command; longer
+    outages are ridden out by the callers, see RouterSettings.redis_outage_s)."""
+    return aioredis.from_url(url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
+                             retry_on_error=[RedisConnectionError, RedisTimeoutError], socket_connect_timeout=2.0,
+                             health_check_interval=10)
+
+
+async def redis_answers(redis: aioredis.Redis) -> bool:
+    try:
+        return bool(await asyncio.wait_for(redis.ping(), 2.0))
+    except (*REDIS_DOWN, TimeoutError, OSError):
+        return False
+
+
+async def wait_for_redis(redis: aioredis.Redis, timeout_s: float = 60.0) -> None:
+    """Start-up waits for Redis (it may be loading its AOF) rather than crash-looping."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await redis_answers(redis):
+        if asyncio.get_running_loop().time() > deadline:
+            raise SystemExit(f"Redis did not answer within {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
 
 
 def builtin_policy(settings: RouterSettings) -> Policy:
@@ -85,13 +113,13 @@ async def main(settings: RouterSettings) -> None:
     setup_tracing("specserve-router")
     model = ModelInfo(settings.tokenizer)
     classifier = classifier_from(settings)
-    redis = aioredis.from_url(settings.redis_url)
-    store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s)
+    redis = redis_client(settings.redis_url)
+    store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s, lease_s=settings.lease_s)
     pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000, settings.worker_streams,
                              settings.predraft_branches)
              for name, addrs in settings.draft_pools.items()}
     targets = TargetDirectory(redis, settings.key_prefix, settings.verify_timeout_ms / 1000, settings.target_wait_s,
-                              settings.worker_streams)
+                              settings.worker_streams, settings.admission_wait_s)
     metrics = RouterMetrics()
     policy_store = PolicyStore(redis, settings.key_prefix)
     policies = PolicyCache(policy_store, builtin_policy(settings), settings.policy_reload_s)
@@ -104,10 +132,12 @@ async def main(settings: RouterSettings) -> None:
 
     observers: list[RoundObserver] = [MetricsObserver(metrics, model.kv_bytes_per_token), ControllerFeed(controller),
                                       SpanObserver()]
-    rounds = RoundLoop(store, targets, stops_for, observers, settings.pipeline_commits)
+    rounds = RoundLoop(store, targets, stops_for, observers, settings.pipeline_commits, settings.redis_outage_s)
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    ownership = Ownership(heartbeat_s=settings.heartbeat_s, detached_idle_s=settings.detached_idle_s,
+                          run_limit_s=float(settings.session_ttl_s), reap_s=settings.reap_s)
     sessions = Sessions(store, rounds, pools, targets, stops_for, owner, shadow_log, metrics,
-                        settings.shadow_timeout_s)
+                        settings.shadow_timeout_s, ownership)
     planner = Planner(policies, controller, pools, metrics)
     servicer = GenerationServicer(settings, model, classifier, planner, sessions, store)
     tokens = {name: tok.get_secret_value() for name, tok in settings.admin_tokens.items()}
@@ -122,7 +152,8 @@ async def main(settings: RouterSettings) -> None:
     server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
                          policy_pb2.DESCRIPTOR.services_by_name["PolicyAdmin"].full_name],
                         settings.host, settings.port, settings.grace_s, add,
-                        interceptors=[TracingServerInterceptor()])
+                        interceptors=[TracingServerInterceptor()], limits=ServerLimits(
+                            settings.max_message_bytes, settings.max_concurrent_rpcs))
     await server.start()
     serving = False
     http = None
@@ -135,19 +166,30 @@ async def main(settings: RouterSettings) -> None:
             Path(settings.http_port_file).write_text(str(http[2]))
     publish_ports(server.port, settings.port_file, metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)
-    await redis.ping()
+    await wait_for_redis(redis)
     await seed_policies(policy_store, settings)
     await policies.start()
     await controller.start()
     await targets.refresh()
 
-    async def watch() -> None:  # draft replica health and target registry, in the background
+    async def watch() -> None:  # Redis, draft replica health and target registry
+        serving = True
         while True:
+            up = await redis_answers(redis)
+            if up != serving:  # health follows Redis: without it no session can be served
+                if up:  # a Redis that came back without its data gets the configured policies
+                    with contextlib.suppress(*REDIS_DOWN):
+                        await seed_policies(policy_store, settings)
+                await (server.set_serving() if up else server.set_not_serving())
+                (log.info if up else log.error)("Redis %s", "is back: SERVING" if up else
+                                                f"is unreachable at {settings.redis_url}: NOT_SERVING")
+                serving = up
             await asyncio.gather(*(p.check_health() for p in pools.values()), targets.refresh(),
                                  return_exceptions=True)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     watcher = asyncio.create_task(watch())
+    reaper = asyncio.create_task(sessions.reap_forever())
     await server.set_serving()
     serving = True
     log.info("router serving on %s:%d (pools: %s)%s", settings.host, server.port, ", ".join(pools) or "none",
@@ -157,9 +199,10 @@ async def main(settings: RouterSettings) -> None:
     if http is not None:  # in-flight HTTP requests get uvicorn's graceful shutdown
         http[0].should_exit = True
         await asyncio.gather(http[1], return_exceptions=True)
-    watcher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
+    for task in (watcher, reaper):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await asyncio.gather(*(p.close() for p in pools.values()), targets.close(), policies.close(),
                          controller.close())
     await redis.aclose()

@@ -4,6 +4,7 @@ its owner, and serve every reader from the session's committed stream in Redis."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from services.router.classifier import Classifier
@@ -19,6 +20,7 @@ from specserve.state.store import Chunk, SessionInfo, SessionStore
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 STREAM_BLOCK_MS = 250
+FINAL_WAIT_S = 2.0  # how long a finished stream waits for its run's statistics
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -32,84 +34,70 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.store = store
 
     async def Generate(self, request, context) -> generation_pb2.GenerateResponse:
-        opened = await self._open(self._parse(request), context)
-        if opened.run is not None:
-            run = opened.run
-            reason = await self.sessions.drive(run)
-            return generation_pb2.GenerateResponse(
-                session_id=run.session_id, text=run.text.published, token_ids=run.generated,
-                finish_reason=reason, stats=_stats(run, opened.joined))
+        opened = await self._open(self._parse(request))
         tokens: list[int] = []
         text: list[str] = []
         reason = ""
-        async for chunk in self.store.read_chunks(opened.session_id, 0, STREAM_BLOCK_MS):
+        async for chunk in self._follow(opened.session_id, 0):
             tokens.extend(chunk.tokens)
-            text.append(chunk.text)
+            text.append(self._text(chunk))
             reason = chunk.finish_reason or reason
-        info = await self.store.get(opened.session_id)
         return generation_pb2.GenerateResponse(session_id=opened.session_id, text="".join(text), token_ids=tokens,
-                                               finish_reason=reason, stats=_joined_stats(info))
+                                               finish_reason=reason, stats=await self._final_stats(opened, reason))
 
     async def GenerateStream(self, request, context):
-        opened = await self._open(self._parse(request), context)
-        run, session_id = opened.run, opened.session_id
-        task = asyncio.create_task(self.sessions.drive(run)) if run is not None else None
-        try:
-            async for chunk in _until_failed(self.store.read_chunks(session_id, 0, STREAM_BLOCK_MS), task):
-                msg = generation_pb2.GenerateChunk(session_id=session_id, offset=chunk.offset,
-                                                   token_ids=chunk.tokens, text=chunk.text,
-                                                   finish_reason=chunk.finish_reason or "")
-                if chunk.finish_reason:
-                    if task is not None and run is not None:
-                        await task  # raises what the owner raised (the chunk says "error")
-                        msg.stats.CopyFrom(_stats(run, opened.joined))
-                    else:
-                        msg.stats.CopyFrom(_joined_stats(await self.store.get(session_id)))
-                yield msg
-        finally:
-            if task is not None and not task.done():
-                task.cancel()
+        opened = await self._open(self._parse(request))
+        async for chunk in self._follow(opened.session_id, 0):
+            msg = generation_pb2.GenerateChunk(session_id=opened.session_id, offset=chunk.offset,
+                                               token_ids=chunk.tokens, text=self._text(chunk),
+                                               finish_reason=chunk.finish_reason or "")
+            if chunk.finish_reason:
+                msg.stats.CopyFrom(await self._final_stats(opened, chunk.finish_reason))
+            yield msg
 
     async def Cancel(self, request, context) -> generation_pb2.CancelResponse:
         return generation_pb2.CancelResponse(cancelled=await self.store.cancel(request.session_id))
 
     async def Resume(self, request, context):
-        async for chunk in self.store.read_chunks(request.session_id, request.from_offset, STREAM_BLOCK_MS):
-            text = self.model.decode(chunk.tokens) if chunk.partial else chunk.text
+        async for chunk in self._follow(request.session_id, request.from_offset):
             yield generation_pb2.GenerateChunk(session_id=request.session_id, offset=chunk.offset,
-                                               token_ids=chunk.tokens, text=text,
+                                               token_ids=chunk.tokens, text=self._text(chunk),
                                                finish_reason=chunk.finish_reason or "")
+
+    def _follow(self, session_id: str, from_offset: int) -> AsyncIterator[Chunk]:
+        """The session's committed chunks from Redis, whoever drives it. A reader that goes
+        away stops only its reading (the session runs on, ADR 0011); while it waits, it
+        adopts the session if the owner's lease lapses."""
+        return self.store.read_chunks(session_id, from_offset, STREAM_BLOCK_MS,
+                                      on_wait=lambda: self.sessions.follow_hook(session_id),
+                                      outage_s=self.settings.redis_outage_s)
+
+    def _text(self, chunk: Chunk) -> str:
+        return self.model.decode(list(chunk.tokens)) if chunk.partial else chunk.text
+
+    async def _final_stats(self, opened: Opened, reason: str) -> generation_pb2.GenerationStats:
+        """The driving run's statistics when this call started it and it is over; else (joined,
+        taken over, or still winding down after a Cancel) what the session's hash says. An
+        error the run ended with is this call's error."""
+        task = opened.task
+        if task is not None and opened.run is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), FINAL_WAIT_S)
+            if task.done() and not task.cancelled():
+                if task.exception() is not None and reason == "error":
+                    raise task.exception()  # type: ignore[misc]
+                if task.exception() is None:
+                    return _stats(opened.run, opened.joined)
+        return _joined_stats(await self.store.get(opened.session_id))
 
     def _parse(self, request) -> ValidRequest:
         s = self.settings
         return parse(request, self.model, list(self.planner.pools), self.classifier, s.max_tokens_limit,
                      s.max_prompt_tokens)
 
-    async def _open(self, req: ValidRequest, context) -> Opened:
+    async def _open(self, req: ValidRequest) -> Opened:
         plan = await self.planner.plan(req)
-        remaining = context.time_remaining() if context is not None else None
-        deadline = asyncio.get_running_loop().time() + (remaining if remaining is not None else 3600.0)
-        return await self.sessions.open(req.request_id, req.prompt_ids, plan, deadline)
-
-
-async def _until_failed(chunks: AsyncIterator[Chunk], task: asyncio.Task | None) -> AsyncIterator[Chunk]:
-    """The committed chunks, ended early by the failure of the task that drives the session
-    (e.g. SessionLost: the session was taken over, so its final chunk may never come)."""
-    if task is None:
-        async for chunk in chunks:
-            yield chunk
-        return
-    it = aiter(chunks)
-    while True:
-        nxt = asyncio.ensure_future(anext(it))
-        await asyncio.wait({nxt, task}, return_when=asyncio.FIRST_COMPLETED)
-        if not nxt.done() and task.done() and not task.cancelled() and task.exception() is not None:
-            nxt.cancel()
-            raise task.exception()  # type: ignore[misc]
-        try:
-            yield await nxt
-        except StopAsyncIteration:
-            return
+        return await self.sessions.open(req.request_id, req.prompt_ids, plan)
 
 
 def round_to_proto(r: RoundStats) -> generation_pb2.RoundStats:

@@ -27,6 +27,15 @@ class DraftSettings(BaseSettings):
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     grace_s: float = Field(5.0, ge=0)  # SIGTERM drain
+    # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
+    # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
+    batching: bool = True
+    max_batch: int = Field(32, ge=1)  # work items per batch
+    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
+    kv_budget_mb: float = Field(256.0, gt=0)  # KV slots allocated at start (at most max_sessions)
+    max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
+    prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
+    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     # benchmarks/tests on CPU: extra time per proposed token, as a slower draft device would take
     simulated_token_ms: float = Field(0.0, ge=0)
 
@@ -51,6 +60,15 @@ class TargetSettings(BaseSettings):
     resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"large_gpu": 1}
     max_restarts: int = Field(-1, ge=-1)  # -1 = restart forever
     grace_s: float = Field(5.0, ge=0)
+    # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
+    # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
+    batching: bool = True
+    max_batch: int = Field(32, ge=1)  # work items per batch
+    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
+    kv_budget_mb: float = Field(1024.0, gt=0)  # KV slots allocated at start (at most max_sessions)
+    max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
+    prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
+    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     # benchmarks/tests on CPU: extra time per forward pass, flat in K, as a large target on a
     # GPU takes (memory-bound decode); 0 = off
     simulated_pass_ms: float = Field(0.0, ge=0)
@@ -84,8 +102,24 @@ class RouterSettings(BaseSettings):
     predraft_branches: int = Field(2, ge=0, le=8)
     verify_timeout_ms: float = Field(10_000.0, gt=0)
     target_wait_s: float = Field(30.0, ge=0)  # how long a round waits for a target to appear
+    # a target with no KV room answers RESOURCE_EXHAUSTED: the round retries for this long,
+    # then the request fails with RESOURCE_EXHAUSTED (ADR 0013)
+    admission_wait_s: float = Field(10.0, ge=0)
     session_ttl_s: int = Field(3600, ge=1)
     grace_s: float = Field(10.0, ge=0)
+    # session ownership (ADR 0011): the owner renews its lease every heartbeat_s; a follower
+    # or a reaper takes a running session over once lease_s passes without a renewal
+    heartbeat_s: float = Field(1.0, gt=0)
+    lease_s: float = Field(5.0, gt=0)
+    reap_s: float = Field(2.0, gt=0)  # how often each router looks for orphaned sessions
+    # a session runs on after its client goes away; nobody reading it for this long cancels it
+    detached_idle_s: float = Field(60.0, gt=0)
+    # Redis down: commits and readers retry with backoff this long, then UNAVAILABLE
+    redis_outage_s: float = Field(30.0, ge=0)
+    # every gRPC server: the largest request accepted, and RPCs in flight before
+    # RESOURCE_EXHAUSTED (streams count while open)
+    max_message_bytes: int = Field(4 << 20, ge=1024)
+    max_concurrent_rpcs: int = Field(2048, ge=1)
     # PolicyAdmin: one token ("admin"), or named tokens {"alice": "..."}; the name is the
     # audit log's "who". No token configured = policy administration is refused.
     admin_token: SecretStr = SecretStr("")
@@ -109,6 +143,14 @@ class RouterSettings(BaseSettings):
     model_name: str = "specserve"
     api_keys: list[SecretStr] = Field(default_factory=list)
     http_max_in_flight: int = Field(256, ge=1)  # HTTP requests served at once; beyond: 429
+
+    @field_validator("lease_s")
+    @classmethod
+    def _lease_outlives_heartbeats(cls, v: float, info) -> float:
+        beat = info.data.get("heartbeat_s", 1.0)
+        if v < 2 * beat:
+            raise ValueError(f"lease_s ({v}) must be at least two heartbeats ({2 * beat})")
+        return v
 
     @field_validator("draft_pools")
     @classmethod

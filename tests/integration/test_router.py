@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -197,39 +196,46 @@ def test_every_service_has_health_and_reflection(stack):
 # -- faults (run last in this module: they kill workers) -----------------------------------
 
 def test_kill_a_draft_replica_mid_request(stub, stack, reference, eval_prompts):
+    """The session's replica dies mid-request: the pool fails over (or falls back to plain
+    steps) and the complete greedy output is still exactly the reference."""
     from services.router.pools import HashRing
 
     prompt = eval_prompts[1]["prompt"]
+    want = reference(prompt, 60)
     stream = stub.GenerateStream(_req(prompt, max_tokens=60, draft_pool="small"), timeout=180)
     first = next(stream)
+    r = redis.Redis.from_url(stack.info.redis_url)
+    assert r.hget(f"specserve:sess:{first.session_id}", "status") == b"running"  # mid-generation
     replica = HashRing(stack.info.pools["small"]).order(first.session_id)[0]  # the session's replica
     name = f"draft-small-{stack.info.pools['small'].index(replica)}"
     os.kill(stack.info.pids[name], signal.SIGKILL)
     chunks = [first, *stream]
-    tokens = [t for c in chunks for t in c.token_ids]
-    assert tokens == reference(prompt, 60)[: len(tokens)]
+    _contiguous(chunks)
+    assert [t for c in chunks for t in c.token_ids] == want  # all of it, not a prefix
     assert chunks[-1].finish_reason in ("eos", "length")
 
 
-def test_kill_the_target_actor_process(stub, stack, reference, eval_prompts):
-    r = redis.Redis.from_url(stack.info.redis_url)
-    before = json.loads(r.get("specserve:target:target-0"))
-    prompt = eval_prompts[11]["prompt"]
-    stream = stub.GenerateStream(_req(prompt, max_tokens=60, draft_pool="ngram"), timeout=300)
-    first = next(stream)
-    os.kill(before["pid"], signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        chunks = [first, *stream]
-    except grpc.RpcError as err:  # allowed: UNAVAILABLE inside the deadline, never wrong output
-        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
-        return
-    tokens = [t for c in chunks for t in c.token_ids]
-    assert tokens == reference(prompt, 60)[: len(tokens)], "wrong or duplicated output after a restart"
+def _contiguous(chunks) -> None:
     pos = 0
     for c in chunks:  # each chunk starts where the previous ended: nothing duplicated or lost
         assert c.offset == pos
         pos += len(c.token_ids)
+
+
+def test_kill_the_target_actor_process(stub, stack, reference, eval_prompts):
+    """Ray restarts the killed actor and the router re-prefills it from Redis: the request
+    completes, exactly (an UNAVAILABLE here would be a failed recovery, not an outcome)."""
+    r = redis.Redis.from_url(stack.info.redis_url)
+    before = json.loads(r.get("specserve:target:target-0"))
+    prompt = eval_prompts[11]["prompt"]
+    want = reference(prompt, 60)
+    stream = stub.GenerateStream(_req(prompt, max_tokens=60, draft_pool="ngram"), timeout=300)
+    first = next(stream)
+    assert r.hget(f"specserve:sess:{first.session_id}", "status") == b"running"  # mid-generation
+    os.kill(before["pid"], signal.SIGKILL)
+    chunks = [first, *stream]
+    _contiguous(chunks)
+    assert [t for c in chunks for t in c.token_ids] == want, "wrong, lost or duplicated output after a restart"
+    assert chunks[-1].finish_reason in ("eos", "length")
     after = json.loads(r.get("specserve:target:target-0"))
     assert after["pid"] != before["pid"], "Ray restarted the actor in a new process"
-    assert time.monotonic() - t0 < 300

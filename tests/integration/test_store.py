@@ -242,7 +242,7 @@ def test_every_key_is_prefixed_and_has_a_refreshed_ttl(store, redis_client, run)
         await store.commit(sid, 0, handle.epoch, rid(), [1, 2], "ab", None)
         base = f"{store.prefix}:sess:{sid}"
         req_key = f"{store.prefix}:req:req-ttl"
-        expected = {base, f"{base}:tok", f"{base}:out", f"{base}:rounds", req_key}
+        expected = {base, f"{base}:tok", f"{base}:out", f"{base}:rounds", req_key, store.running_key}
         assert {k async for k in redis_client.scan_iter("*")} == expected
         for key in expected:
             assert 0 < await redis_client.ttl(key) <= store.ttl_s, key

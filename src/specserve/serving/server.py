@@ -10,6 +10,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,6 +21,7 @@ from specserve.errors import (
     IncompatiblePair,
     InvalidRequest,
     NeedsFullPrefix,
+    ResourceExhausted,
     SessionLost,
     SessionNotFound,
     SpecserveError,
@@ -35,6 +37,7 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (SessionLost, grpc.StatusCode.ABORTED),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 
@@ -53,12 +56,71 @@ def status_for(exc: Exception) -> grpc.StatusCode:
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return code
+    if _redis_down(exc):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
+def _redis_down(exc: Exception) -> bool:
+    from redis.exceptions import ConnectionError, TimeoutError  # the workers may run without redis
+
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def message_for(exc: Exception) -> str:
+    """What the caller reads: ours as written; Redis down as what to do; else the type and text."""
+    if isinstance(exc, SpecserveError):
+        return str(exc)
+    if _redis_down(exc):
+        return (f"the session store (Redis) is unreachable ({type(exc).__name__}: {exc}); committed tokens are "
+                "kept there: retry the call with the same request_id, or Resume the session, when it is back")
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_message_bytes: int = 64 << 20  # a larger request is refused (RESOURCE_EXHAUSTED)
+    max_concurrent_rpcs: int = 2048  # more in flight are refused (RESOURCE_EXHAUSTED)
+
+
+class _Corrupt:
+    """What the deserializer hands on for bytes that are not a valid request message."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+
+def _lenient(deserializer):
+    """Deserialize, or hand on `_Corrupt` so the handler answers INVALID_ARGUMENT (an exception
+    in the deserializer would surface as UNKNOWN)."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Corrupt(exc)
+
+    return deserialize
+
+
+async def _refuse_corrupt(request, context) -> None:
+    if isinstance(request, _Corrupt):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid protobuf message for this method ({request.exc})")
+
+
+async def _checked(requests, context):
+    async for request in requests:
+        await _refuse_corrupt(request, context)
+        yield request
+
+
 class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
-    """SpecserveError -> its status code with the message; anything else -> INTERNAL, logged.
-    Servicers just raise."""
+    """SpecserveError -> its status code with the message; Redis unreachable -> UNAVAILABLE
+    with what to do; anything else -> INTERNAL, logged. Corrupt request bytes ->
+    INVALID_ARGUMENT. Servicers just raise."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -69,17 +131,19 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             async def unary_unary(request, context):
+                await _refuse_corrupt(request, context)
                 try:
                     return await inner_uu(request, context)
                 except Exception as exc:
                     await _abort(exc, context, method)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+                unary_unary, _lenient(handler.request_deserializer), handler.response_serializer)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
             async def unary_stream(request, context):
+                await _refuse_corrupt(request, context)
                 try:
                     async for item in inner_us(request, context):
                         yield item
@@ -87,7 +151,16 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(exc, context, method)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
+                unary_stream, _lenient(handler.request_deserializer), handler.response_serializer)
+        if handler.stream_stream:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(requests, context):
+                async for reply in inner_ss(_checked(requests, context), context):
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, _lenient(handler.request_deserializer), handler.response_serializer)
         return handler
 
 
@@ -95,10 +168,12 @@ async def _abort(exc: Exception, context, method: str) -> None:
     """End the RPC with the status for `exc`; re-raise what is not an error of ours."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
-    if isinstance(exc, SpecserveError):
-        await context.abort(status_for(exc), str(exc))
-    log.exception("%s failed", method)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    elif code is grpc.StatusCode.UNAVAILABLE:
+        log.warning("%s: %s", method, message_for(exc))
+    await context.abort(code, message_for(exc))
 
 
 class GrpcServer:
@@ -107,11 +182,14 @@ class GrpcServer:
 
     def __init__(self, service_names: Iterable[str], host: str, port: int, grace_s: float,
                  add_servicers: Callable[[grpc.aio.Server], None],
-                 interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+                 limits: ServerLimits = ServerLimits()) -> None:
         self.service_names = list(service_names)
         self.grace_s = grace_s
-        self.server = grpc.aio.server(interceptors=[*interceptors, DomainErrorInterceptor()],
-                                      options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            interceptors=[*interceptors, DomainErrorInterceptor()],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limits.max_message_bytes)],
+            maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
         add_servicers(self.server)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -135,6 +213,9 @@ class GrpcServer:
 
     async def set_serving(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _set_all(self, status) -> None:
         for name in ("", *self.service_names):

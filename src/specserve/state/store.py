@@ -13,6 +13,12 @@ Keys, all under a prefix `p` and all with a TTL that every write refreshes (DESI
   {p}:sess:{id}:out      stream: one entry per commit: offset, tokens, text, finish_reason
   {p}:sess:{id}:rounds   set: applied round ids (idempotency)
   {p}:req:{request_id}   string: session id, so a retried request joins its session
+  {p}:running            set: ids of running sessions, the index the routers' reapers read
+                         (a session leaves it when it closes; an expired one when a reaper
+                         finds its hash gone); its TTL too is refreshed by every write
+Ownership (ADR 0011): the owner's lease is the hash's `lease_until` (Redis clock), renewed by
+its heartbeat; `adopt` takes a running session over only once that has passed. `read_at` is
+when a client last read the session: a detached session nobody reads is closed by its owner.
 Stream entry ids are "{offset}-1" rather than timestamps: offsets strictly increase from one
 commit to the next, and a reader resuming at any offset finds its chunk with one XREVRANGE.
 The scripts build the `:req:` key from the prefix, so this store assumes a single Redis node.
@@ -20,17 +26,24 @@ The scripts build the `:req:` key from the prefix, so this store assumes a singl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specserve.errors import InvalidRequest, RequestIdConflict, SessionNotFound
+
+# Redis is down, restarting or still loading its AOF (BusyLoadingError is a ConnectionError).
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 
 class SessionStatus(StrEnum):
@@ -103,15 +116,20 @@ local function now()
   local t = redis.call('TIME')
   return t[1] .. '.' .. string.format('%06d', t[2])
 end
+local function later(seconds)
+  local t = redis.call('TIME')
+  return string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(seconds))
+end
 local function touch(request_id)
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[2]) end
+  redis.call('EXPIRE', ARGV[1] .. ':running', ARGV[2])
   if request_id and request_id ~= '' then
     redis.call('EXPIRE', ARGV[1] .. ':req:' .. request_id, ARGV[2])
   end
 end
 """
 
-# KEYS: hash [, req]. ARGV[3..7]: session_id, params, prompt_ids, owner, request_id.
+# KEYS: hash [, req]. ARGV[3..8]: session_id, params, prompt_ids, owner, request_id, lease_s.
 # GET-then-SET inside one script is SET NX made atomic with the hash write, so a joiner never
 # sees a request mapped to a session whose hash does not exist yet.
 _CREATE = (
@@ -131,8 +149,10 @@ end
 local t = now()
 redis.call('HSET', KEYS[1], 'status', 'running', 'params', ARGV[4], 'prompt_ids', ARGV[5],
   'epoch', 1, 'owner', ARGV[6], 'created', t, 'updated', t, 'finish_reason', '',
-  'committed', 0, 'request_id', ARGV[7], 'error', '')
+  'committed', 0, 'request_id', ARGV[7], 'error', '', 'lease_until', later(ARGV[8]), 'read_at', t)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('SADD', ARGV[1] .. ':running', ARGV[3])
+redis.call('EXPIRE', ARGV[1] .. ':running', ARGV[2])
 return {'created', ARGV[3], 1}
 """
 )
@@ -160,6 +180,7 @@ redis.call('SADD', KEYS[4], ARGV[5])
 redis.call('HSET', KEYS[1], 'committed', n, 'updated', now())
 if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[7])
+  redis.call('SREM', ARGV[1] .. ':running', string.match(KEYS[1], ':sess:(%x+)$'))
 end
 touch(h[3])
 return {'ok', n}
@@ -180,20 +201,44 @@ redis.call('XADD', KEYS[3], len .. '-1', 'offset', len, 'tokens', '', 'text', ''
   'finish_reason', ARGV[4], 'error', ARGV[5])
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finish_reason', ARGV[4], 'error', ARGV[5],
   'updated', now())
+redis.call('SREM', ARGV[1] .. ':running', string.match(KEYS[1], ':sess:(%x+)$'))
 touch(h[3])
 return {'ok', len}
 """
 )
 
-# KEYS: hash, tok, out, rounds. ARGV[3]: owner. Returns the new epoch, or 0 if missing.
+# KEYS: hash, tok, out, rounds. ARGV[3..5]: owner, lease_s, only_if_lapsed ('1' or '').
+# Returns the new epoch; 0 if missing, -1 if closed, -2 if the owner's lease still holds.
 _TAKE_OVER = (
     _LUA_HELPERS
     + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local h = redis.call('HMGET', KEYS[1], 'status', 'lease_until', 'request_id')
+if not h[1] then return 0 end
+if ARGV[5] ~= '' then
+  if h[1] ~= 'running' then return -1 end
+  if h[2] and tonumber(h[2]) > tonumber(later(0)) then return -2 end
+end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'updated', now())
-touch(redis.call('HGET', KEYS[1], 'request_id'))
+redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'updated', now(), 'lease_until', later(ARGV[4]))
+touch(h[3])
 return epoch
+"""
+)
+
+# The owner's heartbeat. KEYS: hash, tok, out, rounds. ARGV[3..5]: epoch, lease_s, reading
+# ('1': a client of this router reads it now). Returns {status, seconds unread}.
+_HEARTBEAT = (
+    _LUA_HELPERS
+    + """
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'read_at', 'request_id')
+if not h[1] then return {'missing', '0'} end
+if h[1] ~= 'running' then return {'closed', '0'} end
+if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', '0'} end
+local t = now()
+if ARGV[5] == '1' or not h[3] then h[3] = t; redis.call('HSET', KEYS[1], 'read_at', t) end
+redis.call('HSET', KEYS[1], 'lease_until', later(ARGV[4]))
+touch(h[4])
+return {'ok', string.format('%.3f', tonumber(t) - tonumber(h[3]))}
 """
 )
 
@@ -203,11 +248,14 @@ _PAGE = 256  # stream entries per XRANGE while a reader catches up
 
 
 class SessionStore:
-    def __init__(self, redis: Redis, prefix: str = "specserve", ttl_s: int = 3600) -> None:
+    def __init__(self, redis: Redis, prefix: str = "specserve", ttl_s: int = 3600, lease_s: float = 5.0) -> None:
         if not prefix or any(c.isspace() for c in prefix):
             raise InvalidRequest(f"store prefix must be non-empty without spaces, got {prefix!r}")
         if not isinstance(ttl_s, int) or ttl_s <= 0:
             raise InvalidRequest(f"store ttl_s must be a positive int of seconds, got {ttl_s!r}")
+        if not lease_s > 0:
+            raise InvalidRequest(f"store lease_s must be positive, got {lease_s!r}")
+        self.lease_s = lease_s
         # redis-py types its commands as sync | async unions; the client here is always async.
         self._r: Any = redis
         self.prefix = prefix
@@ -217,6 +265,8 @@ class SessionStore:
         self._commit: Any = redis.register_script(_COMMIT)
         self._close: Any = redis.register_script(_CLOSE)
         self._take_over: Any = redis.register_script(_TAKE_OVER)
+        self._heartbeat: Any = redis.register_script(_HEARTBEAT)
+        self.running_key = f"{prefix}:running"
 
     def _keys(self, session_id: str) -> list[str]:
         if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
@@ -241,7 +291,7 @@ class SessionStore:
         params_json = json.dumps(params, sort_keys=True)
         prompt_json = json.dumps([int(t) for t in prompt_ids])
         rid = request_id or ""
-        args = [self.prefix, self.ttl_s, session_id, params_json, prompt_json, owner, rid]
+        args = [self.prefix, self.ttl_s, session_id, params_json, prompt_json, owner, rid, self.lease_s]
         outcome, sid, epoch = await self._create(keys=keys, args=args)
         outcome, sid = _str(outcome), _str(sid)
         if outcome == "conflict":
@@ -252,11 +302,52 @@ class SessionStore:
 
     async def take_over(self, session_id: str, owner: str) -> int:
         """Fence out the previous owner: its commits now fail with STALE_EPOCH."""
-        args = [self.prefix, self.ttl_s, owner]
+        args = [self.prefix, self.ttl_s, owner, self.lease_s, ""]
         epoch = int(await self._take_over(keys=self._keys(session_id), args=args))
         if epoch == 0:
             raise SessionNotFound(f"session {session_id} does not exist or expired")
         return epoch
+
+    async def adopt(self, session_id: str, owner: str) -> int | None:
+        """Take a running session over iff its owner's lease has lapsed: the new epoch, or
+        None (closed, missing, or its owner is alive). Atomic, so one follower wins."""
+        args = [self.prefix, self.ttl_s, owner, self.lease_s, "1"]
+        epoch = int(await self._take_over(keys=self._keys(session_id), args=args))
+        return epoch if epoch > 0 else None
+
+    async def heartbeat(self, session_id: str, epoch: int, reading: bool) -> tuple[str, float]:
+        """Renew the owner's lease: (status, seconds since a client last read the session).
+        Status "ok", or "closed"/"stale_epoch"/"missing": the owner should stop."""
+        args = [self.prefix, self.ttl_s, epoch, self.lease_s, "1" if reading else ""]
+        status, unread = await self._heartbeat(keys=self._keys(session_id), args=args)
+        return _str(status), float(_str(unread))
+
+    async def mark_read(self, session_id: str) -> None:
+        """A client is reading the session (it is not abandoned)."""
+        now = await self._r.time()
+        await self._r.hset(self._keys(session_id)[0], "read_at", f"{now[0]}.{now[1]:06d}")
+
+    async def orphans(self, limit: int = 256) -> list[str]:
+        """Running sessions whose owner's lease has lapsed, from the `running` index; ids
+        whose session expired or closed are dropped from the index on the way."""
+        ids = [_str(m) for m in await self._r.srandmember(self.running_key, limit)]
+        if not ids:
+            return []
+        now = await self._r.time()
+        t = now[0] + now[1] / 1e6
+        async with self._r.pipeline(transaction=False) as pipe:
+            for sid in ids:
+                pipe.hmget(f"{self.prefix}:sess:{sid}", "status", "lease_until")
+            rows = await pipe.execute()
+        out, gone = [], []
+        for sid, (status, lease_until) in zip(ids, rows, strict=True):
+            if status is None or _str(status) != SessionStatus.RUNNING:
+                gone.append(sid)
+            elif lease_until is None or float(_str(lease_until)) < t:
+                out.append(sid)
+        if gone:
+            await self._r.srem(self.running_key, *gone)
+        return out
 
     async def commit(
         self,
@@ -291,6 +382,10 @@ class SessionStore:
     async def fail(self, session_id: str, epoch: int, reason: str) -> CommitStatus:
         """Close a running session as failed; fenced like commit, so a stale router cannot."""
         return await self._close_session(session_id, SessionStatus.FAILED, "error", reason, epoch)
+
+    async def abandon(self, session_id: str, epoch: int, why: str) -> CommitStatus:
+        """Close a running session nobody reads any more (detached and idle), as cancelled."""
+        return await self._close_session(session_id, SessionStatus.CANCELLED, "cancelled", why, epoch)
 
     async def _close_session(
         self, session_id: str, status: SessionStatus, finish: str, error: str, epoch: int | None
@@ -341,12 +436,19 @@ class SessionStore:
         return None if value is None else _str(value)
 
     async def read_chunks(
-        self, session_id: str, from_offset: int = 0, block_ms: int = 1000
+        self, session_id: str, from_offset: int = 0, block_ms: int = 1000,
+        on_wait: Callable[[], Awaitable[None]] | None = None, outage_s: float = 0.0,
     ) -> AsyncIterator[Chunk]:
         """Committed chunks from generated token `from_offset` on, then live ones, until the
         chunk that ends the session. `block_ms` bounds each XREAD: between blocks the reader
-        checks that the session still exists, so it never waits on an expired one forever."""
-        hash_key, tok_key, out_key, _ = self._keys(session_id)
+        checks that the session still exists (so it never waits on an expired one forever),
+        marks it read, and awaits `on_wait()` (a follower checks the owner's lease there).
+
+        The reader tracks the offset it has delivered up to, not stream ids: after a Redis
+        restart that lost the last commits, the session is driven again from a shorter
+        prefix, and the chunks that come are trimmed to that offset, so nothing is repeated
+        or skipped. Redis errors are retried with backoff for `outage_s` (then raised)."""
+        hash_key, tok_key, _, _ = self._keys(session_id)
         if from_offset < 0 or block_ms < 1:
             raise InvalidRequest("read_chunks needs from_offset >= 0 and block_ms >= 1")
         async with self._r.pipeline(transaction=True) as pipe:
@@ -355,11 +457,37 @@ class SessionStore:
             raise SessionNotFound(f"session {session_id} does not exist or expired")
         if from_offset > length:
             raise InvalidRequest(f"offset {from_offset} is past the {length} committed tokens")
-        # The chunk holding from_offset is the last one that starts at or before it.
-        before = await self._r.xrevrange(out_key, max=f"{from_offset}-1", min="-", count=1)
+        pos, down_since, backoff = from_offset, None, 0.05
+        while True:
+            try:
+                async for chunk in self._follow(session_id, pos, block_ms, on_wait):
+                    yield chunk
+                    pos, down_since, backoff = chunk.offset + len(chunk.tokens), None, 0.05
+                    if chunk.finish_reason:
+                        return
+                return  # closed without a final chunk (defensive)
+            except _Reseek:
+                continue
+            except REDIS_DOWN:
+                now = time.monotonic()
+                down_since = down_since or now
+                if now - down_since >= outage_s:
+                    raise
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    async def _follow(self, session_id: str, pos: int, block_ms: int,
+                      on_wait: Callable[[], Awaitable[None]] | None) -> AsyncIterator[Chunk]:
+        hash_key, _, out_key, _ = self._keys(session_id)
+        # The chunk holding pos is the last one that starts at or before it.
+        before = await self._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1)
         start, last_id, catching_up = (_str(before[0][0]) if before else "-"), "0-0", True
+        marked = 0.0
         while True:
             closed = False
+            if time.monotonic() - marked >= 1.0:  # someone reads it: not abandoned
+                await self.mark_read(session_id)
+                marked = time.monotonic()
             if catching_up:  # page through what is already committed
                 entries = await self._r.xrange(out_key, min=start, max="+", count=_PAGE)
                 catching_up = len(entries) == _PAGE
@@ -371,20 +499,29 @@ class SessionStore:
                     if status is None:
                         raise SessionNotFound(f"session {session_id} expired while being read")
                     if _str(status) == SessionStatus.RUNNING:
+                        if on_wait is not None:
+                            await on_wait()
                         continue
                     # Closed: its final chunk was written with the status, so one read gets it.
                     entries = await self._r.xrange(out_key, min=f"({last_id}", max="+")
                     closed = True
             for entry_id, fields in entries:
                 last_id = _str(entry_id)
-                chunk = _chunk(fields, from_offset)
+                if _offset(fields) > pos:
+                    raise _Reseek  # commits were lost and redone: find pos's chunk again
+                chunk = _chunk(fields, pos)
                 if chunk is not None:
                     yield chunk
+                    pos = chunk.offset + len(chunk.tokens)
                     if chunk.finish_reason:
                         return
             start = f"({last_id}"
-            if closed:  # defensive: a closed session whose final chunk is missing
+            if closed:
                 return
+
+
+class _Reseek(Exception):
+    pass
 
 
 def _str(value: bytes | str | int) -> str:
@@ -398,6 +535,10 @@ def _xread_entries(reply: Any) -> list:
     if isinstance(reply, dict):
         return next(iter(reply.values()))[0]
     return reply[0][1]
+
+
+def _offset(fields: dict) -> int:
+    return int(_str(fields.get("offset", fields.get(b"offset", 0))))
 
 
 def _chunk(fields: dict, from_offset: int) -> Chunk | None:

@@ -1,9 +1,14 @@
 """A private, throw-away `redis-server` for integration tests and `make run`.
 
 The developer machines already run a Redis on 6379 that belongs to someone else, and a fresh
-machine runs none (DESIGN §10), so specserve starts its own: loopback only, a free port, no
-persistence, in its own process group so a Ctrl-C in the terminal does not reach it before
-we stop it. It is stopped by PID (SIGTERM, then SIGKILL), never by name.
+machine runs none (DESIGN §10), so specserve starts its own: loopback only, a free port, in
+its own process group so a Ctrl-C in the terminal does not reach it before we stop it. It is
+stopped by PID (SIGTERM, then SIGKILL), never by name.
+
+Secure and durable by default (ADR 0011): a password (generated unless given; in the URL) so
+no other local process can write sessions, and an append-only file fsynced every second, so
+a `kill -9` loses at most the last second of commits and a restart on the same `dir` and port
+(`restart`) brings the sessions and policies back.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -34,12 +40,24 @@ class LocalRedis:
     pid: int
     dir: Path
     log_path: Path
+    password: str = ""
     # Present only in the process that started the server; a pidfile reader has just the PID.
     process: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        """SIGKILL now (fault tests: no shutdown save, the AOF has what was fsynced)."""
+        _signal(self.pid, signal.SIGKILL)
+        self._wait_gone(5.0)
+
+    def restart(self, timeout_s: float = 30.0) -> LocalRedis:
+        """A new server on the same port, directory and password: it loads the AOF."""
+        self.stop()
+        return start_redis(self.dir, timeout_s=timeout_s, port=self.port, password=self.password, attempts=20)
 
     def alive(self) -> bool:
         if self.process is not None:
@@ -71,9 +89,12 @@ class LocalRedis:
 
 
 def start_redis(
-    dir: Path, *, timeout_s: float = 10.0, binary: str | None = None, attempts: int = 3
+    dir: Path, *, timeout_s: float = 10.0, binary: str | None = None, attempts: int = 3,
+    port: int | None = None, password: str | None = None, durable: bool = True,
 ) -> LocalRedis:
-    """Start redis-server on a free loopback port, wait until it answers PING."""
+    """Start redis-server on a free loopback port (or `port`), wait until it answers PING.
+    `password` None: a fresh random one; "": none. `durable`: AOF, appendfsync everysec."""
+    password = secrets.token_urlsafe(18) if password is None else password
     exe = binary or shutil.which("redis-server") or "/usr/bin/redis-server"
     if not os.access(exe, os.X_OK):
         raise RedisServerError(f"redis-server is not installed (no {exe}); {INSTALL_HINT}")
@@ -83,7 +104,7 @@ def start_redis(
     # The port is free when we probe it but another process may grab it before redis binds;
     # a fresh port on the next attempt makes that race harmless.
     for _ in range(attempts):
-        server = _spawn(exe, dir, _free_port())
+        server = _spawn(exe, dir, port or _free_port(), password, durable)
         try:
             _wait_for_ping(server, timeout_s)
             return server
@@ -92,26 +113,18 @@ def start_redis(
             last_error = str(err)
             if "Address already in use" not in last_error:
                 break
+            if port:  # the same port again, once the old socket is released
+                time.sleep(0.25)
     raise RedisServerError(last_error)
 
 
-def _spawn(exe: str, dir: Path, port: int) -> LocalRedis:
+def _spawn(exe: str, dir: Path, port: int, password: str, durable: bool) -> LocalRedis:
     log_path = dir / f"redis-{port}.log"
-    args = [
-        exe,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(dir),
-        "--daemonize",
-        "no",
-    ]
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(dir),
+            "--daemonize", "no", "--appendonly", "yes" if durable else "no", "--appendfsync", "everysec",
+            "--appendfilename", f"specserve-{port}.aof", "--appenddirname", f"aof-{port}"]
+    if password:
+        args += ["--requirepass", password]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             args,
@@ -120,7 +133,7 @@ def _spawn(exe: str, dir: Path, port: int) -> LocalRedis:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: terminal signals do not reach it
         )
-    return LocalRedis(port=port, pid=proc.pid, dir=dir, log_path=log_path, process=proc)
+    return LocalRedis(port=port, pid=proc.pid, dir=dir, log_path=log_path, password=password, process=proc)
 
 
 def _wait_for_ping(server: LocalRedis, timeout_s: float) -> None:
@@ -131,7 +144,7 @@ def _wait_for_ping(server: LocalRedis, timeout_s: float) -> None:
                 f"redis-server exited during start-up (port {server.port}); "
                 f"log tail:\n{_log_tail(server.log_path)}"
             )
-        if _ping(server.port):
+        if _ping(server.port, server.password):
             return
         time.sleep(0.05)
     raise RedisServerError(
@@ -140,12 +153,18 @@ def _wait_for_ping(server: LocalRedis, timeout_s: float) -> None:
     )
 
 
-def _ping(port: int) -> bool:
+def _ping(port: int, password: str = "") -> bool:
+    """PONG, after AUTH if a password is set; a server still loading its AOF says LOADING."""
     # The inline protocol keeps this free of client-library state (pools, event loops).
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            f = sock.makefile("rb")
+            if password:
+                sock.sendall(f"AUTH {password}\r\n".encode())
+                if not f.readline().startswith(b"+OK"):
+                    return False
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return f.readline().startswith(b"+PONG")
     except OSError:
         return False
 
@@ -189,6 +208,7 @@ def write_pidfile(path: Path, server: LocalRedis) -> None:
         "port": server.port,
         "dir": str(server.dir),
         "log_path": str(server.log_path),
+        "password": server.password,
     }
     Path(path).write_text(json.dumps(record) + "\n")
 
@@ -204,5 +224,6 @@ def read_pidfile(path: Path) -> LocalRedis | None:
         pid=int(record["pid"]),
         dir=Path(record["dir"]),
         log_path=Path(record["log_path"]),
+        password=record.get("password", ""),
     )
     return server if server.alive() else None

@@ -100,6 +100,7 @@ class Stack:
         self.run_dir = Path(spec.run_dir)
         self.info = StackInfo()
         self.procs: dict[str, subprocess.Popen] = {}
+        self.redis = None  # the LocalRedis started here (fault tests kill and restart it)
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
         log = self.run_dir / f"{name}.log"
@@ -140,7 +141,7 @@ class Stack:
         else:
             from specserve.tooling.redis_server import start_redis
 
-            redis = start_redis(self.run_dir / "redis")
+            redis = self.redis = start_redis(self.run_dir / "redis")
             self.info.redis_url = redis.url
             self.info.pids["redis"] = redis.pid
             self._save()

@@ -1,0 +1,212 @@
+"""Continuous batching through the stack (issue 10, ADR 0013): throughput and TPOT against
+concurrency, plain and speculative, beside the in-process batched bound, in one run.
+
+Starts the local stack (Redis, Ray + target, draft pool `small`, router) with batching on,
+then for each concurrency C runs C client threads, each sending `--requests` greedy requests
+of `--max-tokens` tokens, for every arm, the arms interleaved:
+  plain       draft_pool "none"
+  k<K>        pool small, fixed K (--k, and at --sweep-at every K in 1..8)
+  controller  the class's policy: pool small, adaptive K in 1..8, the controller decides
+Throughput = tokens / wall time of the cell; TPOT = a request's wall time / its tokens
+(p50, p90, p99 over the cell's requests). The in-process bound is the plain batched forward
+of the same target (models/runner.py): C rows decoding one token each per step.
+Capacity at a latency objective: the largest C whose p90 TPOT stays within 2x the
+single-stream plain TPOT (p50). Writes <out>/batching.json and <out>/batching.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+CLASS = "bench"  # the controller arm's workload class (its policy below)
+
+
+def cell(stub, arm: str, k: int, prompts: list[str], conc: int, requests: int, max_tokens: int) -> dict:
+    from specserve.v1 import generation_pb2
+
+    log: list[tuple[float, int, int]] = []  # (wall s, tokens, rounds)
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        for j in range(requests):
+            prompt = prompts[(i * requests + j) % len(prompts)]
+            kw = {"workload_class": CLASS} if arm == "controller" else \
+                {"workload_class": f"{CLASS}-{arm}", "draft_pool": "none" if arm == "plain" else "small",
+                 "num_draft_tokens": 0 if arm == "plain" else k}
+            req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **kw)
+            t0 = time.perf_counter()
+            try:
+                resp = stub.Generate(req, timeout=600)
+            except Exception as exc:  # noqa: BLE001 - reported in the results
+                errors.append(str(exc)[:200])
+                continue
+            log.append((time.perf_counter() - t0, len(resp.token_ids), len(resp.stats.round)))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(conc)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tpot = np.array([w / max(n, 1) * 1e3 for w, n, _ in log]) if log else np.array([np.nan])
+    tokens = sum(n for _, n, _ in log)
+    return {"arm": arm, "k": k, "concurrency": conc, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "tpot_p50_ms": float(np.percentile(tpot, 50)), "tpot_p90_ms": float(np.percentile(tpot, 90)),
+            "tpot_p99_ms": float(np.percentile(tpot, 99)), "requests": len(log), "errors": errors[:3],
+            "rounds_per_token": sum(r for *_, r in log) / max(tokens, 1)}
+
+
+def bound(pair: Path, prompts: list[str], concs: list[int], max_tokens: int, threads: int) -> dict[int, float]:
+    """tok/s of the plain batched forward of the target, C rows one token per step."""
+    import torch
+
+    from specserve.models.loading import load_pair
+    from specserve.models.runner import ModelRunner, Row
+
+    torch.set_num_threads(threads)
+    lp = load_pair(str(pair / "target"), str(pair / "draft"))
+    runner = ModelRunner.from_hf(lp.target, max_sessions=max(concs), max_len=512)
+    ids = [lp.tokenizer.encode(p)[:400] for p in prompts]
+    out = {}
+    for c in concs:
+        sids = [f"b{c}-{i}" for i in range(c)]
+        for i, s in enumerate(sids):
+            runner.allocate(s)
+            runner.forward([Row(s, ids[i % len(ids)], num_logits=1)])
+        last = {s: 0 for s in sids}
+        t0 = time.perf_counter()
+        for _ in range(max_tokens):
+            logits = runner.forward([Row(s, [last[s]], num_logits=1) for s in sids])
+            last = {s: int(lg[-1].argmax()) for s, lg in zip(sids, logits, strict=True)}
+        out[c] = c * max_tokens / (time.perf_counter() - t0)
+        for s in sids:
+            runner.free(s)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="models")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client thread per cell")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--k", type=int, default=4, help="the fixed-K arm")
+    ap.add_argument("--sweep-at", type=int, default=16, help="concurrency of the K in 1..8 sweep (0 = none)")
+    ap.add_argument("--controller-warm", type=int, default=2, help="controller requests per client before a cell")
+    ap.add_argument("--target-threads", type=int, default=2)
+    args = ap.parse_args()
+    from specserve.tooling.modelbuild.build import load_eval_prompts
+    from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+
+    pair = Path(args.models).resolve()
+    if not (pair / "target").exists():
+        sys.exit(f"no model pair at {pair}: run `make models` (or pass --models)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [p["prompt"] for p in load_eval_prompts(pair)]
+    concs = [int(c) for c in args.concurrency.split(",")]
+    load_before = _uptime()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
+        spec = StackSpec(
+            pair_dir=str(pair), run_dir=str(Path(tmp) / "run"), target_threads=args.target_threads,
+            pools={"small": PoolSpec("draft")},
+            router_env={"SPECSERVE_ROUTER_CONTROLLER_HALF_LIFE_S": "10",
+                        "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": str(max(args.max_tokens, 64)),
+                        "SPECSERVE_ROUTER_POLICIES": json.dumps({CLASS: {
+                            "draft_pool": "small", "adaptive_k": True, "k_min": 1, "k_max": 8,
+                            "safety_margin": 0.05, "probe_fraction": 0.05}})},
+        )
+        with Stack(spec).running() as stack:
+            import grpc
+
+            from specserve.v1 import generation_pb2_grpc
+
+            channel = grpc.insecure_channel(stack.info.router, options=[("grpc.max_concurrent_streams", 256)])
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            cell(stub, "plain", 0, prompts, 2, 1, 8)  # warm every path once
+            cell(stub, f"k{args.k}", args.k, prompts, 2, 1, 8)
+            for c in concs:
+                arms = [("plain", 0), (f"k{args.k}", args.k), ("controller", 0)]
+                if c == args.sweep_at:
+                    arms += [(f"k{k}", k) for k in range(1, 9) if k != args.k]
+                cell(stub, "controller", 0, prompts, c, args.controller_warm, args.max_tokens)  # it learns this load
+                for arm, k in arms:
+                    r = cell(stub, arm, k, prompts, c, args.requests, args.max_tokens)
+                    rows.append(r)
+                    print(f"C={c:<3} {arm:<11} {r['tok_s']:7.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:6.1f} "
+                          f"p99 {r['tpot_p99_ms']:6.1f} ms  errors {len(r['errors'])}", flush=True)
+            channel.close()
+    bound_tok_s = bound(pair, prompts, concs, args.max_tokens, args.target_threads)
+    result = {"rows": rows, "bound_tok_s": bound_tok_s, "capacity": capacity(rows), "config": vars(args),
+              "load_before": load_before, "load_after": _uptime()}
+    path = out / "batching.json"
+    path.write_text(json.dumps(result, indent=1))
+    print_table(result)
+    plot(result, out / "batching.png")
+    print(f"wrote {path} and {out / 'batching.png'}")
+
+
+def capacity(rows: list[dict]) -> dict:
+    """Per arm: the largest concurrency whose p90 TPOT <= 2x single-stream plain p50 TPOT."""
+    base = [r for r in rows if r["arm"] == "plain" and r["concurrency"] == 1]
+    if not base:
+        return {}
+    slo = 2 * base[0]["tpot_p50_ms"]
+    out: dict = {"slo_ms": slo}
+    for arm in sorted({r["arm"] for r in rows}):
+        ok = [r["concurrency"] for r in rows if r["arm"] == arm and r["tpot_p90_ms"] <= slo]
+        out[arm] = max(ok) if ok else 0
+    return out
+
+
+def print_table(r: dict) -> None:
+    print(f"\n{'C':>3} {'arm':<11}{'tok/s':>8}{'TPOT p50':>10}{'p99':>8}{'/plain':>8}{'bound':>8}")
+    plain = {x["concurrency"]: x["tok_s"] for x in r["rows"] if x["arm"] == "plain"}
+    for x in r["rows"]:
+        c = x["concurrency"]
+        print(f"{c:>3} {x['arm']:<11}{x['tok_s']:8.1f}{x['tpot_p50_ms']:10.1f}{x['tpot_p99_ms']:8.1f}"
+              f"{x['tok_s'] / plain.get(c, float('nan')):8.2f}{r['bound_tok_s'].get(c, float('nan')):8.1f}")
+    print("capacity (largest C with p90 TPOT <= 2x single-stream plain):", r["capacity"])
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm in ("plain", f"k{r['config']['k']}", "controller"):
+        xs = [x for x in r["rows"] if x["arm"] == arm]
+        a.plot([x["concurrency"] for x in xs], [x["tok_s"] for x in xs], "o-", label=arm)
+        b.plot([x["concurrency"] for x in xs], [x["tpot_p50_ms"] for x in xs], "o-", label=f"{arm} p50")
+    cs = sorted(int(c) for c in r["bound_tok_s"])
+    a.plot(cs, [r["bound_tok_s"][c] for c in cs], "k--", label="in-process batched bound (plain)")
+    a.set(xlabel="concurrent streams", ylabel="tok/s", xscale="log", title="throughput")
+    b.set(xlabel="concurrent streams", ylabel="ms per token", xscale="log", title="TPOT")
+    if r["capacity"]:
+        b.axhline(r["capacity"]["slo_ms"], color="grey", ls=":", label="objective: 2x 1-stream plain")
+    a.legend(fontsize=8)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    main()

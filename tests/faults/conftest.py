@@ -1,0 +1,28 @@
+"""The fault matrix's stack: real Redis (AOF + password), Ray target, draft replicas and two
+router replicas on loopback, with a simulated target pass time so that a request lasts long
+enough for a fault to land in the middle of it (ADR 0006's simulated costs, ADR 0011)."""
+
+from __future__ import annotations
+
+import pytest
+
+PASS_MS = 80  # every target pass sleeps this long: 32 tokens take >= ~1 s at any acceptance
+LEASE_S = 2.0  # short, so a router's death is noticed quickly (production default 5 s)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
+    from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+
+    run_dir = tmp_path_factory.mktemp("faults")
+    spec = StackSpec(
+        pair_dir=str(tiny_pair_dir), run_dir=str(run_dir),
+        pools={"small": PoolSpec("draft", replicas=2)},
+        target_threads=1, routers=2,
+        router_env={"SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "1000", "SPECSERVE_ROUTER_TARGET_WAIT_S": "180",
+                    "SPECSERVE_ROUTER_LEASE_S": str(LEASE_S), "SPECSERVE_ROUTER_HEARTBEAT_S": "0.5",
+                    "SPECSERVE_ROUTER_REAP_S": "1", "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "128"},
+        env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": str(PASS_MS)},
+    )
+    with Stack(spec).running(timeout_s=480) as s:
+        yield s
