@@ -173,7 +173,7 @@ async def main(settings: RouterSettings) -> None:
     await targets.refresh()
 
     async def watch() -> None:  # Redis, draft replica health and target registry
-        serving = True
+        nonlocal serving  # the HTTP API's /health follows Redis as gRPC health does
         while True:
             up = await redis_answers(redis)
             if up != serving:  # health follows Redis: without it no session can be served
@@ -188,10 +188,10 @@ async def main(settings: RouterSettings) -> None:
                                  return_exceptions=True)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    watcher = asyncio.create_task(watch())
     reaper = asyncio.create_task(sessions.reap_forever())
     await server.set_serving()
     serving = True
+    watcher = asyncio.create_task(watch())  # from SERVING on: it flips `serving` with Redis
     log.info("router serving on %s:%d (pools: %s)%s", settings.host, server.port, ", ".join(pools) or "none",
              f"; HTTP on {settings.host}:{http[2]}" if http else "")
     await server.wait_for_termination()
