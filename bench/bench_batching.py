@@ -65,7 +65,21 @@ def cell(stub, arm: str, k: int, prompts: list[str], conc: int, requests: int, m
     return {"arm": arm, "k": k, "concurrency": conc, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "tpot_p90_ms": float(np.percentile(tpot, 90)),
             "tpot_p99_ms": float(np.percentile(tpot, 99)), "requests": len(log), "errors": errors[:3],
-            "rounds_per_token": sum(r for *_, r in log) / max(tokens, 1)}
+            "rounds_per_token": sum(r for *_, r in log) / max(tokens, 1), "tpot_ms": tpot.tolist()}
+
+
+def merge(cells: list[dict]) -> dict:
+    """Repeats of one cell: tokens / summed wall time, TPOT percentiles over every request."""
+    tpot = np.array([t for c in cells for t in c.pop("tpot_ms")])
+    r = dict(cells[0])
+    r.update(tokens=sum(c["tokens"] for c in cells), wall_s=sum(c["wall_s"] for c in cells),
+             requests=sum(c["requests"] for c in cells), errors=[e for c in cells for e in c["errors"]][:3],
+             rounds_per_token=sum(c["rounds_per_token"] * c["tokens"] for c in cells)
+             / max(sum(c["tokens"] for c in cells), 1), repeats=len(cells))
+    r["tok_s"] = r["tokens"] / r["wall_s"]
+    for q in (50, 90, 99):
+        r[f"tpot_p{q}_ms"] = float(np.percentile(tpot, q))
+    return r
 
 
 def bound(pair: Path, prompts: list[str], concs: list[int], max_tokens: int, threads: int) -> dict[int, float]:
@@ -104,6 +118,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--requests", type=int, default=2, help="requests per client thread per cell")
+    ap.add_argument("--repeats", type=int, default=2, help="cells per arm, the arms interleaved")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4, help="the fixed-K arm")
     ap.add_argument("--sweep-at", type=int, default=16, help="concurrency of the K in 1..8 sweep (0 = none)")
@@ -167,8 +182,13 @@ def run_stack(pair: Path, args, prompts: list[str], concs: list[int], batching: 
                     if c == args.sweep_at:
                         arms += [(f"k{k}", k) for k in range(1, 9) if k != args.k]
                     cell(stub, "controller", 0, prompts, c, args.controller_warm, args.max_tokens)  # learn this load
-                for arm, k in arms:
-                    r = cell(stub, arm, k, prompts, c, args.requests, args.max_tokens)
+                cells: dict[str, list[dict]] = {}
+                for _ in range(args.repeats):  # arms interleaved: the machine's noise hits them alike
+                    for arm, k in arms:
+                        cells.setdefault(arm, []).append(cell(stub, arm, k, prompts, c, args.requests,
+                                                              args.max_tokens))
+                for got in cells.values():
+                    r = merge(got)
                     if not batching:
                         r["arm"] += "-off"
                     rows.append(r)
