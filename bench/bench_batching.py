@@ -11,7 +11,9 @@ Throughput = tokens / wall time of the cell; TPOT = a request's wall time / its 
 (p50, p90, p99 over the cell's requests). The in-process bound is the plain batched forward
 of the same target (models/runner.py): C rows decoding one token each per step.
 Capacity at a latency objective: the largest C whose p90 TPOT stays within 2x the
-single-stream plain TPOT (p50). Writes <out>/batching.json and <out>/batching.png.
+single-stream plain TPOT (p50). With --compare-off, plain and fixed K are run again at those
+concurrencies on a second stack with batching off (the per-session path, today's baseline).
+Writes <out>/batching.json and <out>/batching.png.
 """
 
 from __future__ import annotations
@@ -63,7 +65,21 @@ def cell(stub, arm: str, k: int, prompts: list[str], conc: int, requests: int, m
     return {"arm": arm, "k": k, "concurrency": conc, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "tpot_p90_ms": float(np.percentile(tpot, 90)),
             "tpot_p99_ms": float(np.percentile(tpot, 99)), "requests": len(log), "errors": errors[:3],
-            "rounds_per_token": sum(r for *_, r in log) / max(tokens, 1)}
+            "rounds_per_token": sum(r for *_, r in log) / max(tokens, 1), "tpot_ms": tpot.tolist()}
+
+
+def merge(cells: list[dict]) -> dict:
+    """Repeats of one cell: tokens / summed wall time, TPOT percentiles over every request."""
+    tpot = np.array([t for c in cells for t in c.pop("tpot_ms")])
+    r = dict(cells[0])
+    r.update(tokens=sum(c["tokens"] for c in cells), wall_s=sum(c["wall_s"] for c in cells),
+             requests=sum(c["requests"] for c in cells), errors=[e for c in cells for e in c["errors"]][:3],
+             rounds_per_token=sum(c["rounds_per_token"] * c["tokens"] for c in cells)
+             / max(sum(c["tokens"] for c in cells), 1), repeats=len(cells))
+    r["tok_s"] = r["tokens"] / r["wall_s"]
+    for q in (50, 90, 99):
+        r[f"tpot_p{q}_ms"] = float(np.percentile(tpot, q))
+    return r
 
 
 def bound(pair: Path, prompts: list[str], concs: list[int], max_tokens: int, threads: int) -> dict[int, float]:
@@ -84,6 +100,8 @@ def bound(pair: Path, prompts: list[str], concs: list[int], max_tokens: int, thr
             runner.allocate(s)
             runner.forward([Row(s, ids[i % len(ids)], num_logits=1)])
         last = {s: 0 for s in sids}
+        for _ in range(2):  # warm this batch size
+            runner.forward([Row(s, [0], num_logits=1) for s in sids])
         t0 = time.perf_counter()
         for _ in range(max_tokens):
             logits = runner.forward([Row(s, [last[s]], num_logits=1) for s in sids])
@@ -100,14 +118,16 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--requests", type=int, default=2, help="requests per client thread per cell")
+    ap.add_argument("--repeats", type=int, default=2, help="cells per arm, the arms interleaved")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4, help="the fixed-K arm")
     ap.add_argument("--sweep-at", type=int, default=16, help="concurrency of the K in 1..8 sweep (0 = none)")
     ap.add_argument("--controller-warm", type=int, default=2, help="controller requests per client before a cell")
-    ap.add_argument("--target-threads", type=int, default=2)
+    ap.add_argument("--compare-off", default="1,16",
+                    help="concurrencies run again on a stack with batching off (today's path); empty = skip")
+    ap.add_argument("--target-threads", type=int, default=2, help="the target's and the bound's torch threads")
     args = ap.parse_args()
     from specserve.tooling.modelbuild.build import load_eval_prompts
-    from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     pair = Path(args.models).resolve()
     if not (pair / "target").exists():
@@ -117,11 +137,33 @@ def main() -> None:
     prompts = [p["prompt"] for p in load_eval_prompts(pair)]
     concs = [int(c) for c in args.concurrency.split(",")]
     load_before = _uptime()
-    rows: list[dict] = []
+    rows = run_stack(pair, args, prompts, concs, batching=True)
+    if args.compare_off:  # today's per-session path, same run: the baseline batching must beat
+        rows += run_stack(pair, args, prompts, [int(c) for c in args.compare_off.split(",")], batching=False)
+    bound_tok_s = bound(pair, prompts, concs, args.max_tokens, args.target_threads)
+    result = {"rows": rows, "bound_tok_s": bound_tok_s, "capacity": capacity(rows), "config": vars(args),
+              "controller_vs_best": controller_vs_best(rows, args.sweep_at),
+              "load_before": load_before, "load_after": _uptime()}
+    path = out / "batching.json"
+    path.write_text(json.dumps(result, indent=1))
+    print_table(result)
+    plot(result, out / "batching.png")
+    print(f"wrote {path} and {out / 'batching.png'}")
+
+
+def run_stack(pair: Path, args, prompts: list[str], concs: list[int], batching: bool) -> list[dict]:
+    """One stack, every cell; with batching off only plain and fixed K (arms suffixed -off)."""
+    import grpc
+
+    from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+    from specserve.v1 import generation_pb2_grpc
+
+    rows = []
+    off = {} if batching else {"SPECSERVE_TARGET_BATCHING": "false", "SPECSERVE_DRAFT_BATCHING": "false"}
     with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
         spec = StackSpec(
             pair_dir=str(pair), run_dir=str(Path(tmp) / "run"), target_threads=args.target_threads,
-            pools={"small": PoolSpec("draft")},
+            pools={"small": PoolSpec("draft")}, env=off,
             router_env={"SPECSERVE_ROUTER_CONTROLLER_HALF_LIFE_S": "10",
                         "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": str(max(args.max_tokens, 64)),
                         "SPECSERVE_ROUTER_POLICIES": json.dumps({CLASS: {
@@ -129,33 +171,43 @@ def main() -> None:
                             "safety_margin": 0.05, "probe_fraction": 0.05}})},
         )
         with Stack(spec).running() as stack:
-            import grpc
-
-            from specserve.v1 import generation_pb2_grpc
-
-            channel = grpc.insecure_channel(stack.info.router, options=[("grpc.max_concurrent_streams", 256)])
+            channel = grpc.insecure_channel(stack.info.router)
             stub = generation_pb2_grpc.GenerationStub(channel)
             cell(stub, "plain", 0, prompts, 2, 1, 8)  # warm every path once
             cell(stub, f"k{args.k}", args.k, prompts, 2, 1, 8)
             for c in concs:
-                arms = [("plain", 0), (f"k{args.k}", args.k), ("controller", 0)]
-                if c == args.sweep_at:
-                    arms += [(f"k{k}", k) for k in range(1, 9) if k != args.k]
-                cell(stub, "controller", 0, prompts, c, args.controller_warm, args.max_tokens)  # it learns this load
-                for arm, k in arms:
-                    r = cell(stub, arm, k, prompts, c, args.requests, args.max_tokens)
+                arms = [("plain", 0), (f"k{args.k}", args.k)]
+                if batching:
+                    arms.append(("controller", 0))
+                    if c == args.sweep_at:
+                        arms += [(f"k{k}", k) for k in range(1, 9) if k != args.k]
+                    cell(stub, "controller", 0, prompts, c, args.controller_warm, args.max_tokens)  # learn this load
+                cells: dict[str, list[dict]] = {}
+                for _ in range(args.repeats):  # arms interleaved: the machine's noise hits them alike
+                    for arm, k in arms:
+                        cells.setdefault(arm, []).append(cell(stub, arm, k, prompts, c, args.requests,
+                                                              args.max_tokens))
+                for got in cells.values():
+                    r = merge(got)
+                    if not batching:
+                        r["arm"] += "-off"
                     rows.append(r)
-                    print(f"C={c:<3} {arm:<11} {r['tok_s']:7.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:6.1f} "
+                    print(f"C={c:<3} {r['arm']:<11} {r['tok_s']:7.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:6.1f} "
                           f"p99 {r['tpot_p99_ms']:6.1f} ms  errors {len(r['errors'])}", flush=True)
             channel.close()
-    bound_tok_s = bound(pair, prompts, concs, args.max_tokens, args.target_threads)
-    result = {"rows": rows, "bound_tok_s": bound_tok_s, "capacity": capacity(rows), "config": vars(args),
-              "load_before": load_before, "load_after": _uptime()}
-    path = out / "batching.json"
-    path.write_text(json.dumps(result, indent=1))
-    print_table(result)
-    plot(result, out / "batching.png")
-    print(f"wrote {path} and {out / 'batching.png'}")
+    return rows
+
+
+def controller_vs_best(rows: list[dict], conc: int) -> dict:
+    """At the sweep's concurrency: the best fixed arm (plain or K in 1..8) and the controller's
+    throughput over it (issue 10 part 5 asks >= 0.95)."""
+    at = {r["arm"]: r["tok_s"] for r in rows if r["concurrency"] == conc and not r["arm"].endswith("-off")}
+    fixed = {a: v for a, v in at.items() if a != "controller"}
+    if "controller" not in at or not fixed:
+        return {}
+    best = max(fixed, key=fixed.get)
+    return {"concurrency": conc, "best_fixed": best, "best_tok_s": fixed[best], "controller_tok_s": at["controller"],
+            "ratio": at["controller"] / fixed[best]}
 
 
 def capacity(rows: list[dict]) -> dict:
@@ -179,6 +231,7 @@ def print_table(r: dict) -> None:
         print(f"{c:>3} {x['arm']:<11}{x['tok_s']:8.1f}{x['tpot_p50_ms']:10.1f}{x['tpot_p99_ms']:8.1f}"
               f"{x['tok_s'] / plain.get(c, float('nan')):8.2f}{r['bound_tok_s'].get(c, float('nan')):8.1f}")
     print("capacity (largest C with p90 TPOT <= 2x single-stream plain):", r["capacity"])
+    print("controller vs the best fixed arm:", r["controller_vs_best"])
 
 
 def plot(r: dict, path: Path) -> None:

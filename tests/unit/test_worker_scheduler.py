@@ -181,3 +181,35 @@ def test_a_sequence_reconciles_to_the_committed_prefix():
     assert seq.reconcile(common_pb2.Prefix(tokens=[5, 6, 7])) == [5, 6, 7]
     with pytest.raises(NeedsFullPrefix):
         seq.reconcile(common_pb2.Prefix(base_len=5, base_hash=1, tokens=[8]))
+
+
+def _controller_at(batch: int, alpha: float):
+    """The controller's estimate (ADR 0006) from rounds priced by the cost model at `batch`
+    rows (the issue's CPU figures), K in {2, 4, 6} seen, draft cost per token growing with
+    the draft's batch too."""
+    from specserve.control.controller import estimate
+
+    a, r, b = 0.009, 0.0008, 0.00033
+    cost = CostModel(min_batches=4)
+    for rows, tokens in [(1, 1), (1, 5), (4, 4), (4, 20), (16, 16), (16, 80), (8, 30), (64, 320)]:
+        cost.observe(rows, tokens, a + r * rows + b * tokens)
+    plain = {"n:0": 10.0, "v:0": 10 * cost.row_cost(batch, 1, 0.0) * 1e3, "o:0": 0.0}
+    spec = {"o:2": 0.0, "o:4": 0.0, "o:6": 0.0}
+    for k in (2, 4, 6):
+        spec |= {f"n:{k}": 10.0, f"v:{k}": 10 * cost.row_cost(batch, k + 1, 0.0) * 1e3,
+                 f"d:{k}": 10 * k * (0.5 + 0.05 * batch)}
+    for i in range(1, 7):
+        spec |= {f"pe:{i}": 100.0, f"pa:{i}": 100.0 * alpha}
+    return estimate(spec, plain, 8)
+
+
+def test_the_controller_fed_load_priced_costs_shortens_k_as_load_grows():
+    """Part 5's mechanism: the same acceptance, priced at a larger batch, gives a shorter best
+    K and a smaller speedup (at alpha 0.4 heading for plain)."""
+    k1, s1 = _controller_at(1, 0.8).best(1, 8)
+    k16, s16 = _controller_at(16, 0.8).best(1, 8)
+    assert k1 >= 5 and k16 <= 3 and s16 < s1
+    low1 = _controller_at(1, 0.4).best(1, 8)[1]
+    low64 = _controller_at(64, 0.4)
+    assert low64.best(1, 8)[0] == 1 and low64.best(1, 8)[1] < 0.85 * low1
+    assert low64.speedup[4] < 1.0 < _controller_at(1, 0.4).speedup[4]  # K=4 stops paying under load

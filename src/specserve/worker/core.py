@@ -26,7 +26,9 @@ class WorkerCore:
         # One model thread: every batch, and every release of a KV slot, runs there in order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.sessions = SessionTable(engine.open, self._close, max_sessions, evict_idle_s, on_close)
-        self.scheduler = Scheduler(max_batch, max_wait_ms / 1e3, on_batch=self._observe)
+        # a per-session engine runs items one by one: batches of one answer each call at once
+        self.scheduler = Scheduler(min(max_batch, getattr(engine, "max_batch", max_batch)), max_wait_ms / 1e3,
+                                   on_batch=self._observe)
         self._loop: asyncio.Task | None = None
 
     def _close(self, handle: Any, busy: bool) -> None:

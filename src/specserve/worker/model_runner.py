@@ -275,6 +275,8 @@ class BatchedDraft(_RunnerSessions):
 class SessionTarget:
     """The per-session path: one HF cache per session, items run one by one."""
 
+    max_batch = 1  # nothing to share: each call answers as soon as its own forward is done
+
     def __init__(self, target: TargetModel) -> None:
         self.target = target
         self.max_positions = target.max_positions
@@ -301,6 +303,8 @@ class SessionTarget:
 
 class SessionDraft:
     """The per-session path for any drafter (the n-gram drafter always takes it)."""
+
+    max_batch = 1
 
     def __init__(self, drafter) -> None:
         self.drafter = drafter
