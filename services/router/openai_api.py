@@ -34,7 +34,7 @@ from services.router.openai_schema import (
     now,
 )
 from services.router.service import GenerationServicer
-from specserve.errors import InvalidRequest, SessionLost, SessionNotFound, Unavailable
+from specserve.errors import InvalidRequest, ResourceExhausted, SessionLost, SessionNotFound, Unavailable
 from specserve.serving.chat import ChatTemplate
 from specserve.serving.metrics import RouterMetrics
 from specserve.serving.telemetry import API, tracer
@@ -64,6 +64,9 @@ def api_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), "invalid_request_error")
     if isinstance(exc, SessionNotFound):
         return APIError(404, str(exc), "invalid_request_error", "not_found")
+    if isinstance(exc, ResourceExhausted):  # the target had no KV room within admission_wait_s
+        return APIError(429, f"{exc}; retry shortly, or with fewer concurrent requests", "rate_limit_error",
+                        "resource_exhausted")
     if isinstance(exc, Unavailable | SessionLost):
         return APIError(503, f"{exc}; retry the request (with the same Idempotency-Key to join it)",
                         "service_unavailable", "unavailable")

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.router.openai_api import OpenAIApp
-from specserve.errors import InvalidRequest, Unavailable
+from specserve.errors import InvalidRequest, ResourceExhausted, Unavailable
 from specserve.serving.chat import CHAT_TEMPLATE, ChatTemplate
 from specserve.v1 import generation_pb2
 
@@ -149,7 +149,8 @@ def test_unknown_model_is_404():
 
 
 @pytest.mark.parametrize("exc,status", [(InvalidRequest("max_tokens must be in [1, 64], got 99"), 400),
-                                        (Unavailable("no target worker is registered; retry later"), 503)])
+                                        (Unavailable("no target worker is registered; retry later"), 503),
+                                        (ResourceExhausted("no target had KV room for 2.0 s"), 429)])
 def test_domain_errors_keep_their_message(exc, status):
     fake, _, client = make()
     fake.fail = exc
