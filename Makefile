@@ -59,6 +59,8 @@ bench: setup models
 	$(PY) bench/bench_stack.py --overlap --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_tracing.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_policies.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_prediction.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_batching.py --models $(MODELS_DIR) --out bench/results
 
 lint: setup
 	$(VENV)/bin/ruff check src services tests bench

@@ -36,18 +36,23 @@ def load_drafter(settings: DraftSettings):
                      q_max_entries=settings.q_max_entries)
 
 
-def warm_up(drafter) -> None:
-    from specserve.algorithm.sampling import SamplingParams
+async def warm_up(servicer: DraftServicer) -> None:
+    """One Propose through the whole path (scheduler, engine), then forget the session."""
+    from specserve.v1 import common_pb2
 
-    session = drafter.start()
-    session.propose([0, 1, 2, 1], 2, SamplingParams(), 0)
-    session.release()
+    req = draft_pb2.ProposeRequest(session_id="\0warm-up", prefix=common_pb2.Prefix(tokens=[0, 1, 2, 1]), k=2)
+    await servicer.Propose(req, None)
+    servicer.sessions.release(req.session_id)
 
 
 async def main(settings: DraftSettings) -> None:
     setup_tracing(f"specserve-draft-{settings.pool}")
+    from specserve.worker.model_runner import Batching
+
     servicer = DraftServicer(load_drafter(settings), settings.max_sessions,
-                             simulated_token_ms=settings.simulated_token_ms)
+                             simulated_token_ms=settings.simulated_token_ms, batching=Batching.from_settings(settings),
+                             max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
+                             evict_idle_s=settings.kv_evict_idle_s)
     server = GrpcServer(
         [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,
         settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
@@ -56,7 +61,7 @@ async def main(settings: DraftSettings) -> None:
     await server.start()
     publish_ports(server.port, settings.port_file, servicer.metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)
-    warm_up(servicer.drafter)
+    await warm_up(servicer)
     await server.set_serving()
     log.info("draft pool %s (%s) serving on %s:%d", settings.pool, settings.model, settings.host, server.port)
     await server.wait_for_termination()

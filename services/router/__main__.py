@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import uuid
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
@@ -20,6 +21,7 @@ from services.router.admin import PolicyAdminServicer
 from services.router.classifier import Classifier, Rule
 from services.router.model_info import ModelInfo
 from services.router.observers import ControllerFeed, MetricsObserver, RoundObserver, SpanObserver
+from services.router.openai_api import OpenAIApp, start_http
 from services.router.planner import Planner
 from services.router.pools import DraftPool, TargetDirectory
 from services.router.rounds import RoundLoop
@@ -31,6 +33,7 @@ from specserve.control.controller import Controller, ShadowLog
 from specserve.control.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
 from specserve.errors import InvalidRequest
 from specserve.params import GenerationParams
+from specserve.serving.chat import ChatTemplate
 from specserve.serving.metrics import RouterMetrics
 from specserve.serving.server import GrpcServer, ServerLimits
 from specserve.serving.telemetry import (
@@ -118,7 +121,7 @@ async def main(settings: RouterSettings) -> None:
                              settings.predraft_branches, tls=tls)
              for name, addrs in settings.draft_pools.items()}
     targets = TargetDirectory(redis, settings.key_prefix, settings.verify_timeout_ms / 1000, settings.target_wait_s,
-                              settings.worker_streams, tls=tls)
+                              settings.worker_streams, settings.admission_wait_s, tls=tls)
     metrics = RouterMetrics()
     policy_store = PolicyStore(redis, settings.key_prefix)
     policies = PolicyCache(policy_store, builtin_policy(settings), settings.policy_reload_s)
@@ -155,6 +158,15 @@ async def main(settings: RouterSettings) -> None:
                             settings.max_message_bytes, settings.max_concurrent_rpcs),
                         credentials=tls.server(require_client_cert=False) if tls else None)
     await server.start()
+    serving = False
+    http = None
+    if settings.http_port >= 0:
+        api = OpenAIApp(servicer, settings.model_name, ChatTemplate.for_model(settings.tokenizer),
+                        {k.get_secret_value() for k in settings.api_keys}, settings.http_max_in_flight,
+                        lambda: serving, metrics)
+        http = await start_http(api.app, settings.host, settings.http_port)
+        if settings.http_port_file:
+            Path(settings.http_port_file).write_text(str(http[2]))
     publish_ports(server.port, settings.port_file, metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)
     await wait_for_redis(redis)
@@ -164,7 +176,7 @@ async def main(settings: RouterSettings) -> None:
     await targets.refresh()
 
     async def watch() -> None:  # Redis, draft replica health and target registry
-        serving = True
+        nonlocal serving  # the HTTP API's /health follows Redis as gRPC health does
         while True:
             up = await redis_answers(redis)
             if up != serving:  # health follows Redis: without it no session can be served
@@ -179,11 +191,17 @@ async def main(settings: RouterSettings) -> None:
                                  return_exceptions=True)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    watcher = asyncio.create_task(watch())
     reaper = asyncio.create_task(sessions.reap_forever())
     await server.set_serving()
-    log.info("router serving on %s:%d (pools: %s)", settings.host, server.port, ", ".join(pools) or "none")
+    serving = True
+    watcher = asyncio.create_task(watch())  # from SERVING on: it flips `serving` with Redis
+    log.info("router serving on %s:%d (pools: %s)%s", settings.host, server.port, ", ".join(pools) or "none",
+             f"; HTTP on {settings.host}:{http[2]}" if http else "")
     await server.wait_for_termination()
+    serving = False
+    if http is not None:  # in-flight HTTP requests get uvicorn's graceful shutdown
+        http[0].should_exit = True
+        await asyncio.gather(http[1], return_exceptions=True)
     for task in (watcher, reaper):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -12,6 +12,7 @@ from opentelemetry import trace
 from services.router.plan import Run
 from specserve.algorithm.round import RoundStats
 from specserve.control.controller import Controller
+from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.serving.metrics import RouterMetrics
 
 # A call's cost outside the worker's compute, capped: beyond a few ms on one network the
@@ -98,6 +99,8 @@ class ControllerFeed(_Quiet):
         self.controller = controller
 
     def round(self, run: Run, r: RoundStats) -> None:
+        if run.plan.pool == PREDICTION_POOL:
+            return  # a request's own prediction says nothing about the class's pools
         if run.pool is not None and r.k_asked == 0:
             return  # the budget's last token: a plain step that says nothing about the pool
         drafted = run.pool is not None and not r.fallback_reason

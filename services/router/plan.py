@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.router.pools import DraftPool
+from services.router.prediction import PredictionPool
 from specserve.algorithm.round import RoundStats
 from specserve.algorithm.stops import IncrementalText
 from specserve.control.arms import Choice, Decision, Fallback
@@ -27,6 +28,7 @@ class SessionPlan:
     policy_version: int = 0
     policy_source: str = ""
     decision_reason: str = ""  # the controller's reason, when it decided
+    prediction: tuple[int, ...] = ()  # Predicted Outputs: the request's expected output (tokens)
 
     @property
     def seed(self) -> int:
@@ -51,7 +53,8 @@ class SessionPlan:
                 "stats_class": self.stats_class, "pool": self.pool, "shadow_pool": self.shadow_pool,
                 "decision": c.decision.value, "plain_reason": c.reason.value, "probe": c.probe,
                 "policy_class": self.policy_class, "policy_version": self.policy_version,
-                "policy_source": self.policy_source, "decision_reason": self.decision_reason}
+                "policy_source": self.policy_source, "decision_reason": self.decision_reason,
+                "prediction": list(self.prediction)}
 
     @classmethod
     def decode(cls, d: dict[str, Any]) -> SessionPlan:
@@ -63,7 +66,7 @@ class SessionPlan:
                         bool(d.get("probe")))
         return cls(params, d["workload_class"], d.get("class_reason", ""), d.get("stats_class", ""), choice,
                    d.get("policy_class", ""), int(d.get("policy_version", 0)), d.get("policy_source", ""),
-                   d.get("decision_reason", ""))
+                   d.get("decision_reason", ""), tuple(d.get("prediction") or ()))
 
     def span_attributes(self) -> dict[str, Any]:
         return {"specserve.workload_class": self.workload_class, "specserve.class_reason": self.class_reason,
@@ -84,7 +87,7 @@ class Run:
     committed: CommittedPrefix  # prompt + committed generated tokens
     text: IncrementalText
     deadline: float  # event-loop time
-    pool: DraftPool | None  # the plan's pool, resolved on this router
+    pool: DraftPool | PredictionPool | None  # the plan's pool, resolved on this router
     shadow: bool = False  # a shadow run: speculates beside a plain run, commits nothing
     draft_held: dict[str, int] = field(default_factory=dict)  # replica -> committed len it holds
     target_held: dict[str, int] = field(default_factory=dict)

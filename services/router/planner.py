@@ -12,9 +12,10 @@ from services.router.classifier import CLASSES
 from services.router.plan import SessionPlan
 from services.router.validation import ValidRequest
 from specserve.algorithm.rng import fresh_seed
-from specserve.control.arms import Assessment, Decision, Fallback, assess, choose_arm
+from specserve.control.arms import Assessment, Choice, Decision, Fallback, assess, choose_arm
 from specserve.control.controller import Controller
 from specserve.control.policy import Policy, PolicyCache
+from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL
 from specserve.serving.metrics import RouterMetrics
 
 log = logging.getLogger("specserve.router")
@@ -42,6 +43,8 @@ class Planner:
         await self.controller.watch(stats_class, pools)
         estimates = self.controller.estimates(stats_class, pools, policy.k_range[1])
         choice, assessment = choose_arm(req.facts, policy, self.pools, estimates, self.rng, self.controller.min_rounds)
+        if req.prediction_ids and req.pinned_pool in (None, PREDICTION_POOL) and req.pinned_k != 0:
+            choice, assessment = prediction_choice(req.pinned_k), None
         if choice.reason is Fallback.POOL_UNKNOWN and policy.draft_pool not in self._warned:
             self._warned.add(policy.draft_pool)
             log.warning("policy %r names draft pool(s) %s, none of which this router has: plain decoding",
@@ -54,7 +57,8 @@ class Planner:
         self.metrics.decisions.labels(stats_class, choice.pool or "none", choice.decision.value, choice.arm).inc()
         self.metrics.policy_version.labels(stats_class).set(policy.version)
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
-                           policy.version, source, assessment.reason if assessment else "")
+                           policy.version, source, assessment.reason if assessment else "",
+                           req.prediction_ids if choice.pool == PREDICTION_POOL else ())
 
     async def effective(self, workload_class: str) -> tuple[Policy, str, str, Assessment]:
         """(policy, source, stats class, the controller's assessment from fresh statistics)."""
@@ -73,3 +77,11 @@ class Planner:
             m.expected_speedup.labels(stats_class, pool).set(s)
             m.speculating.labels(stats_class, pool).set(1 if speculating and pool == a.pool else 0)
             m.chosen_k.labels(stats_class, pool).set(k if pool == a.pool else 0)
+
+
+def prediction_choice(pinned_k: int | None) -> Choice:
+    """A request with a prediction drafts from it (unless it pins another pool or K = 0): it
+    is the request's own, so neither the class's policy nor the controller's statistics
+    apply (ADR 0012)."""
+    return Choice(PREDICTION_POOL, pinned_k if pinned_k is not None else PREDICTION_K, False, Decision.PINNED,
+                  Fallback.NONE)

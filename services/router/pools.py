@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind
 
-from specserve.errors import InvalidRequest, Unavailable
+from specserve.errors import InvalidRequest, ResourceExhausted, Unavailable
 from specserve.serving.streams import StreamClient
 from specserve.serving.telemetry import outgoing_metadata, tracer
 from specserve.serving.tls import TlsFiles, aio_channel
@@ -211,13 +211,17 @@ class DraftPool:
         await asyncio.gather(*(r.channel.close() for r in self.replicas.values()))
 
 
+ADMISSION_BACKOFF_S, ADMISSION_BACKOFF_MAX_S = 0.005, 0.1
+
+
 class TargetDirectory:
     """Targets registered in Redis; channels kept open per address."""
 
     def __init__(self, redis, prefix: str, verify_timeout_s: float = 10.0, wait_s: float = 30.0,
-                 streams: bool = True, tls: TlsFiles | None = None) -> None:
+                 streams: bool = True, admission_wait_s: float = 10.0, tls: TlsFiles | None = None) -> None:
         self.tls = tls
         self.verify_timeout_s = verify_timeout_s
+        self.admission_wait_s = admission_wait_s  # how long a round waits for KV room on its target
         self.streams = streams
         self.calls: dict[str, Call] = {}
         self.wait_s = wait_s  # how long a round waits for a target to (re)appear
@@ -264,6 +268,8 @@ class TargetDirectory:
         target, rediscover and resend the full prefix (a re-prefill) until `deadline`
         (event-loop time); `held` is updated as in DraftPool.propose."""
         loop = asyncio.get_running_loop()
+        admitted_by: float | None = None  # set at the first RESOURCE_EXHAUSTED
+        backoff = ADMISSION_BACKOFF_S
         while True:
             picked = await self.pick(session_id, max(min(self.wait_s, deadline - loop.time()), 0.0))
             if picked is None:
@@ -284,6 +290,16 @@ class TargetDirectory:
                     continue
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequest(err.details() or "the target refused the request") from err
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no KV room yet: queue (ADR 0013)
+                    admitted_by = admitted_by or loop.time() + self.admission_wait_s
+                    if loop.time() >= min(admitted_by, deadline):
+                        raise ResourceExhausted(
+                            f"target {address} has had no KV room for this session for {self.admission_wait_s:g} s "
+                            f"({err.details()}); the committed tokens are kept: retry or resume later, send fewer "
+                            f"concurrent requests, or raise the target's kv_budget_mb / add targets") from err
+                    await asyncio.sleep(backoff)
+                    backoff = min(2 * backoff, ADMISSION_BACKOFF_MAX_S)
+                    continue
                 if loop.time() >= deadline:
                     raise Unavailable(f"target {address} did not answer before the deadline") from err
                 # one warning per lost target, not one per retry while Ray restarts it

@@ -15,6 +15,7 @@ from services.router.sessions import Opened, Sessions
 from services.router.validation import ValidRequest, parse
 from specserve.algorithm.round import RoundStats
 from specserve.config import RouterSettings
+from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.state.store import Chunk, SessionInfo, SessionStore
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -108,11 +109,13 @@ def round_to_proto(r: RoundStats) -> generation_pb2.RoundStats:
 
 
 def _stats(run: Run, joined: bool) -> generation_pb2.GenerationStats:
+    predicted = run.plan.pool == PREDICTION_POOL
     return generation_pb2.GenerationStats(
         seed=run.plan.seed, workload_class=run.plan.workload_class, draft_pool=run.pool.name if run.pool else "",
         rounds=len(run.rounds), draft_tokens=sum(r.k for r in run.rounds),
         accepted_tokens=sum(r.accepted for r in run.rounds), round=[round_to_proto(r) for r in run.rounds],
-        joined=joined)
+        joined=joined, accepted_prediction_tokens=sum(r.accepted for r in run.rounds) if predicted else 0,
+        rejected_prediction_tokens=sum(r.k - r.accepted for r in run.rounds) if predicted else 0)
 
 
 def _joined_stats(info: SessionInfo | None) -> generation_pb2.GenerationStats:

@@ -19,14 +19,16 @@ from dataclasses import dataclass
 
 from services.router.plan import Run, SessionPlan
 from services.router.pools import DraftPool, TargetDirectory
+from services.router.prediction import PredictionPool
 from services.router.rounds import RoundLoop
 from services.router.shadow import record_shadow, run_shadow, shadow_of
 from specserve.algorithm.stops import IncrementalText, StopChecker
 from specserve.control.controller import ShadowLog
+from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.errors import SessionLost, SessionNotFound, SpecserveError
 from specserve.params import GenerationParams
 from specserve.serving.metrics import RouterMetrics
-from specserve.serving.telemetry import tracer
+from specserve.serving.telemetry import API, tracer
 from specserve.state.prefix import CommittedPrefix
 from specserve.state.store import REDIS_DOWN, SessionStatus, SessionStore
 
@@ -125,7 +127,12 @@ class Sessions:
         return Run(session_id=session_id, epoch=epoch, plan=plan, prompt_len=len(prompt_ids),
                    committed=CommittedPrefix([*prompt_ids, *generated]), text=text,
                    deadline=asyncio.get_running_loop().time() + self.ownership.run_limit_s,
-                   pool=self.pools.get(plan.pool) if plan.pool else None)
+                   pool=self.pool_for(plan, len(prompt_ids)))
+
+    def pool_for(self, plan: SessionPlan, prompt_len: int) -> DraftPool | PredictionPool | None:
+        if plan.pool == PREDICTION_POOL:
+            return PredictionPool(plan.prediction, prompt_len)
+        return self.pools.get(plan.pool) if plan.pool else None
 
     async def drive(self, run: Run) -> str:
         """The rounds to the end, with the lease renewed beside them. Ends early (reason
@@ -170,7 +177,7 @@ class Sessions:
         try:
             with tracer().start_as_current_span("specserve.generate") as span:
                 span.set_attributes({"specserve.session_id": run.session_id, **run.plan.span_attributes(),
-                                     "specserve.draft_pool": run.labels[1]})
+                                     "specserve.draft_pool": run.labels[1], "specserve.api": API.get()})
                 if shadow_pool is not None and not run.generated:  # not again after a take-over
                     shadow = shadow_of(run, shadow_pool, self.stops_for, self.shadow_timeout_s)
                     shadow_task = self.track(asyncio.create_task(self._shadow(shadow)))

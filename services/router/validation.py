@@ -10,6 +10,7 @@ from services.router.classifier import Classifier
 from services.router.model_info import ModelInfo
 from specserve.control.arms import NO_SPECULATION, RequestFacts
 from specserve.control.policy import CLASS_NAME
+from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.errors import InvalidRequest
 from specserve.params import MAX_K, GenerationParams, SamplingParams
 from specserve.v1 import generation_pb2
@@ -25,6 +26,7 @@ class ValidRequest:
     pinned_pool: str | None  # the request's own draft_pool ("none" = no speculation), or None
     pinned_k: int | None  # the request's own num_draft_tokens, or None
     request_id: str | None
+    prediction_ids: tuple[int, ...] = ()  # Predicted Outputs: the expected output, tokenized
 
     @property
     def facts(self) -> RequestFacts:
@@ -57,10 +59,16 @@ def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str
         raise InvalidRequest(f"invalid workload_class {req.workload_class!r}: lower-case letters, digits, '_' or "
                              "'-', starting with a letter (at most 64); or leave it empty to classify the prompt")
     cls, reason = (req.workload_class, "explicit") if req.workload_class else classifier.classify(text)
+    prediction = tuple(model.encode(req.prediction)) if req.prediction else ()
+    if len(prediction) > model.context_len:
+        raise InvalidRequest(f"the prediction has {len(prediction)} tokens; the limit is the context length "
+                             f"({model.context_len})")
     pinned_pool = req.draft_pool or None
-    if pinned_pool is not None and pinned_pool != NO_SPECULATION and pinned_pool not in pools:
+    if pinned_pool == PREDICTION_POOL and not prediction:
+        raise InvalidRequest(f"draft_pool {PREDICTION_POOL!r} needs a prediction (the expected output text)")
+    if pinned_pool is not None and pinned_pool not in (NO_SPECULATION, PREDICTION_POOL, *pools):
         raise InvalidRequest(f"unknown draft_pool {pinned_pool!r}; available: {', '.join(sorted(pools))}, "
-                             f"or {NO_SPECULATION!r}")
+                             f"{PREDICTION_POOL!r} (with a prediction) or {NO_SPECULATION!r}")
     pinned_k = int(req.num_draft_tokens) if req.HasField("num_draft_tokens") else None
     if pinned_k is not None and pinned_k > MAX_K:
         raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_K}], got {pinned_k}")
@@ -74,4 +82,4 @@ def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str
     params = GenerationParams(
         max_tokens=int(req.max_tokens), sampling=sampling, num_draft_tokens=0,
         stop=tuple(req.stop), seed=int(req.seed) if req.HasField("seed") else None)
-    return ValidRequest(ids, text, params, cls, reason, pinned_pool, pinned_k, req.request_id or None)
+    return ValidRequest(ids, text, params, cls, reason, pinned_pool, pinned_k, req.request_id or None, prediction)

@@ -68,6 +68,7 @@ class TargetWorker:
         )
         from specserve.serving.tls import load as load_tls
         from specserve.v1 import target_pb2, target_pb2_grpc
+        from specserve.worker.model_runner import Batching
 
         s = self.settings
         setup_tracing("specserve-target")
@@ -76,14 +77,16 @@ class TargetWorker:
             span.set_attribute("specserve.target", s.name)
             torch.set_num_threads(s.torch_threads)
             target = TargetModel(load_model(s.model))
-            servicer = TargetServicer(target, s.max_sessions, simulated_pass_ms=s.simulated_pass_ms)
+            servicer = TargetServicer(target, s.max_sessions, simulated_pass_ms=s.simulated_pass_ms,
+                                      batching=Batching.from_settings(s), max_batch=s.max_batch,
+                                      max_wait_ms=s.max_wait_ms, evict_idle_s=s.kv_evict_idle_s)
             server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host, s.port,
                                 s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv),
                                 interceptors=[TracingServerInterceptor()],
                                 credentials=tls.server(require_client_cert=True) if (tls := load_tls(s.tls_dir))
                                 else None)
             await server.start()
-            await asyncio.get_running_loop().run_in_executor(servicer.executor, _warm_up, target)
+            await servicer.warm_up()
             await server.set_serving()
             self.metrics_port = start_metrics_server(servicer.metrics.registry, s.metrics_port, s.host)
         self.address = f"{s.host}:{server.port}"
@@ -100,9 +103,3 @@ class TargetWorker:
                 await redis.set(key, entry, px=int(s.registry_ttl_s * 1000))
             except Exception:  # Redis blips must not kill the worker; the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
-
-
-def _warm_up(target) -> None:
-    session = target.start()
-    session.verify([0, 1, 2], [3, 4])
-    session.release()

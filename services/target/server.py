@@ -1,56 +1,48 @@
-"""Target servicer: Verify = reconcile to the committed prefix, one forward pass over the
-last committed token + the drafts, rejection sampling, rollback of rejected positions."""
+"""Target servicer: a thin layer over the worker skeleton (specserve.worker: session table,
+scheduler, model runner). Verify = reconcile to the committed prefix, then a row in the next
+batch (last committed token + drafts), rejection sampling on the batch, rollback of the
+rejected positions. Prefill = the committed prompt fed ahead, chunk by chunk.
+
+Each reply's verify_ms is what a batch of rows like this one takes at the current batch size
+(worker/cost.py, ADR 0013): the round's cost at the current load, not the wait for the batch.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 
+from specserve.algorithm.sampling import SamplingParams
 from specserve.errors import InvalidRequest
-from specserve.models.verifier import TargetModel, TargetSession, verify_block
+from specserve.models.verifier import TargetModel
 from specserve.serving.metrics import WorkerMetrics
-from specserve.serving.server import run_timed
 from specserve.serving.streams import serve_calls
 from specserve.serving.wire import check_k, check_token_ids, sampling_from_proto
-from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specserve.worker.core import WorkerCore
+from specserve.worker.model_runner import Batching, VerifyJob, target_engine
 from specserve.worker.qcodec import q_from_proto
-from specserve.worker.sessions import SessionLRU
-
-
-@dataclass
-class _Session:
-    """One session on this worker: the committed prefix it holds and its KV cache."""
-
-    prefix: CommittedPrefix
-    target: TargetSession
-
-    def release(self) -> None:
-        self.target.release()
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, target: TargetModel, max_sessions: int, metrics: WorkerMetrics | None = None,
-                 simulated_pass_ms: float = 0.0) -> None:
-        self.simulated_pass_ms = simulated_pass_ms
+                 simulated_pass_ms: float = 0.0, batching: Batching | None = None, max_batch: int = 32,
+                 max_wait_ms: float = 0.0, evict_idle_s: float = 1.0) -> None:
         self.target = target
+        self.simulated_pass_ms = simulated_pass_ms
         self.metrics = metrics or WorkerMetrics("target")
-        self.sessions: SessionLRU[_Session] = SessionLRU(
-            lambda: _Session(CommittedPrefix(), self.target.start()), max_sessions)
-        # One model thread: plain and speculative sessions share the target in arrival order.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        b = batching or Batching(enabled=False)
+        b = replace(b, max_sessions=min(b.max_sessions, max_sessions))
+        self.engine = target_engine(target, b)
+        self.max_positions = getattr(self.engine, "max_positions", target.max_positions)
+        self.core = WorkerCore(self.engine, self.metrics, max_sessions, max_batch, max_wait_ms, evict_idle_s,
+                               extra_s=lambda _: simulated_pass_ms / 1e3, name="target")
+        self.sessions = self.core.sessions
+        self.executor = self.core.executor
 
-    def _session(self, session_id: str) -> _Session:
-        return self.sessions.get(session_id)
-
-    def _reconcile(self, request) -> tuple[_Session, list[int]]:
+    def _reconcile(self, request):
         check_token_ids(request.prefix.tokens, self.target.vocab_size)
-        sess = self._session(request.session_id)
-        ids = sess.prefix.apply(request.prefix.base_len, request.prefix.base_hash, request.prefix.tokens)
-        if not ids:
-            raise InvalidRequest("the committed prefix is empty: send at least one token")
-        return sess, list(ids)
+        seq = self.core.session(request.session_id)
+        return seq, seq.reconcile(request.prefix)
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyResponse:
         sampling = sampling_from_proto(request.sampling)
@@ -59,27 +51,20 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         k = check_k(len(drafts))
         check_token_ids(drafts, self.target.vocab_size, "draft token id")
         q = q_from_proto(request.q, k, self.target.vocab_size)
-        sess, ids = self._reconcile(request)
-        if len(ids) + k + 1 > self.target.max_positions:
+        seq, ids = self._reconcile(request)
+        if len(ids) + k + 1 > self.max_positions:
             raise InvalidRequest(f"{len(ids)} committed + {k} draft tokens exceed the context length "
-                                 f"of {self.target.max_positions}")
-        before = sess.target.rollback_tokens
-        # verify_ms is this call's compute (plus the simulated device time), not the wait for
-        # the executor: the controller prices rounds by cost, not by how busy the node is
-        verdict, elapsed = await run_timed(self.executor, verify_block, sess.target, ids, drafts, q, sampling,
-                                           int(request.seed))
-        if self.simulated_pass_ms:
-            await asyncio.sleep(self.simulated_pass_ms / 1e3)
-            elapsed += self.simulated_pass_ms / 1e3
-        rolled_back = sess.target.rollback_tokens - before
-        self.metrics.call_latency.labels("verify").observe(elapsed)
+                                 f"of {self.max_positions}")
+        done = await self.core.run(seq, VerifyJob(seq.handle, ids, drafts, q, sampling, int(request.seed)), k + 1)
+        result, verdict = done.value, done.value.verdict
+        self.metrics.call_latency.labels("verify").observe(done.cost_s)
         self.metrics.sessions.set(len(self.sessions))
-        self.metrics.rollback_tokens.inc(rolled_back)
+        self.metrics.rollback_tokens.inc(result.rolled_back)
         return target_pb2.VerifyResponse(
             tokens=verdict.tokens, num_accepted=verdict.num_accepted,
             rejected_position=-1 if verdict.rejected_position is None else verdict.rejected_position,
-            p_draft=verdict.p_draft, q_draft=verdict.q_draft, verify_ms=elapsed * 1e3,
-            rollback_tokens=rolled_back)
+            p_draft=verdict.p_draft, q_draft=verdict.q_draft, verify_ms=done.cost_s * 1e3,
+            rollback_tokens=result.rolled_back)
 
     async def VerifyStream(self, request_iterator, context):
         async for reply in serve_calls(request_iterator, lambda r, push: self.Verify(r, context), target_pb2.VerifyReply,
@@ -87,10 +72,18 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             yield reply
 
     async def Prefill(self, request: target_pb2.PrefillRequest, context) -> target_pb2.PrefillResponse:
-        sess, ids = self._reconcile(request)
-        await asyncio.get_running_loop().run_in_executor(self.executor, sess.target.verify, ids, [])
-        return target_pb2.PrefillResponse(cached_len=sess.target.lm.length)
+        seq, ids = self._reconcile(request)
+        if len(ids) > self.max_positions:
+            raise InvalidRequest(f"{len(ids)} committed tokens exceed the context length of {self.max_positions}")
+        done = await self.core.run(seq, VerifyJob(seq.handle, ids, [], None, SamplingParams(), 0, prefill_only=True), len(ids))
+        return target_pb2.PrefillResponse(cached_len=done.value.cached_len)
+
+    async def warm_up(self) -> None:
+        """One verify through the whole path (scheduler, engine), then forget the session."""
+        req = target_pb2.VerifyRequest(session_id="\0warm-up", prefix=common_pb2.Prefix(tokens=[0, 1, 2]),
+                                       draft_tokens=[3, 4])
+        await self.Verify(req, None)
+        self.sessions.release(req.session_id)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))
-

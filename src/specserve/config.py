@@ -30,6 +30,15 @@ class DraftSettings(BaseSettings):
     # TLS (ADR 0011): a directory with tls.crt, tls.key and ca.crt (a cert-manager Secret);
     # empty = plaintext. Workers then require a client certificate signed by ca.crt (mTLS).
     tls_dir: str = ""
+    # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
+    # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
+    batching: bool = True
+    max_batch: int = Field(32, ge=1)  # work items per batch
+    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
+    kv_budget_mb: float = Field(256.0, gt=0)  # KV slots allocated at start (at most max_sessions)
+    max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
+    prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
+    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     # benchmarks/tests on CPU: extra time per proposed token, as a slower draft device would take
     simulated_token_ms: float = Field(0.0, ge=0)
 
@@ -57,6 +66,15 @@ class TargetSettings(BaseSettings):
     # TLS (ADR 0011): a directory with tls.crt, tls.key and ca.crt (a cert-manager Secret);
     # empty = plaintext. Workers then require a client certificate signed by ca.crt (mTLS).
     tls_dir: str = ""
+    # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
+    # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
+    batching: bool = True
+    max_batch: int = Field(32, ge=1)  # work items per batch
+    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
+    kv_budget_mb: float = Field(1024.0, gt=0)  # KV slots allocated at start (at most max_sessions)
+    max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
+    prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
+    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     # benchmarks/tests on CPU: extra time per forward pass, flat in K, as a large target on a
     # GPU takes (memory-bound decode); 0 = off
     simulated_pass_ms: float = Field(0.0, ge=0)
@@ -90,6 +108,9 @@ class RouterSettings(BaseSettings):
     predraft_branches: int = Field(2, ge=0, le=8)
     verify_timeout_ms: float = Field(10_000.0, gt=0)
     target_wait_s: float = Field(30.0, ge=0)  # how long a round waits for a target to appear
+    # a target with no KV room answers RESOURCE_EXHAUSTED: the round retries for this long,
+    # then the request fails with RESOURCE_EXHAUSTED (ADR 0013)
+    admission_wait_s: float = Field(10.0, ge=0)
     session_ttl_s: int = Field(3600, ge=1)
     grace_s: float = Field(10.0, ge=0)
     # session ownership (ADR 0011): the owner renews its lease every heartbeat_s; a follower
@@ -126,6 +147,13 @@ class RouterSettings(BaseSettings):
     # classifier rules [{"workload_class", "pattern", "weight", "name"}]; null = built-in rules
     classifier_rules: list[dict] | None = None
     classifier_fallback: str = "chat"
+    # the OpenAI-compatible HTTP API (ADR 0012): its port (0 = a free one, -1 = off), the model
+    # id it serves, and the API keys it accepts (none configured = no key asked for)
+    http_port: int = Field(8000, ge=-1, le=65535)
+    http_port_file: str = ""
+    model_name: str = "specserve"
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    http_max_in_flight: int = Field(256, ge=1)  # HTTP requests served at once; beyond: 429
 
     @field_validator("lease_s")
     @classmethod

@@ -22,6 +22,14 @@ class Unavailable(SpecserveError):
     """A dependency (target, Redis) could not be reached in time (gRPC UNAVAILABLE)."""
 
 
+class ResourceExhausted(SpecserveError):
+    """No room now (gRPC RESOURCE_EXHAUSTED): retry later, or with less load."""
+
+
+class KVBudgetExhausted(ResourceExhausted):
+    """Every KV slot of a worker is held by a running session: free one or retry later."""
+
+
 class SessionLost(SpecserveError):
     """Another router took the session over, or it expired (gRPC ABORTED): Resume it."""
 

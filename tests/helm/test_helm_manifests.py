@@ -75,10 +75,13 @@ def test_grpc_health_probes(manifests):
     for where, _, c in specserve_containers(manifests):
         prefix, service = SERVICE_CONTAINERS[c["name"]]
         port = int(env_of(c)[f"{prefix}PORT"]["value"])
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == port, f"{where} {probe} is not on the gRPC port"
         assert c["startupProbe"]["grpc"]["service"] == service.full_name
-        assert c["readinessProbe"]["grpc"]["service"] == service.full_name
+        if c["name"] == "router":  # ready = both APIs serve: the HTTP API's /health (ADR 0012)
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        else:
+            assert c["readinessProbe"]["grpc"] == {"port": port, "service": service.full_name}
         assert c["livenessProbe"]["grpc"]["service"] == ""  # the server as a whole
         seen.add(c["name"])
     assert seen == set(SERVICE_CONTAINERS)
@@ -307,7 +310,24 @@ def test_production_network_policy_restricts_clients(production_manifests):
     values = yaml.safe_load((ROOT / "helm/specserve/ci/production-values.yaml").read_text())
     grpc_rule = next(r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc")
     assert grpc_rule["from"] == values["networkPolicy"]["clients"]
+    assert {"port": "http", "protocol": "TCP"} in grpc_rule["ports"]  # the HTTP API: same clients
     assert not allowed(production_manifests, None, "Deployment/spec-specserve-router", 50051)
+    assert not allowed(production_manifests, None, "Deployment/spec-specserve-router", 8000)
+
+
+def test_router_http_api_port_and_keys(default_manifests, production_manifests):
+    for manifests in (default_manifests, production_manifests):
+        (svc,) = find(manifests, "Service", "spec-specserve-router")
+        assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"} \
+            in svc["spec"]["ports"]
+    (dep,) = find(default_manifests, "Deployment", "spec-specserve-router")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]
+    assert env_of(c)["SPECSERVE_ROUTER_HTTP_PORT"]["value"] == "8000"
+    assert "SPECSERVE_ROUTER_API_KEYS" not in env_of(c)  # no Secret named: no key asked for
+    (dep,) = find(production_manifests, "Deployment", "spec-specserve-router")
+    keys = env_of(dep["spec"]["template"]["spec"]["containers"][0])["SPECSERVE_ROUTER_API_KEYS"]
+    assert keys["valueFrom"]["secretKeyRef"] == {"name": "specserve-api-keys", "key": "api-keys"}
 
 
 def test_tracing_env_only_when_enabled(default_manifests, production_manifests):

@@ -17,8 +17,9 @@ SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 # Fields the chart sets from structured values (ports, hosts, Redis URL, pools, models...).
 CHART_WIRED = {
     "router": {"host", "port", "port_file", "metrics_port", "metrics_port_file", "redis_url",
-               "key_prefix", "tokenizer", "draft_pools", "default_pool",
+               "key_prefix", "tokenizer", "draft_pools", "default_pool", "http_port", "http_port_file",
                "admin_token", "admin_tokens",  # secrets: from a Secret (router.adminToken), never values
+               "api_keys",  # from a Secret (router.apiKeys)
                "tls_dir", "tls_server_name"},  # from values.tls
     "draft": {"pool", "model", "host", "port", "port_file", "metrics_port", "metrics_port_file", "tls_dir"},
     "target": {"model", "redis_url", "key_prefix", "name", "host", "port", "metrics_port",

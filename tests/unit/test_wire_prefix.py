@@ -11,7 +11,6 @@ from specserve.errors import InvalidRequest, NeedsFullPrefix
 from specserve.serving.wire import prefix_to_proto, sampling_from_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix, chain
 from specserve.worker.qcodec import q_from_proto, q_to_proto
-from specserve.worker.sessions import SessionLRU
 
 
 def test_worker_follows_deltas_and_refuses_a_different_prefix():
@@ -59,24 +58,6 @@ def test_sampling_roundtrip_and_unset_top_p():
     sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, banned_token_ids=(3,))
     assert sampling_from_proto(sampling_to_proto(sp)) == sp
     assert sampling_from_proto(sampling_to_proto(SamplingParams())).top_p == 1.0
-
-
-class _State:
-    def __init__(self, log):
-        self.log = log
-
-    def release(self):
-        self.log.append(self)
-
-
-def test_session_lru_evicts_least_recently_used():
-    released: list = []
-    lru = SessionLRU(lambda: _State(released), max_sessions=2)
-    a, b = lru.get("a"), lru.get("b")
-    assert lru.get("a") is a  # touch a: b is now the oldest
-    lru.get("c")
-    assert released == [b] and len(lru) == 2
-    assert lru.release("a") and released == [b, a] and not lru.release("a")
 
 
 def test_incremental_text_never_shows_what_a_stop_string_takes_back():

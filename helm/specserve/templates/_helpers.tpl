@@ -254,7 +254,13 @@ startupProbe:
   failureThreshold: {{ $p.startup.failureThreshold }}
   timeoutSeconds: {{ $p.startup.timeoutSeconds }}
 readinessProbe:
+  {{- if .readinessHttp }}
+  httpGet:
+    path: /health
+    port: {{ .readinessHttp }}
+  {{- else }}
   {{- include "specserve.probeCheck" . | nindent 2 }}
+  {{- end }}
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}

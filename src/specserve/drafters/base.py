@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from specserve.algorithm.rejection import QProbs
-from specserve.algorithm.sampling import SamplingParams
+from specserve.params import SamplingParams
+
+if TYPE_CHECKING:  # torch-free at run time: the router imports the prediction drafter
+    from specserve.algorithm.rejection import QProbs
 
 
 @dataclass

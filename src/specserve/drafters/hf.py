@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -58,28 +59,13 @@ class HFDraftSession:
             return DraftProposal([], None)
         dropped = self.lm.reconcile(token_ids)
         logits = self.lm.extend(token_ids[self.lm.length :])[-1]
-        start = len(token_ids)
-        tokens: list[int] = []
-        runner_up: list[int | None] = []
-        confidence: list[tuple[float, float]] = []
-        qs: list[torch.Tensor] = []
+        steps = []
         for i in range(k):
-            probs = None if sampling.greedy else truncate_mass(
-                logits_to_probs(logits, sampling), self.drafter.q_mass, self.drafter.q_max_entries)  # [V]
-            if probs is None:
-                tok = int(greedy_tokens(logits, sampling))
-            else:
-                u = torch.from_numpy(uniform(seed, [start + i], Purpose.DRAFT))
-                tok = int(draw(probs.unsqueeze(0), u)[0])
-                qs.append(probs)
-            tokens.append(tok)
-            alt = _runner_up(logits, tok, sampling)
-            runner_up.append(alt)
-            confidence.append(_confidence(logits if probs is None else probs, probs is None, tok, alt))
+            steps.append(draft_step(logits, sampling, seed, len(token_ids) + i, self.drafter.q_mass,
+                                    self.drafter.q_max_entries))
             if i + 1 < k:
-                logits = self.lm.extend([tok])[-1]
-        q = None if sampling.greedy else _pack_q(torch.stack(qs))
-        return DraftProposal(tokens, q, rollback_tokens=dropped, runner_up=runner_up, confidence=confidence)
+                logits = self.lm.extend([steps[-1].token])[-1]
+        return make_proposal(steps, sampling, dropped)
 
     @torch.inference_mode()
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
@@ -90,13 +76,52 @@ class HFDraftSession:
             return None
         self.lm.reconcile(token_ids)
         logits = self.lm.extend(token_ids[self.lm.length :])[-1]
-        if sampling.greedy:
-            return int(greedy_tokens(logits, sampling))
-        probs = logits_to_probs(logits, sampling)
-        return int(draw(probs.unsqueeze(0), torch.from_numpy(uniform(seed, [len(token_ids)], Purpose.BONUS)))[0])
+        return bonus_guess(logits, sampling, seed, len(token_ids))
 
     def release(self) -> None:
         self.lm.reset()
+
+
+@dataclass
+class DraftStep:
+    """One drafted position: the token, its truncated q (None at T = 0), the runner-up and
+    the draft's (p(token), p(runner-up))."""
+
+    token: int
+    q: torch.Tensor | None
+    runner_up: int | None
+    confidence: tuple[float, float]
+
+
+def draft_step(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int, q_mass: float,
+               q_max_entries: int) -> DraftStep:
+    """The draft token at absolute position `pos` from the draft's logits [V] there: argmax
+    at T = 0, else a draw from q truncated to q_mass with uniform(seed, pos, DRAFT). Shared by
+    the per-session path and the batched draft worker, so both draft the same from the same
+    logits."""
+    probs = None if sampling.greedy else truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
+    if probs is None:
+        tok = int(greedy_tokens(logits, sampling))
+    else:
+        tok = int(draw(probs.unsqueeze(0), torch.from_numpy(uniform(seed, [pos], Purpose.DRAFT)))[0])
+    alt = _runner_up(logits, tok, sampling)
+    return DraftStep(tok, probs, alt, _confidence(logits if probs is None else probs, probs is None, tok, alt))
+
+
+def make_proposal(steps: Sequence[DraftStep], sampling: SamplingParams, dropped: int) -> DraftProposal:
+    if not steps:
+        return DraftProposal([], None, rollback_tokens=dropped)
+    q = None if sampling.greedy else _pack_q(torch.stack([s.q for s in steps]))
+    return DraftProposal([s.token for s in steps], q, rollback_tokens=dropped,
+                         runner_up=[s.runner_up for s in steps], confidence=[s.confidence for s in steps])
+
+
+def bonus_guess(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int) -> int:
+    """The draft's guess of the target's token at `pos` (see HFDraftSession.guess_next)."""
+    if sampling.greedy:
+        return int(greedy_tokens(logits, sampling))
+    probs = logits_to_probs(logits, sampling)
+    return int(draw(probs.unsqueeze(0), torch.from_numpy(uniform(seed, [pos], Purpose.BONUS)))[0])
 
 
 def _confidence(scores: torch.Tensor, are_logits: bool, drafted: int, alt: int | None) -> tuple[float, float]:

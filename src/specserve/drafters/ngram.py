@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.errors import InvalidRequest
+from specserve.params import SamplingParams
 
 
 class NgramDrafter:

@@ -22,11 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.errors import InvalidRequest, SpecserveError
+from specserve.errors import InvalidRequest, KVBudgetExhausted
 
-
-class KVBudgetExhausted(SpecserveError):
-    """Every KV slot is held by a session (gRPC RESOURCE_EXHAUSTED): free one or retry later."""
+__all__ = ["ContextTooLong", "KVBudgetExhausted", "KVLayout", "KVSlots", "prefill_chunks"]
 
 
 class ContextTooLong(InvalidRequest):

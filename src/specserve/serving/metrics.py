@@ -46,6 +46,8 @@ class RouterMetrics:
                                      registry=r)
         self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
                                 registry=r)
+        self.api_requests = Counter("specserve_api_requests", "Client requests by API (grpc|http), route and status.",
+                                    ("api", "route", "status"), registry=r)
         # classification, policies, the controller, shadow mode (DESIGN §4)
         self.classified = Counter("specserve_classified_requests", "Requests by workload class and how it was chosen.",
                                   ("workload_class", "reason"), registry=r)
@@ -86,5 +88,14 @@ class WorkerMetrics:
                               registry=r)
         self.rollback_tokens = Counter(f"specserve_{service}_rollback_tokens",
                                        f"Provisional positions the {service} worker dropped.", registry=r)
+        # continuous batching (ADR 0013)
+        self.batch_size = Histogram(f"specserve_{service}_batch_size", "Work items per batch the model ran.",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
+        self.queue_depth = Gauge(f"specserve_{service}_queue_depth", "Work items waiting for the model.",
+                                 registry=r)
+        self.kv_slots = Gauge(f"specserve_{service}_kv_slots", "KV slots of the batched runner, used or free.",
+                              ("state",), registry=r)
+        self.refused = Counter(f"specserve_{service}_refused_sessions",
+                               "New sessions answered RESOURCE_EXHAUSTED: no KV room.", registry=r)
         self.predrafts = Counter(f"specserve_{service}_predrafts", "Blocks drafted ahead while the target verified.",
                                  registry=r)

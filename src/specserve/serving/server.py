@@ -21,6 +21,7 @@ from specserve.errors import (
     IncompatiblePair,
     InvalidRequest,
     NeedsFullPrefix,
+    ResourceExhausted,
     SessionLost,
     SessionNotFound,
     SpecserveError,
@@ -36,6 +37,7 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (SessionLost, grpc.StatusCode.ABORTED),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 

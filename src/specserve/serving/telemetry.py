@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import grpc
 from opentelemetry import context as otel_context
@@ -24,6 +25,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "specserve"
+# Which API a request came in by ("grpc" | "http"): the `specserve.api` span attribute
+API: ContextVar[str] = ContextVar("specserve_api", default="grpc")
 _enabled = False  # set by setup_tracing: with tracing off, interceptors add nothing
 
 
@@ -103,7 +106,8 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request, context):
                 token = otel_context.attach(propagate.extract(carrier))
                 try:
-                    with tracer().start_as_current_span(name, kind=SpanKind.SERVER) as span:
+                    with tracer().start_as_current_span(name, kind=SpanKind.SERVER,
+                                                        attributes={"specserve.api": "grpc"}) as span:
                         try:
                             return await inner_uu(request, context)
                         except Exception as exc:
@@ -120,7 +124,8 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(request, context):
                 token = otel_context.attach(propagate.extract(carrier))
                 try:
-                    with tracer().start_as_current_span(name, kind=SpanKind.SERVER):
+                    with tracer().start_as_current_span(name, kind=SpanKind.SERVER,
+                                                        attributes={"specserve.api": "grpc"}):
                         async for item in inner_us(request, context):
                             yield item
                 finally:

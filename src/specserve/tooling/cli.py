@@ -96,8 +96,36 @@ def demo(
                 table.add_row(cls, name, f"{per_token * 1e3:.1f}", f"{base / per_token:.2f}x",
                               f"{acc}/{drafted}" if drafted else "-", str(same))
         console.print(table)
+        if router is None:  # the local stack: its HTTP API's address is in run/router.http
+            code = demo_choice(prompts, "code", 1)[0]["prompt"]
+            _demo_openai(console, run_dir, code, call(code, "code", "none")[0], max_tokens)
         _demo_policies(console, channel, prompts, prompts_per_class, max_tokens,
                        _admin_token(os.environ.get("SPECSERVE_ADMIN_TOKEN"), router, run_dir))
+
+
+def _demo_openai(console, run_dir: Path, prompt: str, plain, max_tokens: int) -> None:
+    """One call through the OpenAI SDK with a Predicted Output: the plain output as the
+    prediction (as an editor sends the file being edited); the output is the same, faster."""
+    http = run_dir / "router.http"
+    if not http.exists():
+        return
+    import time
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{http.read_text().strip()}/v1", api_key="unused")
+    t = time.perf_counter()
+    got = client.completions.create(model="specserve", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                    extra_body={"prediction": {"type": "content", "content": plain.text}})
+    ms = (time.perf_counter() - t) * 1e3
+    usage = got.usage
+    assert usage is not None and usage.completion_tokens_details is not None, "the router always reports usage"
+    d = usage.completion_tokens_details
+    console.rule("[bold]OpenAI SDK: client.completions.create(..., extra_body={\"prediction\": ...})[/bold]")
+    console.print(f"[dim]base_url:[/dim] {client.base_url}  [dim]output:[/dim] {got.choices[0].text!r}")
+    console.print(f"{usage.completion_tokens} tokens in {ms:.0f} ms; prediction tokens accepted "
+                  f"{d.accepted_prediction_tokens}, rejected {d.rejected_prediction_tokens}; same text as plain "
+                  f"decoding over gRPC: {got.choices[0].text == plain.text}", highlight=False)
 
 
 def _demo_notice(console, pair_path: Path) -> None:
@@ -206,7 +234,7 @@ def demo_local(
 
 
 
-def _stack_spec(models: Path, preset: str, run_dir: Path):
+def _stack_spec(models: Path, preset: str, run_dir: Path, http_port: int = 8000):
     import json
     import secrets
 
@@ -228,7 +256,7 @@ def _stack_spec(models: Path, preset: str, run_dir: Path):
                                "k_max": 12}}
     return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
                      pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1)},
-                     redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""),
+                     redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""), http_port=http_port,
                      router_env={"SPECSERVE_ROUTER_ADMIN_TOKEN": token,
                                  "SPECSERVE_ROUTER_POLICIES": json.dumps(policies)})
 
@@ -239,14 +267,17 @@ def up(
     preset: str = typer.Option("default", help="Which built pair to serve."),
     run_dir: Path = typer.Option(RUN_DIR, help="Logs, ports and PIDs of the local stack."),
     tls: bool = typer.Option(False, "--tls", help="TLS on every hop (mTLS to workers), with a local CA in run/tls."),
+    http_port: int = typer.Option(8000, "--http-port", help="The router's OpenAI-compatible HTTP API port "
+                                  "(0 = a free one)."),
 ) -> None:
     """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, two draft pools
-    (small: 2 replicas, ngram: 1) and the router, all on loopback."""
+    (small: 2 replicas, ngram: 1) and the router (gRPC, and the OpenAI HTTP API), all on
+    loopback."""
     from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import Stack, StackError, down_from
 
     down_from(str(run_dir))  # a stale stack from an earlier `up` is stopped first
-    spec = _stack_spec(models, preset, run_dir)
+    spec = _stack_spec(models, preset, run_dir, http_port)
     (run_dir / "router.tls").unlink(missing_ok=True)
     if tls:
         spec.tls_dir = str(make_local_ca(run_dir.resolve() / "tls"))
@@ -260,6 +291,8 @@ def up(
     for pool, addrs in info.pools.items():
         typer.echo(f"draft pool {pool}: {', '.join(addrs)}")
     (run_dir / "router.address").write_text(info.router)
+    (run_dir / "router.http").write_text(info.http)
+    typer.echo(f"OpenAI-compatible API: {info.http}/v1 (model \"specserve\")")
     typer.echo(f"policies: `specserve policy list` (admin token in {run_dir / 'admin.token'})")
 
 
@@ -301,6 +334,9 @@ def generate(
     pool: str = typer.Option("", help="Draft pool; 'none' disables speculation."),
     k: int | None = typer.Option(None, "--k", help="Draft tokens per round."),
     stream: bool = typer.Option(False, help="Print chunks as they are committed."),
+    predict: Path | None = typer.Option(None, "--predict", help="Predicted Outputs: a file holding the text "
+                                        "the output is expected to mostly repeat (it drafts; the output is "
+                                        "exact)."),
     router: str | None = typer.Option(None, help="host:port of a router (default: the local stack)."),
     run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
@@ -317,6 +353,10 @@ def generate(
         req.seed = seed
     if k is not None:
         req.num_draft_tokens = k
+    if predict is not None:
+        if not predict.is_file():
+            raise typer.BadParameter(f"{predict} is not a readable file", param_hint="--predict")
+        req.prediction = predict.read_text()
     with _channel(_router_address(router, run_dir), run_dir) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
@@ -333,7 +373,9 @@ def generate(
     st = resp.stats
     typer.echo(resp.text)
     typer.echo(f"[{resp.finish_reason}] class={st.workload_class} pool={st.draft_pool or '-'} rounds={st.rounds} "
-               f"accepted={st.accepted_tokens}/{st.draft_tokens} seed={st.seed}")
+               f"accepted={st.accepted_tokens}/{st.draft_tokens} seed={st.seed}"
+               + (f" prediction accepted={st.accepted_prediction_tokens} rejected={st.rejected_prediction_tokens}"
+                  if predict is not None else ""))
 
 
 @app.command("trace")

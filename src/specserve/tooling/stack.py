@@ -42,12 +42,15 @@ class StackSpec:
     router_env_each: list[dict[str, str]] = field(default_factory=list)  # router i's own additions
     env: dict[str, str] = field(default_factory=dict)  # for every service (e.g. OTEL_*, SPECSERVE_TRACING)
     tls_dir: str = ""  # tls.crt/tls.key/ca.crt: TLS on every hop, mTLS to workers (ADR 0011)
+    http_port: int = 0  # router 0's HTTP API port (0 = a free one; the others always take a free one)
 
 
 @dataclass
 class StackInfo:
     router: str = ""
     routers: list[str] = field(default_factory=list)  # every replica; router == routers[0]
+    http: str = ""  # the OpenAI-compatible HTTP API of router 0: http://host:port
+    https: list[str] = field(default_factory=list)  # every replica's, as `routers`
     redis_url: str = ""
     pools: dict[str, list[str]] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)  # name -> pid, in start order
@@ -180,9 +183,13 @@ class Stack:
         for i in range(spec.routers):
             name = "router" if i == 0 else f"router-{i}"
             router_port = self.run_dir / f"{name}.port"
+            http_port = self.run_dir / f"{name}.http.port"
             router_port.unlink(missing_ok=True)
+            http_port.unlink(missing_ok=True)
             p, lg = self._spawn(name, "services.router", {
                 "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
+                "SPECSERVE_ROUTER_HTTP_PORT": str(spec.http_port if i == 0 else 0),
+                "SPECSERVE_ROUTER_HTTP_PORT_FILE": str(http_port),
                 "SPECSERVE_ROUTER_METRICS_PORT": "0",
                 "SPECSERVE_ROUTER_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"),
                 "SPECSERVE_ROUTER_REDIS_URL": self.info.redis_url, "SPECSERVE_ROUTER_KEY_PREFIX": spec.key_prefix,
@@ -194,8 +201,10 @@ class Stack:
             address = f"127.0.0.1:{_wait_file(router_port, p, name, timeout_s, lg)}"
             wait_serving(address, "specserve.v1.Generation", timeout_s, spec.tls_dir)
             self.info.routers.append(address)
+            self.info.https.append(f"http://127.0.0.1:{_wait_file(http_port, p, name, timeout_s, lg)}")
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
         self.info.router = self.info.routers[0]
+        self.info.http = self.info.https[0]
         self._save()
 
     def restart(self, name: str, address: str, timeout_s: float = 120.0) -> None:

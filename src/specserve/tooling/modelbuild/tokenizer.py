@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from specserve.serving.chat import CHAT_TEMPLATE
+
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
@@ -23,7 +25,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=EOS, unk_token=None,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE  # saved in tokenizer_config.json: the HTTP API's chat turns
+    return fast

@@ -1,0 +1,117 @@
+"""Predicted Outputs: the client's expected output as the draft. The drafter walks the
+committed output along the prediction: while they agree it proposes the prediction's next
+tokens; after a divergence (an edit) it finds its place again the way the n-gram drafter
+does, by the last few committed tokens, taking the occurrence nearest to where the walk
+expected to be. Its q is one-hot (deterministic), so rejection sampling stays exact.
+
+The block grows with the evidence: 1 + 2 x (output tokens in step since the last resync,
+beyond the first), capped at K. An output that does not follow the prediction (a chat answer that quotes none of
+it) then costs one rejected token per round, not K; one that does reaches K in three rounds.
+
+Example (prediction `a b c d e f`, k = 3):
+    output `a b`          -> proposes `c d e`  (in step, 2 tokens of evidence)
+    output `a b X`        -> proposes nothing  (`X` is not in the prediction)
+    output `a b X d`      -> proposes `e`      (`d` found at index 3: back in step, on 1 token)
+    output `a b X d e`    -> proposes `f`      (in step; the prediction ends there)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specserve.drafters.base import DraftProposal
+from specserve.errors import InvalidRequest
+from specserve.params import SamplingParams
+
+PREDICTION_POOL = "prediction"  # the draft_pool name of a request's own prediction
+PREDICTION_K = 16  # draft tokens per round from a prediction (measured in ADR 0012)
+
+
+class PredictionDrafter:
+    """One request's prediction; `prompt_len` committed tokens precede the output."""
+
+    name = PREDICTION_POOL
+
+    def __init__(self, prediction: Sequence[int], prompt_len: int, vocab_size: int = 0, min_n: int = 1,
+                 max_n: int = 4) -> None:
+        if not (1 <= min_n <= max_n):
+            raise InvalidRequest(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.prediction = np.asarray(list(prediction), dtype=np.int64)
+        self.prompt_len = prompt_len
+        self.vocab_size = vocab_size
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def start(self) -> PredictionSession:
+        return PredictionSession(self)
+
+
+class PredictionSession:
+    """The walk is memoised: (output walked, cursor, in step). A prefix that does not extend
+    the walked output (a take-over, a cancelled tail) is walked again from the start, so the
+    proposal is a pure function of the committed sequence."""
+
+    def __init__(self, drafter: PredictionDrafter) -> None:
+        self.d = drafter
+        self.release()
+
+    def propose(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int) -> DraftProposal:
+        cursor = self.advance(token_ids[self.d.prompt_len :])
+        if cursor is None or k <= 0:
+            return DraftProposal([], None)
+        tokens = [int(t) for t in self.d.prediction[cursor : cursor + min(k, 1 + 2 * self.run)]]
+        banned = set(sampling.banned_token_ids)
+        for i, t in enumerate(tokens):  # a banned token can never be accepted: stop before it
+            if t in banned:
+                return DraftProposal(tokens[:i], None)
+        return DraftProposal(tokens, None)
+
+    def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
+        got = self.propose(token_ids, 1, sampling, seed).tokens
+        return got[0] if got else None
+
+    def release(self) -> None:
+        self.walked: list[int] = []
+        self.cursor = 0  # index in the prediction where the next output token is expected
+        self.in_step = True  # False: the last tokens were not found in the prediction
+        self.run = 0  # output tokens in step with the prediction since the last resync
+
+    def advance(self, output: Sequence[int]) -> int | None:
+        """The cursor after walking `output` (the committed generated tokens); None while
+        the output is out of step with the prediction."""
+        n = len(self.walked)
+        if len(output) < n or list(output[:n]) != self.walked:
+            self.release()
+            n = 0
+        for i in range(n, len(output)):
+            self.walked.append(int(output[i]))
+            self.cursor, self.in_step, self.run = step(self.d.prediction, self.walked, self.cursor,
+                                                       self.in_step, self.run, self.d.min_n, self.d.max_n)
+        return self.cursor if self.in_step else None
+
+
+def step(prediction: np.ndarray, output: list[int], cursor: int, in_step: bool, run: int, min_n: int,
+         max_n: int) -> tuple[int, bool, int]:
+    """(cursor, in step, run) after output[-1]: one past it while in step, else re-synchronised
+    near where the walk expected to be; out of step (the cursor still
+    advancing with the output) when the last tokens occur nowhere in the prediction."""
+    if in_step and cursor < len(prediction) and prediction[cursor] == output[-1]:
+        return cursor + 1, True, run + 1
+    found = resync(prediction, output, cursor + 1, min_n, max_n)
+    # a single matching token is weak evidence (common tokens occur everywhere): run = n - 1
+    return (found[0], True, found[1] - 1) if found is not None else (cursor + 1, False, 0)
+
+
+def resync(prediction: np.ndarray, output: list[int], expected: int, min_n: int,
+           max_n: int) -> tuple[int, int] | None:
+    """(one past, n) for the occurrence of the output's last n tokens (longest n first) in
+    the prediction whose end is nearest to `expected`; None when none occurs."""
+    for n in range(min(max_n, len(output), len(prediction)), min_n - 1, -1):
+        pattern = np.asarray(output[-n:], dtype=np.int64)
+        windows = np.lib.stride_tricks.sliding_window_view(prediction, n)
+        ends = np.flatnonzero((windows == pattern).all(axis=1)) + n
+        if ends.size:
+            return int(ends[np.argmin(np.abs(ends - expected))]), n
+    return None

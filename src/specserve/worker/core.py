@@ -1,0 +1,70 @@
+"""What the draft and target servicers share: an engine (worker/model_runner.py), its one
+model thread, the session table and the scheduler, wired together. A servicer validates a
+call, queues one work item for its session (`run`) and answers from the result."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from specserve.errors import KVBudgetExhausted
+from specserve.serving.metrics import WorkerMetrics
+from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
+from specserve.worker.sequence import Sequence, SessionTable
+
+
+class WorkerCore:
+    def __init__(self, engine, metrics: WorkerMetrics, max_sessions: int, max_batch: int = 32,
+                 max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
+                 extra_s: Callable[[list[Work]], float] | None = None,
+                 on_close: Callable[[Sequence], None] | None = None, name: str = "worker") -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.extra_s = extra_s
+        # One model thread: every batch, and every release of a KV slot, runs there in order.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.sessions = SessionTable(engine.open, self._close, max_sessions, evict_idle_s, on_close)
+        # a per-session engine runs items one by one: batches of one answer each call at once
+        self.scheduler = Scheduler(min(max_batch, getattr(engine, "max_batch", max_batch)), max_wait_ms / 1e3,
+                                   on_batch=self._observe)
+        self._loop: asyncio.Task | None = None
+
+    def _close(self, handle: Any, busy: bool) -> None:
+        """Free a session's KV now, or, while one of its items may be running, on the model
+        thread after it."""
+        if busy:
+            self.executor.submit(self.engine.close, handle)
+        else:
+            self.engine.close(handle)
+
+    def _observe(self, size: int, seconds: float) -> None:
+        m = self.metrics
+        m.batch_size.observe(size)
+        m.queue_depth.set(self.scheduler.depth())
+        m.sessions.set(len(self.sessions))
+        if self.engine.slots is not None:
+            used, free = self.engine.slots
+            m.kv_slots.labels("used").set(used)
+            m.kv_slots.labels("free").set(free)
+
+    def session(self, session_id: str) -> Sequence:
+        """The session's entry (KVBudgetExhausted, counted, when there is no room for it)."""
+        try:
+            return self.sessions.get(session_id)
+        except KVBudgetExhausted:
+            self.metrics.refused.inc()
+            raise
+
+    async def run(self, seq: Sequence, job: Any, tokens: int, priority: int = FOREGROUND) -> Done:
+        """Queue one item for `seq` and wait for its batch (the session is not evicted meanwhile)."""
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.create_task(self.scheduler.run(self.executor, self.engine.step, self.extra_s))
+        seq.busy += 1
+        try:
+            fut = self.scheduler.submit(Work(seq.id, job, tokens, priority))
+            self.metrics.queue_depth.set(self.scheduler.depth())
+            return await fut
+        finally:
+            seq.busy -= 1

@@ -1,0 +1,346 @@
+"""The model side of a worker: a `step(batch)` that runs the queued work items of one
+scheduler batch on the model thread and returns one result per item.
+
+Two engines per role, behind one interface (open/close a session's KV handle, step):
+- `BatchedTarget` / `BatchedDraft`: the batched, batch-invariant runner (models/runner.py,
+  ADR 0008). The target runs every Verify and Prefill of the batch as rows of one forward
+  and judges them with one rejection-sampling call per kind of row; the draft runs the
+  queued sessions' K autoregressive steps as K batched forwards (a row leaves when its K is
+  reached).
+- `SessionTarget` / `SessionDraft`: today's per-session path (an HF cache per session, or the
+  n-gram drafter), item by item. Used for architectures the runner does not support (one
+  log line, `runner.choose_path`), for the n-gram drafter, and with batching off.
+
+Long prompts are fed in chunks (`prefill_chunks`): an item whose committed tokens span more
+than one chunk feeds one chunk and answers AGAIN (the scheduler queues it again at the
+front), so a long prompt never stalls the running sessions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specserve.algorithm.rejection import (
+    QProbs,
+    Verdict,
+    greedy_verify,
+    q_to_dense,
+    rejection_sample,
+)
+from specserve.algorithm.sampling import SamplingParams, greedy_tokens, logits_to_probs
+from specserve.drafters.base import DraftProposal
+from specserve.drafters.hf import DraftStep, HFDrafter, bonus_guess, draft_step, make_proposal
+from specserve.models.kv_slots import KVLayout, prefill_chunks
+from specserve.models.runner import ModelRunner, Row, choose_path
+from specserve.models.verifier import TargetModel, verify_block
+from specserve.worker.scheduler import AGAIN, Work
+
+
+@dataclass
+class Batching:
+    """How a worker batches (the services' settings map onto this)."""
+
+    enabled: bool = True
+    kv_budget_mb: float = 512.0  # KV storage for every session's slot, allocated at start
+    max_sessions: int = 256  # and at most this many slots
+    max_len: int = 0  # positions per slot; 0 = the model's context length
+    prefill_chunk: int = 128
+    tile: int = 4  # ADR 0008
+    fuse_upto: int = 128
+
+    @classmethod
+    def from_settings(cls, s) -> Batching:
+        """From DraftSettings or TargetSettings (same field names)."""
+        return cls(enabled=s.batching, kv_budget_mb=s.kv_budget_mb, max_sessions=s.max_sessions, max_len=s.max_len,
+                   prefill_chunk=s.prefill_chunk)
+
+
+@dataclass
+class VerifyJob:
+    handle: Any
+    ids: list[int]  # the committed sequence
+    drafts: list[int]
+    q: QProbs
+    sampling: SamplingParams
+    seed: int
+    prefill_only: bool = False
+
+
+@dataclass
+class VerifyResult:
+    verdict: Verdict | None  # None for a Prefill
+    cached_len: int
+    rolled_back: int  # provisional positions dropped while reconciling and after the verdict
+
+
+@dataclass
+class DraftJob:
+    handle: Any
+    ids: list[int]
+    k: int
+    sampling: SamplingParams
+    seed: int
+    guess: bool = False  # the bonus guess of pre-drafting (result: a token id or None)
+
+
+_handles = itertools.count()
+
+
+def _num_slots(model: torch.nn.Module, b: Batching) -> tuple[int, int]:
+    """(slots, positions per slot) that fit the budget, at most b.max_sessions."""
+    cfg: Any = model.config
+    max_len = int(b.max_len or cfg.max_position_embeddings)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32)
+    slot_bytes = layout.bytes_per_token * max_len
+    slots = min(b.max_sessions, int(b.kv_budget_mb * 2**20) // slot_bytes)
+    if slots < 1:
+        raise ValueError(f"a KV budget of {b.kv_budget_mb} MB holds no session: one slot of {max_len} positions "
+                         f"needs {slot_bytes / 2**20:.1f} MB; raise kv_budget_mb or lower max_len")
+    return slots, max_len
+
+
+def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
+    slots, max_len = _num_slots(model, b)
+    return ModelRunner.from_hf(model, max_sessions=slots, max_len=max_len, tile=b.tile, fuse_upto=b.fuse_upto)
+
+
+class _RunnerSessions:
+    """open/close of runner slots; `close` runs on the model thread (the caller's job)."""
+
+    runner: ModelRunner
+    chunk: int = 128
+
+    def open(self, session_id: str) -> Any:
+        handle = (session_id, next(_handles))  # unique: a reopened session never meets its old slot
+        self.runner.allocate(handle)
+        return handle
+
+    def close(self, handle: Any) -> None:
+        self.runner.free(handle)
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        """(used, free) KV slots."""
+        kv = self.runner.kv
+        return kv.num_slots - kv.free_slots, kv.free_slots
+
+    def _feed(self, handle: Any, ids: Sequence[int], extra: int) -> tuple[int, list[int], bool]:
+        """Reconcile to `ids`; (positions dropped, tokens to feed now, whether they are the
+        last of the prompt). `extra`: tokens the item will add after the prompt."""
+        dropped = self.runner.reconcile(handle, ids)
+        length = self.runner.length(handle)
+        chunks = prefill_chunks(length, list(ids[length:]), self.chunk)
+        if len(chunks) > 1:
+            return dropped, chunks[0], False
+        self.runner.kv.check_room(handle, len(ids) - length + extra)
+        return dropped, list(ids[length:]), True
+
+
+class BatchedTarget(_RunnerSessions):
+    def __init__(self, target: TargetModel, b: Batching) -> None:
+        self.target = target
+        self.chunk = b.prefill_chunk
+        self.runner = make_runner(target.model, b)
+        self.max_positions = min(target.max_positions, self.runner.kv.max_len)
+
+    def step(self, batch: list[Work]) -> list[Any]:
+        results: list[Any] = [None] * len(batch)
+        rows, live = [], []
+        for i, w in enumerate(batch):
+            job: VerifyJob = w.payload
+            try:
+                dropped, feed, last = self._feed(job.handle, job.ids, len(job.drafts) + 1)
+            except Exception as exc:  # per item: a bad row must not fail the batch
+                results[i] = exc
+                continue
+            if last and not job.prefill_only:
+                feed = feed + job.drafts
+            n = len(job.drafts) + 1 if last and not job.prefill_only else 0
+            rows.append(Row(job.handle, feed, num_logits=n))
+            w.tokens = len(feed)
+            live.append((i, job, last, dropped))
+        logits = self.runner.forward(rows)
+        judged = []
+        for (i, job, last, dropped), lg in zip(live, logits, strict=True):
+            if not last:
+                results[i] = AGAIN
+            elif job.prefill_only:
+                results[i] = VerifyResult(None, self.runner.length(job.handle), dropped)
+            else:
+                judged.append((i, job, lg, dropped))
+        for (i, job, _, dropped), verdict in zip(judged, judge_batch([(j, lg) for _, j, lg, _ in judged]),
+                                                 strict=True):
+            keep = len(job.ids) + verdict.num_accepted
+            dropped += self.runner.rollback(job.handle, keep)
+            results[i] = VerifyResult(verdict, keep, dropped)
+        return results
+
+
+def judge_batch(items: list[tuple[VerifyJob, torch.Tensor]]) -> list[Verdict]:
+    """Verdicts for rows of target logits [K_i+1, V]: one greedy_verify over the greedy rows,
+    one rejection_sample over the sampled rows with a dense q and one over those without."""
+    out: list[Verdict | None] = [None] * len(items)
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for i, (job, _) in enumerate(items):
+        groups.setdefault((job.sampling.greedy, job.q is None), []).append(i)
+    for (greedy, no_q), idx in groups.items():
+        jobs = [items[i][0] for i in idx]
+        kmax = max(len(j.drafts) for j in jobs)
+        draft_t = torch.zeros(len(idx), kmax, dtype=torch.long)
+        num = torch.tensor([len(j.drafts) for j in jobs])
+        for b, j in enumerate(jobs):
+            draft_t[b, :len(j.drafts)] = torch.tensor(j.drafts, dtype=torch.long)
+        if greedy:
+            tgt = torch.zeros(len(idx), kmax + 1, dtype=torch.long)
+            for b, i in enumerate(idx):
+                tgt[b, :len(jobs[b].drafts) + 1] = greedy_tokens(items[i][1], jobs[b].sampling)
+            verdicts = greedy_verify(tgt, draft_t, num)
+        else:
+            vocab = items[idx[0]][1].shape[-1]
+            p = torch.zeros(len(idx), kmax + 1, vocab)
+            q = None if no_q else torch.zeros(len(idx), kmax, vocab)
+            for b, i in enumerate(idx):
+                k = len(jobs[b].drafts)
+                p[b, :k + 1] = logits_to_probs(items[i][1], jobs[b].sampling)
+                if q is not None and k:
+                    q[b, :k] = q_to_dense(jobs[b].q, draft_t[b, :k], vocab)
+            seeds = np.array([j.seed for j in jobs], dtype=np.uint64)
+            starts = np.array([len(j.ids) for j in jobs], dtype=np.int64)
+            verdicts = rejection_sample(p, draft_t, num, q, seeds, starts)
+        for i, v in zip(idx, verdicts, strict=True):
+            out[i] = v
+    return out  # type: ignore[return-value]
+
+
+class BatchedDraft(_RunnerSessions):
+    def __init__(self, drafter: HFDrafter, b: Batching) -> None:
+        self.drafter = drafter
+        self.chunk = b.prefill_chunk
+        self.runner = make_runner(drafter.model, b)
+        self.max_positions = min(drafter.max_positions, self.runner.kv.max_len)
+
+    def step(self, batch: list[Work]) -> list[Any]:
+        """Step 0 feeds each session's new committed tokens (1 logit), then one batched
+        1-token step per further draft position."""
+        results: list[Any] = [None] * len(batch)
+        rows, live = [], []
+        for i, w in enumerate(batch):
+            job: DraftJob = w.payload
+            k = 1 if job.guess else min(job.k, self.max_positions - len(job.ids))
+            if k <= 0:
+                results[i] = None if job.guess else DraftProposal([], None)
+                continue
+            try:
+                dropped, feed, last = self._feed(job.handle, job.ids, k)
+            except Exception as exc:
+                results[i] = exc
+                continue
+            rows.append(Row(job.handle, feed, num_logits=1 if last else 0))
+            w.tokens = len(feed)
+            if last:
+                live.append((i, job, k, dropped, []))
+            else:
+                results[i] = AGAIN
+        logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
+        while live:
+            rows, still = [], []
+            for i, job, k, dropped, steps in live:
+                lg = logits[job.handle][-1]
+                if job.guess:
+                    results[i] = bonus_guess(lg, job.sampling, job.seed, len(job.ids))
+                    continue
+                steps.append(self._pick(lg, job, len(steps)))
+                if len(steps) == k:
+                    results[i] = make_proposal(steps, job.sampling, dropped)
+                    continue
+                rows.append(Row(job.handle, [steps[-1].token], num_logits=1))
+                batch[i].tokens += 1
+                still.append((i, job, k, dropped, steps))
+            logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
+            live = still
+        return results
+
+    def _pick(self, logits: torch.Tensor, job: DraftJob, i: int) -> DraftStep:
+        return draft_step(logits, job.sampling, job.seed, len(job.ids) + i, self.drafter.q_mass,
+                          self.drafter.q_max_entries)
+
+
+class SessionTarget:
+    """The per-session path: one HF cache per session, items run one by one."""
+
+    max_batch = 1  # nothing to share: each call answers as soon as its own forward is done
+
+    def __init__(self, target: TargetModel) -> None:
+        self.target = target
+        self.max_positions = target.max_positions
+        self.slots = None
+
+    def open(self, session_id: str) -> Any:
+        return self.target.start()
+
+    def close(self, handle: Any) -> None:
+        handle.release()
+
+    def step(self, batch: list[Work]) -> list[Any]:
+        return [_guarded(self._one, w.payload) for w in batch]
+
+    def _one(self, job: VerifyJob) -> VerifyResult:
+        sess = job.handle
+        before = sess.rollback_tokens
+        if job.prefill_only:
+            sess.verify(job.ids, [])
+            return VerifyResult(None, sess.lm.length, sess.rollback_tokens - before)
+        verdict = verify_block(sess, job.ids, job.drafts, job.q, job.sampling, job.seed)
+        return VerifyResult(verdict, sess.lm.length, sess.rollback_tokens - before)
+
+
+class SessionDraft:
+    """The per-session path for any drafter (the n-gram drafter always takes it)."""
+
+    max_batch = 1
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.slots = None
+
+    def open(self, session_id: str) -> Any:
+        return self.drafter.start()
+
+    def close(self, handle: Any) -> None:
+        handle.release()
+
+    def step(self, batch: list[Work]) -> list[Any]:
+        return [_guarded(self._one, w.payload) for w in batch]
+
+    @staticmethod
+    def _one(job: DraftJob) -> Any:
+        if job.guess:
+            return job.handle.guess_next(job.ids, job.sampling, job.seed)
+        return job.handle.propose(job.ids, job.k, job.sampling, job.seed)
+
+
+def _guarded(fn, job) -> Any:
+    try:
+        return fn(job)
+    except Exception as exc:
+        return exc
+
+
+def target_engine(target: TargetModel, b: Batching) -> BatchedTarget | SessionTarget:
+    if b.enabled and choose_path(target.model) == "runner":
+        return BatchedTarget(target, b)
+    return SessionTarget(target)
+
+
+def draft_engine(drafter, b: Batching) -> BatchedDraft | SessionDraft:
+    """The n-gram drafter (no model) keeps its per-session path."""
+    if b.enabled and isinstance(drafter, HFDrafter) and choose_path(drafter.model) == "runner":
+        return BatchedDraft(drafter, b)
+    return SessionDraft(drafter)

@@ -1,0 +1,188 @@
+"""The prediction drafter (Predicted Outputs): alignment and re-synchronisation on literal
+tokens, then losslessness through the engine: at T = 0 the output is the target's greedy
+output whatever the prediction says, at T > 0 its distribution is the target's."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve.algorithm.sampling import SamplingParams, logits_to_probs
+from specserve.drafters.prediction import PredictionDrafter, resync
+from specserve.errors import InvalidRequest
+from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.verifier import TargetModel
+
+GREEDY = SamplingParams()
+PROMPT = [100, 101]  # the drafter reads the output after these
+
+
+def proposes(prediction, output, k=3):
+    session = PredictionDrafter(prediction, len(PROMPT)).start()
+    return session.propose(PROMPT + list(output), k, GREEDY, 0).tokens
+
+
+def test_empty_output_proposes_the_prediction_start():
+    assert proposes([1, 2, 3, 4], []) == [1]  # no evidence yet that the output follows it
+
+
+def test_block_grows_with_the_evidence_up_to_k():
+    pred = list(range(1, 40))
+    assert [len(proposes(pred, pred[:n], k=16)) for n in (0, 1, 2, 4, 8)] == [1, 3, 5, 9, 16]
+
+
+def test_in_step_proposes_what_follows():
+    assert proposes([1, 2, 3, 4, 5, 6], [1, 2]) == [3, 4, 5]
+
+
+def test_token_absent_from_prediction_proposes_nothing():
+    assert proposes([1, 2, 3, 4, 5, 6], [1, 2, 9]) == []
+
+
+def test_substitution_resyncs_on_the_next_token():
+    # `9` replaced `3`; `4` is found at index 3, so the walk is back in step (one token of
+    # evidence: a block of 1, then growing)
+    assert proposes([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 9, 4]) == [5]
+    assert proposes([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 9, 4, 5]) == [6, 7, 8]
+
+
+def test_insertion_resyncs():
+    # `7 8` inserted after `1 2`; `3` comes next
+    assert proposes([1, 2, 3, 4, 5], [1, 2, 7, 8, 3, 4]) == [5]
+
+
+def test_deletion_skips_ahead():
+    # `3 4` deleted: the output goes on with `5`
+    assert proposes([1, 2, 3, 4, 5, 6, 7], [1, 2, 5]) == [6]
+
+
+def test_longest_suffix_wins_over_nearest_single_token():
+    # `5` alone occurs at index 1, right where the walk expected it; `2 5` only at 6-7
+    assert resync(np.array([1, 5, 8, 0, 0, 0, 2, 5, 9]), [1, 7, 2, 5], expected=2, min_n=1, max_n=4) == (8, 2)
+
+
+def test_repeated_token_resyncs_to_the_occurrence_nearest_the_cursor():
+    pred = [5, 1, 2, 3, 5, 4, 6, 5, 7]
+    # in step to index 4, then `0` replaces `5`; `4` follows: found at index 5 only
+    assert proposes(pred, [5, 1, 2, 3, 0, 4, 6], k=2) == [5, 7]
+    # `5` occurs at indices 0, 4 and 7: the one ending nearest the expected end (5) wins
+    assert resync(np.array(pred), [5, 1, 2, 3, 0, 5], expected=5, min_n=1, max_n=1) == (5, 1)
+
+
+def test_end_of_prediction_proposes_nothing():
+    assert proposes([1, 2, 3], [1, 2, 3]) == []
+    assert proposes([1, 2, 3], [1, 2, 3, 4]) == []
+
+
+def test_banned_token_ends_the_block():
+    sp = SamplingParams(temperature=0.5, banned_token_ids=(4,))
+    session = PredictionDrafter([1, 2, 3, 4, 5], len(PROMPT)).start()
+    assert session.propose(PROMPT + [1], 4, sp, 0).tokens == [2, 3]
+
+
+def test_walk_is_a_pure_function_of_the_prefix():
+    pred = [1, 2, 3, 4, 5, 6, 7, 8]
+    session = PredictionDrafter(pred, len(PROMPT)).start()
+    session.propose(PROMPT + [1, 2, 9, 9], 3, GREEDY, 0)  # walked a branch that was not committed
+    fresh = PredictionDrafter(pred, len(PROMPT)).start()
+    for out in ([1, 2, 3], [1, 2, 3, 4, 5], [1, 9, 3]):
+        assert session.propose(PROMPT + out, 3, GREEDY, 0).tokens == fresh.propose(PROMPT + out, 3, GREEDY, 0).tokens
+
+
+def test_q_is_one_hot():
+    assert PredictionDrafter([1, 2], 0).start().propose([1], 2, GREEDY, 0).q is None
+
+
+def test_bad_ngram_sizes_are_refused():
+    with pytest.raises(InvalidRequest):
+        PredictionDrafter([1], 0, min_n=3, max_n=2)
+
+
+# -- lossless through the engine -----------------------------------------------------------
+MAX_TOKENS = 24
+
+
+def _edited(ref: list[int], vocab: int) -> list[int]:
+    """The reference with an edit in it: one token replaced, two dropped, one inserted."""
+    out = list(ref)
+    out[4] = (out[4] + 1) % vocab
+    del out[10:12]
+    out.insert(16, (out[16] + 7) % vocab)
+    return out
+
+
+@pytest.mark.slow
+def test_greedy_output_is_plain_greedy_whatever_the_prediction(tiny_pair, target_model, eval_prompts):
+    plain = SpecEngine(target_model, None, tiny_pair.tokenizer)
+    accepted = rejected = 0
+    for item in eval_prompts[:3]:
+        ids = tiny_pair.tokenizer.encode(item["prompt"])
+        ref = plain.generate(ids, GenerationParams(max_tokens=MAX_TOKENS)).token_ids
+        for prediction in (_edited(ref, target_model.vocab_size), ref[::-1]):
+            engine = SpecEngine(target_model, PredictionDrafter(prediction, len(ids), target_model.vocab_size),
+                                tiny_pair.tokenizer)
+            res = engine.generate(ids, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=8))
+            assert res.token_ids == ref, item["prompt"][:60]
+            accepted += sum(r.accepted for r in res.rounds)
+            rejected += sum(r.k - r.accepted for r in res.rounds)
+    assert accepted > 0 and rejected > 0  # both paths were exercised
+
+
+VOCAB = 5
+MICRO_PROMPT = [1, 2, 3, 1, 2]
+ALPHA = 1e-3  # as in test_engine_sequence: a correct engine fails these fixed seeds w.p. 1e-3
+
+
+def _micro(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(5.0)  # sharpen the near-uniform random init
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class _IdsTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.slow
+def test_first_three_tokens_follow_the_target():
+    """Exact enumeration of the target's 125 three-token sequences vs 800 seeded engine runs
+    that draft from a prediction (its most likely sequence, so drafts are often accepted).
+    One setting, T > 0 with nucleus truncation (the one-hot q against a truncated p): the
+    other sampling settings of the same verifier are covered by test_engine_sequence."""
+    sp = SamplingParams(temperature=0.7, top_p=0.9)
+    target_hf = _micro(0)
+    seqs = torch.tensor([MICRO_PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+    with torch.inference_mode():
+        probs = logits_to_probs(target_hf(input_ids=seqs).logits[:, -3:], sp)  # [25, 3, V]
+    exact = {(a, b, c): float(probs[row, 0, a] * probs[row, 1, b] * probs[row, 2, c])
+             for row, (a, b) in enumerate(itertools.product(range(VOCAB), repeat=2)) for c in range(VOCAB)}
+    prediction = list(max(exact, key=exact.get))
+    engine = SpecEngine(TargetModel(target_hf), PredictionDrafter(prediction, len(MICRO_PROMPT), VOCAB),
+                        _IdsTokenizer())
+    n, counts, accepted = 800, {}, 0
+    for seed in range(n):
+        res = engine.generate(MICRO_PROMPT, GenerationParams(max_tokens=3, sampling=sp, num_draft_tokens=3,
+                                                             seed=seed))
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        accepted += sum(r.accepted for r in res.rounds)
+    assert accepted > n // 10  # the accept path was exercised, not only recovery
+    keys = sorted(exact)
+    assert sum(counts.get(k, 0) for k in keys if exact[k] == 0) == 0, "emitted an impossible sequence"
+    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    exp = np.array([exact[k] for k in keys]) * n
+    big = exp >= 5  # pool small cells: the chi-square approximation needs expected counts >= 5
+    obs_p, exp_p = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    keep = exp_p > 0
+    exp_p = exp_p[keep] * obs_p[keep].sum() / exp_p[keep].sum()
+    assert chisquare(obs_p[keep], exp_p).pvalue > ALPHA
