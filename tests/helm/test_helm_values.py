@@ -157,6 +157,7 @@ def test_tls_mounts_the_secret_everywhere_and_probes_by_tcp(render):
                     assert dirs == ["/etc/specserve/tls"]
                     assert {"name": "tls", "secret": {"secretName": "my-certs"}} in s["volumes"]
                     assert any(v["name"] == "tls" and v["readOnly"] for v in c["volumeMounts"])
-                    assert "tcpSocket" in c["readinessProbe"] and "grpc" not in c["readinessProbe"]
+                    assert "tcpSocket" in c["livenessProbe"]  # readiness may be the HTTP API's /health
+                    assert not any("grpc" in c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert {"router", "target-launcher"} <= set(wired) and any(n.startswith("draft") for n in wired), wired
     assert wired["router"]["SPECSERVE_ROUTER_TLS_SERVER_NAME"] == "specserve-workers"
