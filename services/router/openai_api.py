@@ -34,7 +34,13 @@ from services.router.openai_schema import (
     now,
 )
 from services.router.service import GenerationServicer
-from specserve.errors import InvalidRequest, ResourceExhausted, SessionLost, SessionNotFound, Unavailable
+from specserve.errors import (
+    InvalidRequest,
+    ResourceExhausted,
+    SessionLost,
+    SessionNotFound,
+    Unavailable,
+)
 from specserve.serving.chat import ChatTemplate
 from specserve.serving.metrics import RouterMetrics
 from specserve.serving.telemetry import API, tracer
