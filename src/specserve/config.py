@@ -7,7 +7,24 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class DraftSettings(BaseSettings):
+class WorkerSettings(BaseSettings):
+    """What the draft and the target workers share: TLS and continuous batching."""
+
+    # TLS (ADR 0011): a directory with tls.crt, tls.key and ca.crt (a cert-manager Secret);
+    # empty = plaintext. Workers then require a client certificate signed by ca.crt (mTLS).
+    tls_dir: str = ""
+    # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
+    # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
+    batching: bool = True
+    max_batch: int = Field(32, ge=1)  # work items per batch
+    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
+    kv_budget_mb: float = Field(256.0, gt=0)  # KV slots allocated at start (at most max_sessions)
+    max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
+    prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
+    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
+
+
+class DraftSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFT_", frozen=True)
 
     pool: str = "small"  # the pool name policies refer to
@@ -27,23 +44,11 @@ class DraftSettings(BaseSettings):
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     grace_s: float = Field(5.0, ge=0)  # SIGTERM drain
-    # TLS (ADR 0011): a directory with tls.crt, tls.key and ca.crt (a cert-manager Secret);
-    # empty = plaintext. Workers then require a client certificate signed by ca.crt (mTLS).
-    tls_dir: str = ""
-    # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
-    # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
-    batching: bool = True
-    max_batch: int = Field(32, ge=1)  # work items per batch
-    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
-    kv_budget_mb: float = Field(256.0, gt=0)  # KV slots allocated at start (at most max_sessions)
-    max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
-    prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
-    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     # benchmarks/tests on CPU: extra time per proposed token, as a slower draft device would take
     simulated_token_ms: float = Field(0.0, ge=0)
 
 
-class TargetSettings(BaseSettings):
+class TargetSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_TARGET_", frozen=True)
 
     model: str = "models/default/target"
@@ -63,18 +68,7 @@ class TargetSettings(BaseSettings):
     resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"large_gpu": 1}
     max_restarts: int = Field(-1, ge=-1)  # -1 = restart forever
     grace_s: float = Field(5.0, ge=0)
-    # TLS (ADR 0011): a directory with tls.crt, tls.key and ca.crt (a cert-manager Secret);
-    # empty = plaintext. Workers then require a client certificate signed by ca.crt (mTLS).
-    tls_dir: str = ""
-    # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
-    # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
-    batching: bool = True
-    max_batch: int = Field(32, ge=1)  # work items per batch
-    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
-    kv_budget_mb: float = Field(1024.0, gt=0)  # KV slots allocated at start (at most max_sessions)
-    max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
-    prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
-    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
+    kv_budget_mb: float = Field(1024.0, gt=0)  # the target holds the long verify rows
     # benchmarks/tests on CPU: extra time per forward pass, flat in K, as a large target on a
     # GPU takes (memory-bound decode); 0 = off
     simulated_pass_ms: float = Field(0.0, ge=0)
