@@ -12,10 +12,6 @@ import uuid
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from services.router.admin import PolicyAdminServicer
 from services.router.classifier import Classifier, Rule
@@ -43,20 +39,12 @@ from specserve.serving.telemetry import (
     shutdown_tracing,
 )
 from specserve.serving.tls import load as load_tls
-from specserve.state.store import REDIS_DOWN, SessionStore
+from specserve.state.store import REDIS_DOWN, SessionStore, connect
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 log = logging.getLogger("specserve.router")
 
 HEALTH_INTERVAL_S = 1.0
-
-
-def redis_client(url: str) -> aioredis.Redis:
-    """A client that reconnects with backoff (a few quick retries per command; longer
-    outages are ridden out by the callers, see RouterSettings.redis_outage_s)."""
-    return aioredis.from_url(url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
-                             retry_on_error=[RedisConnectionError, RedisTimeoutError], socket_connect_timeout=2.0,
-                             health_check_interval=10)
 
 
 async def redis_answers(redis: aioredis.Redis) -> bool:
@@ -114,7 +102,7 @@ async def main(settings: RouterSettings) -> None:
     setup_tracing("specserve-router")
     model = ModelInfo(settings.tokenizer)
     classifier = classifier_from(settings)
-    redis = redis_client(settings.redis_url)
+    redis = connect(settings.redis_url)
     store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s, lease_s=settings.lease_s)
     tls = load_tls(settings.tls_dir, settings.tls_server_name)
     pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000, settings.worker_streams,

@@ -21,7 +21,7 @@ from specserve.errors import SessionLost
 from specserve.params import GenerationParams
 from specserve.serving.telemetry import tracer
 from specserve.serving.wire import sampling_to_proto
-from specserve.state.store import REDIS_DOWN, CommitResult, CommitStatus, SessionStore
+from specserve.state.store import CommitStatus, SessionStore, ride_out
 from specserve.v1 import draft_pb2, target_pb2
 
 DRAFT_UNAVAILABLE = "draft_unavailable"
@@ -138,7 +138,10 @@ class RoundLoop:
 
     async def _commit(self, run: Run, expected: int, settled: Settled, text: str) -> str | None:
         with tracer().start_as_current_span("specserve.commit", kind=SpanKind.CLIENT) as span:
-            result = await self._commit_through_outage(run, expected, settled, text)
+            # safe to repeat through an outage: the round id makes a commit that landed a DUPLICATE
+            result = await ride_out(lambda: self.store.commit(
+                run.session_id, expected, run.epoch, f"{run.epoch}:{expected}", settled.tokens, text,
+                settled.finish_reason), self.redis_outage_s)
             span.set_attributes({"specserve.commit_status": result.status.value, "specserve.expected_len": expected})
         if result.status is CommitStatus.CLOSED:  # cancelled: only what Redis holds is this run's
             run.committed.crop(run.prompt_len + result.committed_len)
@@ -151,17 +154,3 @@ class RoundLoop:
         if run.first_commit is None:
             run.first_commit = time.perf_counter()
         return settled.finish_reason
-
-    async def _commit_through_outage(self, run: Run, expected: int, settled: Settled, text: str) -> CommitResult:
-        """The commit, retried with backoff while Redis is down for up to `redis_outage_s`.
-        Safe to repeat: the round id makes a commit that did land a DUPLICATE."""
-        waited, backoff = 0.0, 0.05
-        while True:
-            try:
-                return await self.store.commit(run.session_id, expected, run.epoch, f"{run.epoch}:{expected}",
-                                               settled.tokens, text, settled.finish_reason)
-            except REDIS_DOWN:
-                if waited >= self.redis_outage_s:
-                    raise
-                await asyncio.sleep(backoff)
-                waited, backoff = waited + backoff, min(backoff * 2, 1.0)

@@ -157,7 +157,7 @@ class Sessions:
         while not rounds.done():
             await asyncio.sleep(self.ownership.heartbeat_s)
             try:
-                status, unread = await self.store.heartbeat(run.session_id, run.epoch, reading=False)
+                status, unread = await self.store.heartbeat(run.session_id, run.epoch)
                 if status == "ok" and unread > idle:
                     log.info("session %s unread for %.0f s: cancelled", run.session_id, unread)
                     await self.store.abandon(run.session_id, run.epoch, f"nobody read it for {idle:.0f} s")

@@ -52,7 +52,6 @@ class TargetWorker:
             log.exception("target worker stopped")
 
     async def _serve(self) -> None:
-        import redis.asyncio as aioredis
         import torch
 
         from services.target.server import TargetServicer
@@ -67,6 +66,7 @@ class TargetWorker:
             tracer,
         )
         from specserve.serving.tls import load as load_tls
+        from specserve.state.store import connect
         from specserve.v1 import target_pb2, target_pb2_grpc
         from specserve.worker.model_runner import Batching
 
@@ -90,7 +90,7 @@ class TargetWorker:
             await server.set_serving()
             self.metrics_port = start_metrics_server(servicer.metrics.registry, s.metrics_port, s.host)
         self.address = f"{s.host}:{server.port}"
-        redis = aioredis.from_url(s.redis_url)
+        redis = connect(s.redis_url)  # the registry heartbeat rides a Redis restart
         entry = json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name,
                             "metrics_port": self.metrics_port})
         key = registry_key(s.key_prefix, s.name)

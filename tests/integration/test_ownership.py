@@ -33,14 +33,14 @@ def test_adoption_waits_for_the_lease_and_has_one_winner(short, run):
         assert await short.orphans() == []
         for _ in range(3):  # the owner's heartbeat keeps it
             await asyncio.sleep(0.15)
-            assert (await short.heartbeat(h.session_id, h.epoch, reading=False))[0] == "ok"
+            assert (await short.heartbeat(h.session_id, h.epoch))[0] == "ok"
         assert await short.adopt(h.session_id, "b") is None
         await asyncio.sleep(0.4)  # the owner went silent
         assert await short.orphans() == [h.session_id]
         won = await asyncio.gather(*(short.adopt(h.session_id, f"r{i}") for i in range(5)))
         assert sorted(won, key=str) == [2, None, None, None, None]  # exactly one new epoch
         # the old owner is fenced out: its heartbeat and its commits are refused
-        assert (await short.heartbeat(h.session_id, h.epoch, reading=False))[0] == "stale_epoch"
+        assert (await short.heartbeat(h.session_id, h.epoch))[0] == "stale_epoch"
         old = await short.commit(h.session_id, 0, h.epoch, rid(), [1], "a", None)
         assert old.status is CommitStatus.STALE_EPOCH
 
@@ -65,10 +65,10 @@ def test_unread_seconds_count_from_the_last_read(short, run):
     async def body():
         h = await short.create_or_join(None, PARAMS, PROMPT, owner="a")
         await asyncio.sleep(0.3)
-        _, unread = await short.heartbeat(h.session_id, h.epoch, reading=False)
+        _, unread = await short.heartbeat(h.session_id, h.epoch)
         assert unread >= 0.25
         await short.mark_read(h.session_id)
-        _, unread = await short.heartbeat(h.session_id, h.epoch, reading=False)
+        _, unread = await short.heartbeat(h.session_id, h.epoch)
         assert unread < 0.25
         assert await short.abandon(h.session_id, h.epoch, "nobody read it") is CommitStatus.OK
         assert (await short.get(h.session_id)).error == "nobody read it"

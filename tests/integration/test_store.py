@@ -289,3 +289,33 @@ def test_store_works_on_a_bytes_client(redis_server, run):
             await client.aclose()
 
     run(body())
+
+
+def test_the_services_client_rides_a_redis_restart_on_its_pooled_connections(tmp_path, run):
+    """After a restart every pooled socket is dead; the client `connect` gives the services
+    retries each command on a fresh one, so the first script, pipeline and stream read after
+    the restart succeed without the caller seeing it (issue 13: routers answered UNAVAILABLE
+    "Connection closed by server" here while their retry class was the synchronous one)."""
+    from specserve.state.store import connect
+    from specserve.tooling.redis_server import start_redis
+
+    server = start_redis(tmp_path / "redis")
+    try:
+        async def body():
+            client = connect(server.url)
+            store = SessionStore(client, prefix="restart", ttl_s=600)
+            sid, epoch = await new_session(store)
+            # several pooled connections, so the restart leaves several dead sockets behind
+            await asyncio.gather(*(client.ping() for _ in range(4)))
+            assert (await store.commit(sid, 0, epoch, "r1", [1, 2], "ab", "")).status is CommitStatus.OK
+            await asyncio.to_thread(server.restart)  # SIGTERM: Redis writes its AOF out, loses nothing
+            # first a plain command, then a script, then a pipeline and stream reads
+            assert (await store.get(sid)).status is SessionStatus.RUNNING
+            assert (await store.commit(sid, 2, epoch, "r2", [3], "c", "eos")).status is CommitStatus.OK
+            chunks = await collect(store, sid)
+            assert [list(c.tokens) for c in chunks] == [[1, 2], [3]] and chunks[-1].finish_reason == "eos"
+            await client.aclose()
+
+        run(body())
+    finally:
+        server.stop()

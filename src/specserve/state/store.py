@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, from_url
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -44,6 +46,30 @@ from specserve.errors import InvalidRequest, RequestIdConflict, SessionNotFound
 
 # Redis is down, restarting or still loading its AOF (BusyLoadingError is a ConnectionError).
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+OUTAGE_BACKOFF_S, OUTAGE_BACKOFF_MAX_S = 0.05, 1.0
+
+
+def connect(url: str) -> Redis:
+    """The services' client. Each command is retried a few times with a fresh connection, so
+    a pooled socket that a Redis restart closed costs nothing; longer outages are ridden
+    out by the callers (`ride_out`, `read_chunks(outage_s=...)`). The retry class must be
+    redis.asyncio's: the sync one hands the coroutine back unawaited, so nothing retries."""
+    return from_url(url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3), retry_on_error=list(REDIS_DOWN),
+                    socket_connect_timeout=2.0, health_check_interval=10)
+
+
+async def ride_out(call: Callable[[], Awaitable[Any]], outage_s: float) -> Any:
+    """`call()`, retried with backoff while Redis is down, for up to `outage_s` (then raised).
+    Only for calls that are safe to repeat (a commit is: its round id makes a repeat a no-op)."""
+    deadline, backoff = time.monotonic() + outage_s, OUTAGE_BACKOFF_S
+    while True:
+        try:
+            return await call()
+        except REDIS_DOWN:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_S)
 
 
 class SessionStatus(StrEnum):
@@ -216,7 +242,7 @@ local h = redis.call('HMGET', KEYS[1], 'status', 'lease_until', 'request_id')
 if not h[1] then return 0 end
 if ARGV[5] ~= '' then
   if h[1] ~= 'running' then return -1 end
-  if h[2] and tonumber(h[2]) > tonumber(later(0)) then return -2 end
+  if h[2] and tonumber(h[2]) > tonumber(now()) then return -2 end
 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'updated', now(), 'lease_until', later(ARGV[4]))
@@ -225,8 +251,8 @@ return epoch
 """
 )
 
-# The owner's heartbeat. KEYS: hash, tok, out, rounds. ARGV[3..5]: epoch, lease_s, reading
-# ('1': a client of this router reads it now). Returns {status, seconds unread}.
+# The owner's heartbeat. KEYS: hash, tok, out, rounds. ARGV[3..4]: epoch, lease_s.
+# Returns {status, seconds since a client last read it (read_at, set by readers)}.
 _HEARTBEAT = (
     _LUA_HELPERS
     + """
@@ -235,12 +261,20 @@ if not h[1] then return {'missing', '0'} end
 if h[1] ~= 'running' then return {'closed', '0'} end
 if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', '0'} end
 local t = now()
-if ARGV[5] == '1' or not h[3] then h[3] = t; redis.call('HSET', KEYS[1], 'read_at', t) end
+if not h[3] then h[3] = t; redis.call('HSET', KEYS[1], 'read_at', t) end
 redis.call('HSET', KEYS[1], 'lease_until', later(ARGV[4]))
 touch(h[4])
 return {'ok', string.format('%.3f', tonumber(t) - tonumber(h[3]))}
 """
 )
+
+# KEYS: hash. One round trip, and never recreates a hash that expired (it would have no TTL).
+_MARK_READ = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'read_at', t[1] .. '.' .. string.format('%06d', t[2]))
+end
+"""
 
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else could alias a sub-key
 _MAX_REQUEST_ID = 256
@@ -266,6 +300,7 @@ class SessionStore:
         self._close: Any = redis.register_script(_CLOSE)
         self._take_over: Any = redis.register_script(_TAKE_OVER)
         self._heartbeat: Any = redis.register_script(_HEARTBEAT)
+        self._mark_read: Any = redis.register_script(_MARK_READ)
         self.running_key = f"{prefix}:running"
 
     def _keys(self, session_id: str) -> list[str]:
@@ -315,17 +350,16 @@ class SessionStore:
         epoch = int(await self._take_over(keys=self._keys(session_id), args=args))
         return epoch if epoch > 0 else None
 
-    async def heartbeat(self, session_id: str, epoch: int, reading: bool) -> tuple[str, float]:
+    async def heartbeat(self, session_id: str, epoch: int) -> tuple[str, float]:
         """Renew the owner's lease: (status, seconds since a client last read the session).
         Status "ok", or "closed"/"stale_epoch"/"missing": the owner should stop."""
-        args = [self.prefix, self.ttl_s, epoch, self.lease_s, "1" if reading else ""]
+        args = [self.prefix, self.ttl_s, epoch, self.lease_s]
         status, unread = await self._heartbeat(keys=self._keys(session_id), args=args)
         return _str(status), float(_str(unread))
 
     async def mark_read(self, session_id: str) -> None:
         """A client is reading the session (it is not abandoned)."""
-        now = await self._r.time()
-        await self._r.hset(self._keys(session_id)[0], "read_at", f"{now[0]}.{now[1]:06d}")
+        await self._mark_read(keys=self._keys(session_id)[:1])
 
     async def orphans(self, limit: int = 256) -> list[str]:
         """Running sessions whose owner's lease has lapsed, from the `running` index; ids
@@ -457,12 +491,12 @@ class SessionStore:
             raise SessionNotFound(f"session {session_id} does not exist or expired")
         if from_offset > length:
             raise InvalidRequest(f"offset {from_offset} is past the {length} committed tokens")
-        pos, down_since, backoff = from_offset, None, 0.05
-        while True:
+        pos, down_since, backoff = from_offset, None, OUTAGE_BACKOFF_S
+        while True:  # ride_out's policy, inlined: this is a generator
             try:
                 async for chunk in self._follow(session_id, pos, block_ms, on_wait):
                     yield chunk
-                    pos, down_since, backoff = chunk.offset + len(chunk.tokens), None, 0.05
+                    pos, down_since, backoff = chunk.offset + len(chunk.tokens), None, OUTAGE_BACKOFF_S
                     if chunk.finish_reason:
                         return
                 return  # closed without a final chunk (defensive)
@@ -474,7 +508,7 @@ class SessionStore:
                 if now - down_since >= outage_s:
                     raise
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_S)
 
     async def _follow(self, session_id: str, pos: int, block_ms: int,
                       on_wait: Callable[[], Awaitable[None]] | None) -> AsyncIterator[Chunk]:
