@@ -25,7 +25,7 @@ from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.worker.core import WorkerCore
 from specserve.worker.model_runner import Batching, DraftJob, draft_engine
 from specserve.worker.qcodec import q_to_proto
-from specserve.worker.scheduler import BACKGROUND, Work
+from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Work
 from specserve.worker.sequence import Sequence
 from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 
@@ -58,7 +58,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.core = WorkerCore(self.engine, self.metrics, max_sessions, max_batch, max_wait_ms, evict_idle_s,
                                extra_s=self._simulated_s, on_close=_stop_ahead, name="draft")
         self.sessions = self.core.sessions
-        self.executor = self.core.executor
 
     def _simulated_s(self, batch: list[Work]) -> float:
         """A slower draft device: simulated_token_ms per draft step of the batch."""
@@ -92,7 +91,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             proposal, elapsed = await self._draft(seq, ids, k, sampling, seed)
             ahead_s = 0.0
         self.metrics.call_latency.labels("propose").observe(elapsed)
-        self.metrics.sessions.set(len(self.sessions))
         self.metrics.rollback_tokens.inc(proposal.rollback_tokens)
         branches = min(request.predraft_branches, self.max_predraft_branches)
         if branches and proposal.tokens:
@@ -107,7 +105,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             draft_ms=elapsed_s * 1e3, drafter=self.drafter.name, predrafted=predrafted, predraft_ms=ahead_s * 1e3)
 
     async def _draft(self, seq: Sequence, ids: list[int], k: int, sampling: SamplingParams, seed: int,
-                     priority: int = 0, guess: bool = False):
+                     priority: int = FOREGROUND, guess: bool = False):
         """One block (or the bonus guess) through the scheduler: (result, its cost in seconds
         at the current batch size, worker/cost.py)."""
         done = await self.core.run(seq, DraftJob(seq.handle, ids, k, sampling, seed, guess),

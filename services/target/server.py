@@ -33,11 +33,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         b = batching or Batching(enabled=False)
         b = replace(b, max_sessions=min(b.max_sessions, max_sessions))
         self.engine = target_engine(target, b)
-        self.max_positions = getattr(self.engine, "max_positions", target.max_positions)
+        self.max_positions = self.engine.max_positions
         self.core = WorkerCore(self.engine, self.metrics, max_sessions, max_batch, max_wait_ms, evict_idle_s,
                                extra_s=lambda _: simulated_pass_ms / 1e3, name="target")
         self.sessions = self.core.sessions
-        self.executor = self.core.executor
 
     def _reconcile(self, request):
         check_token_ids(request.prefix.tokens, self.target.vocab_size)
@@ -58,7 +57,6 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         done = await self.core.run(seq, VerifyJob(seq.handle, ids, drafts, q, sampling, int(request.seed)), k + 1)
         result, verdict = done.value, done.value.verdict
         self.metrics.call_latency.labels("verify").observe(done.cost_s)
-        self.metrics.sessions.set(len(self.sessions))
         self.metrics.rollback_tokens.inc(result.rolled_back)
         return target_pb2.VerifyResponse(
             tokens=verdict.tokens, num_accepted=verdict.num_accepted,

@@ -82,13 +82,12 @@ def test_no_kv_room_queues_then_serves_or_fails_with_an_actionable_message(small
         # a patient router queues the request until hog-1 lets go, then serves it in full
         result: dict = {}
         worker = threading.Thread(target=lambda: result.update(r=patient.Generate(req, timeout=170)))
-        t0 = time.monotonic()
         worker.start()
         time.sleep(1.5)
         assert worker.is_alive()  # still queued: both slots are held
         assert target.Release(common_pb2.ReleaseRequest(session_id="hog-1"), timeout=10).released
         worker.join(170)
-        assert "r" in result and time.monotonic() - t0 >= 1.5
+        assert "r" in result
         assert list(result["r"].token_ids) == expected  # no token lost or repeated
 
         # the hasty router serves once there is room (its session released the slot it used)

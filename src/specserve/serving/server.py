@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -39,17 +38,6 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (SessionLost, grpc.StatusCode.ABORTED),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
-
-
-async def run_timed(executor, fn, *args):
-    """Run `fn(*args)` on `executor`: (result, seconds it ran there), the queue excluded, so a
-    worker reports what a call cost rather than how busy it was."""
-    def timed():
-        t0 = time.perf_counter()
-        out = fn(*args)
-        return out, time.perf_counter() - t0
-
-    return await asyncio.get_running_loop().run_in_executor(executor, timed)
 
 
 def status_for(exc: Exception) -> grpc.StatusCode:

@@ -61,10 +61,5 @@ class WorkerCore:
         """Queue one item for `seq` and wait for its batch (the session is not evicted meanwhile)."""
         if self._loop is None or self._loop.done():
             self._loop = asyncio.create_task(self.scheduler.run(self.executor, self.engine.step, self.extra_s))
-        seq.busy += 1
-        try:
-            fut = self.scheduler.submit(Work(seq.id, job, tokens, priority))
-            self.metrics.queue_depth.set(self.scheduler.depth())
-            return await fut
-        finally:
-            seq.busy -= 1
+        seq.busy += 1  # until the item leaves the scheduler, even if this caller goes away first
+        return await self.scheduler.submit(Work(seq.id, job, tokens, priority, release=seq.leave))

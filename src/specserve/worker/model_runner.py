@@ -136,11 +136,12 @@ class _RunnerSessions:
         last of the prompt). `extra`: tokens the item will add after the prompt."""
         dropped = self.runner.reconcile(handle, ids)
         length = self.runner.length(handle)
-        chunks = prefill_chunks(length, list(ids[length:]), self.chunk)
-        if len(chunks) > 1:
-            return dropped, chunks[0], False
-        self.runner.kv.check_room(handle, len(ids) - length + extra)
-        return dropped, list(ids[length:]), True
+        # only the next piece: its cut is the one prefill_chunks makes (an absolute position)
+        first = prefill_chunks(length, list(ids[length:length + self.chunk]), self.chunk)[0] if len(ids) > length else []
+        if length + len(first) < len(ids):
+            return dropped, first, False
+        self.runner.kv.check_room(handle, len(first) + extra)
+        return dropped, first, True
 
 
 class BatchedTarget(_RunnerSessions):
@@ -160,10 +161,10 @@ class BatchedTarget(_RunnerSessions):
             except Exception as exc:  # per item: a bad row must not fail the batch
                 results[i] = exc
                 continue
-            if last and not job.prefill_only:
+            verify = last and not job.prefill_only
+            if verify:
                 feed = feed + job.drafts
-            n = len(job.drafts) + 1 if last and not job.prefill_only else 0
-            rows.append(Row(job.handle, feed, num_logits=n))
+            rows.append(Row(job.handle, feed, num_logits=len(job.drafts) + 1 if verify else 0))
             w.tokens = len(feed)
             live.append((i, job, last, dropped))
         logits = self.runner.forward(rows)

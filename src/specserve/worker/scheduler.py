@@ -51,6 +51,15 @@ class Work:
     priority: int = FOREGROUND
     spent_s: float = 0.0  # its share of earlier passes (a chunked prefill)
     future: asyncio.Future | None = field(default=None, repr=False)
+    # called once when the item leaves the scheduler for good (finished, failed, or dropped
+    # after its caller went away): not when the caller stops waiting, since a running item
+    # still uses its session's KV until its batch is over
+    release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def leave(self) -> None:
+        if self.release is not None:
+            self.release()
+            self.release = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,7 @@ class Scheduler:
     def take(self) -> list[Work]:
         """The next batch: foreground items in arrival order, one per session, at most
         max_batch; background items only when no foreground item is queued."""
-        self.queue = [w for w in self.queue if not _dead(w)]
+        self._prune()
         fg = any(w.priority == FOREGROUND for w in self.queue)
         batch: list[Work] = []
         seen: set[Hashable] = set()
@@ -123,8 +132,19 @@ class Scheduler:
         self.queue = [w for w in self.queue if id(w) not in taken]
         return batch
 
+    def _prune(self) -> None:
+        """Drop the items whose callers went away (their futures are done), releasing them."""
+        live = []
+        for w in self.queue:
+            if _dead(w):
+                w.leave()
+            else:
+                live.append(w)
+        self.queue = live
+
     async def next_batch(self) -> list[Work]:
         wake = self._event()
+        self._prune()
         while not self.depth():
             wake.clear()
             await wake.wait()
@@ -146,8 +166,9 @@ class Scheduler:
                 results = await loop.run_in_executor(executor, step, batch)
             except Exception as exc:  # the whole batch failed (a bug or a bad shape): tell every caller
                 results = [exc] * len(batch)
-            if extra_s is not None and extra_s(batch) > 0:
-                await asyncio.sleep(extra_s(batch))
+            extra = extra_s(batch) if extra_s is not None else 0.0
+            if extra > 0:
+                await asyncio.sleep(extra)
             elapsed = time.perf_counter() - t0
             self._finish(batch, results, elapsed)
 
@@ -166,6 +187,7 @@ class Scheduler:
             if r is AGAIN:
                 again.append(w)
                 continue
+            w.leave()
             if w.future is None or w.future.done():
                 continue
             if isinstance(r, BaseException):

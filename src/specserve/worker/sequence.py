@@ -26,8 +26,12 @@ class Sequence:
     handle: Any  # the backend's per-session state
     prefix: CommittedPrefix = field(default_factory=CommittedPrefix)
     extra: Any = None  # the servicer's own per-session state (the draft's speculation cache)
-    busy: int = 0  # calls queued or running
+    busy: int = 0  # items queued or running in the scheduler (raised per item, lowered as it leaves)
     last_used: float = field(default_factory=time.monotonic)
+
+    def leave(self) -> None:
+        """One of its items left the scheduler (Work.release)."""
+        self.busy -= 1
 
     def reconcile(self, prefix) -> list[int]:
         """The committed sequence of a request's `prefix` (base_len, base_hash, tokens);
