@@ -27,8 +27,13 @@ def test_budget_in_bytes_sets_the_slot_count():
 def test_budget_below_one_slot_is_refused():
     with pytest.raises(ValueError, match="holds no session"):
         KVSlots(LAYOUT, max_len=10, budget_bytes=1279)
-    with pytest.raises(ValueError, match="exactly one"):
-        KVSlots(LAYOUT, max_len=10, budget_bytes=5000, num_slots=2)
+    with pytest.raises(ValueError, match="give budget_bytes"):
+        KVSlots(LAYOUT, max_len=10)
+
+
+def test_a_budget_and_a_session_count_give_the_smaller():
+    assert KVSlots(LAYOUT, max_len=10, budget_bytes=5000, num_slots=2).num_slots == 2  # 3 would fit
+    assert KVSlots(LAYOUT, max_len=10, budget_bytes=2600, num_slots=8).num_slots == 2  # the budget caps
 
 
 def test_exhaustion_raises_a_domain_error_and_free_slots_are_reused():

@@ -49,7 +49,8 @@ class KVLayout:
 class KVSlots:
     """`num_slots` sessions of at most `max_len` positions each, allocated up front.
 
-    Pass `budget_bytes` (the slot count is what fits) or `num_slots`. Per layer:
+    Pass `budget_bytes` (the slot count is what fits), `num_slots`, or both (at most
+    `num_slots`, within the budget). Per layer:
     keys[layer], values[layer]: [num_slots, num_kv_heads, max_len, head_dim].
     """
 
@@ -58,16 +59,18 @@ class KVSlots:
         if max_len <= 0:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         slot_bytes = layout.bytes_per_token * max_len
-        if budget_bytes is not None and num_slots is None:
-            num_slots = budget_bytes // slot_bytes
-            if num_slots < 1:
+        if budget_bytes is None and num_slots is None:
+            raise ValueError("give budget_bytes, num_slots, or both (then the smaller count)")
+        if budget_bytes is not None:
+            fit = budget_bytes // slot_bytes
+            if fit < 1:
                 raise ValueError(
-                    f"a KV budget of {budget_bytes} bytes holds no session: one slot of "
-                    f"{max_len} positions needs {slot_bytes} bytes; raise the budget or lower max_len"
+                    f"a KV budget of {budget_bytes} bytes ({budget_bytes / 2**20:.1f} MB) holds no session: one "
+                    f"slot of {max_len} positions needs {slot_bytes} bytes ({slot_bytes / 2**20:.1f} MB); raise "
+                    f"the budget (kv_budget_mb) or lower max_len"
                 )
-        elif num_slots is None or budget_bytes is not None:
-            raise ValueError("give exactly one of budget_bytes and num_slots")
-        elif num_slots < 1:
+            num_slots = fit if num_slots is None else min(num_slots, fit)
+        if num_slots is None or num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.layout = layout
         self.max_len = max_len

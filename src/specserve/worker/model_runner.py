@@ -36,7 +36,7 @@ from specserve.algorithm.rejection import (
 from specserve.algorithm.sampling import SamplingParams, greedy_tokens, logits_to_probs
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import DraftStep, HFDrafter, bonus_guess, draft_step, make_proposal
-from specserve.models.kv_slots import KVLayout, prefill_chunks
+from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import ModelRunner, Row, choose_path
 from specserve.models.verifier import TargetModel, verify_block
 from specserve.worker.scheduler import AGAIN, Work
@@ -92,23 +92,9 @@ class DraftJob:
 _handles = itertools.count()
 
 
-def _num_slots(model: torch.nn.Module, b: Batching) -> tuple[int, int]:
-    """(slots, positions per slot) that fit the budget, at most b.max_sessions."""
-    cfg: Any = model.config
-    max_len = int(b.max_len or cfg.max_position_embeddings)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32)
-    slot_bytes = layout.bytes_per_token * max_len
-    slots = min(b.max_sessions, int(b.kv_budget_mb * 2**20) // slot_bytes)
-    if slots < 1:
-        raise ValueError(f"a KV budget of {b.kv_budget_mb} MB holds no session: one slot of {max_len} positions "
-                         f"needs {slot_bytes / 2**20:.1f} MB; raise kv_budget_mb or lower max_len")
-    return slots, max_len
-
-
 def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
-    slots, max_len = _num_slots(model, b)
-    return ModelRunner.from_hf(model, max_sessions=slots, max_len=max_len, tile=b.tile, fuse_upto=b.fuse_upto)
+    return ModelRunner.from_hf(model, kv_budget_bytes=int(b.kv_budget_mb * 2**20), max_sessions=b.max_sessions,
+                               max_len=b.max_len or None, tile=b.tile, fuse_upto=b.fuse_upto)
 
 
 class _RunnerSessions:
@@ -273,24 +259,33 @@ class BatchedDraft(_RunnerSessions):
                           self.drafter.q_max_entries)
 
 
-class SessionTarget:
-    """The per-session path: one HF cache per session, items run one by one."""
+class _PerSession:
+    """The per-session path: the backend's own state per session, items run one by one
+    (nothing to share: each call answers as soon as its own forward is done)."""
 
-    max_batch = 1  # nothing to share: each call answers as soon as its own forward is done
+    max_batch = 1
+    slots = None
 
-    def __init__(self, target: TargetModel) -> None:
-        self.target = target
-        self.max_positions = target.max_positions
-        self.slots = None
+    def __init__(self, backend) -> None:
+        self.backend = backend  # a TargetModel or a drafter: `start()` gives a session
 
     def open(self, session_id: str) -> Any:
-        return self.target.start()
+        return self.backend.start()
 
     def close(self, handle: Any) -> None:
         handle.release()
 
     def step(self, batch: list[Work]) -> list[Any]:
         return [_guarded(self._one, w.payload) for w in batch]
+
+    def _one(self, job: Any) -> Any:
+        raise NotImplementedError
+
+
+class SessionTarget(_PerSession):
+    def __init__(self, target: TargetModel) -> None:
+        super().__init__(target)
+        self.max_positions = target.max_positions
 
     def _one(self, job: VerifyJob) -> VerifyResult:
         sess = job.handle
@@ -302,23 +297,8 @@ class SessionTarget:
         return VerifyResult(verdict, sess.lm.length, sess.rollback_tokens - before)
 
 
-class SessionDraft:
-    """The per-session path for any drafter (the n-gram drafter always takes it)."""
-
-    max_batch = 1
-
-    def __init__(self, drafter) -> None:
-        self.drafter = drafter
-        self.slots = None
-
-    def open(self, session_id: str) -> Any:
-        return self.drafter.start()
-
-    def close(self, handle: Any) -> None:
-        handle.release()
-
-    def step(self, batch: list[Work]) -> list[Any]:
-        return [_guarded(self._one, w.payload) for w in batch]
+class SessionDraft(_PerSession):
+    """Any drafter (the n-gram drafter always takes this path)."""
 
     @staticmethod
     def _one(job: DraftJob) -> Any:
