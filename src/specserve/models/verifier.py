@@ -4,6 +4,7 @@ drafts, with the target's KV cache, and rollback of rejected positions."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -77,12 +78,50 @@ def judge(logits: torch.Tensor, draft_tokens: Sequence[int], q: QProbs, sampling
           seed: int, start: int) -> Verdict:
     """Logits [k+1, V] of the target over the k drafts -> the verdict (greedy fast path at
     T = 0). `start` is the absolute position of the first draft token."""
-    k = len(draft_tokens)
-    draft_t = torch.tensor([list(draft_tokens)], dtype=torch.long).reshape(1, k)
-    n = torch.tensor([k])
-    if sampling.greedy:
-        return greedy_verify(greedy_tokens(logits, sampling).unsqueeze(0), draft_t, n)[0]
-    p = logits_to_probs(logits, sampling).unsqueeze(0)  # [1, k+1, V]
-    q_dense = q_to_dense(q, draft_t[0], p.shape[-1]).unsqueeze(0) if q is not None else None
-    return rejection_sample(p, draft_t, n, q_dense, np.array([seed], dtype=np.uint64),
-                            np.array([start], dtype=np.int64))[0]
+    return judge_rows([JudgeRow(logits, list(draft_tokens), q, sampling, seed, start)])[0]
+
+
+@dataclass(frozen=True)
+class JudgeRow:
+    logits: torch.Tensor  # [k+1, V]
+    drafts: list[int]
+    q: QProbs
+    sampling: SamplingParams
+    seed: int
+    start: int  # absolute position of the first draft
+
+
+def judge_rows(rows: Sequence[JudgeRow]) -> list[Verdict]:
+    """Verdicts of several blocks (a batch of sessions, or one): one greedy_verify over the
+    greedy rows, one rejection_sample over the sampled rows with a q and one over those
+    without. The same code alone and in a batch, so a session's verdict does not depend on
+    who shares its batch."""
+    out: list[Verdict | None] = [None] * len(rows)
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault((r.sampling.greedy, r.q is None), []).append(i)
+    for (greedy, no_q), idx in groups.items():
+        rs = [rows[i] for i in idx]
+        kmax = max(len(r.drafts) for r in rs)
+        draft_t = torch.tensor([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], dtype=torch.long)
+        draft_t = draft_t.reshape(len(rs), kmax)
+        num = torch.tensor([len(r.drafts) for r in rs])
+        if greedy:
+            tgt = torch.zeros(len(rs), kmax + 1, dtype=torch.long)
+            for b, r in enumerate(rs):
+                tgt[b, :len(r.drafts) + 1] = greedy_tokens(r.logits, r.sampling)
+            verdicts = greedy_verify(tgt, draft_t, num)
+        else:
+            vocab = rs[0].logits.shape[-1]
+            p = torch.zeros(len(rs), kmax + 1, vocab)
+            q = None if no_q else torch.zeros(len(rs), kmax, vocab)
+            for b, r in enumerate(rs):
+                k = len(r.drafts)
+                p[b, :k + 1] = logits_to_probs(r.logits, r.sampling)
+                if q is not None and k:
+                    q[b, :k] = q_to_dense(r.q, draft_t[b, :k], vocab)
+            verdicts = rejection_sample(p, draft_t, num, q, np.array([r.seed for r in rs], dtype=np.uint64),
+                                        np.array([r.start for r in rs], dtype=np.int64))
+        for i, v in zip(idx, verdicts, strict=True):
+            out[i] = v
+    return out  # type: ignore[return-value]

@@ -23,22 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from specserve.algorithm.rejection import (
-    QProbs,
-    Verdict,
-    greedy_verify,
-    q_to_dense,
-    rejection_sample,
-)
-from specserve.algorithm.sampling import SamplingParams, greedy_tokens, logits_to_probs
+from specserve.algorithm.rejection import QProbs, Verdict
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import DraftStep, HFDrafter, bonus_guess, draft_step, make_proposal
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import ModelRunner, Row, choose_path
-from specserve.models.verifier import TargetModel, verify_block
+from specserve.models.verifier import JudgeRow, TargetModel, judge_rows, verify_block
 from specserve.worker.scheduler import AGAIN, Work
 
 
@@ -162,48 +155,12 @@ class BatchedTarget(_RunnerSessions):
                 results[i] = VerifyResult(None, self.runner.length(job.handle), dropped)
             else:
                 judged.append((i, job, lg, dropped))
-        for (i, job, _, dropped), verdict in zip(judged, judge_batch([(j, lg) for _, j, lg, _ in judged]),
-                                                 strict=True):
+        verdicts = judge_rows([JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids)) for _, j, lg, _ in judged])
+        for (i, job, _, dropped), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
             dropped += self.runner.rollback(job.handle, keep)
             results[i] = VerifyResult(verdict, keep, dropped)
         return results
-
-
-def judge_batch(items: list[tuple[VerifyJob, torch.Tensor]]) -> list[Verdict]:
-    """Verdicts for rows of target logits [K_i+1, V]: one greedy_verify over the greedy rows,
-    one rejection_sample over the sampled rows with a dense q and one over those without."""
-    out: list[Verdict | None] = [None] * len(items)
-    groups: dict[tuple[bool, bool], list[int]] = {}
-    for i, (job, _) in enumerate(items):
-        groups.setdefault((job.sampling.greedy, job.q is None), []).append(i)
-    for (greedy, no_q), idx in groups.items():
-        jobs = [items[i][0] for i in idx]
-        kmax = max(len(j.drafts) for j in jobs)
-        draft_t = torch.zeros(len(idx), kmax, dtype=torch.long)
-        num = torch.tensor([len(j.drafts) for j in jobs])
-        for b, j in enumerate(jobs):
-            draft_t[b, :len(j.drafts)] = torch.tensor(j.drafts, dtype=torch.long)
-        if greedy:
-            tgt = torch.zeros(len(idx), kmax + 1, dtype=torch.long)
-            for b, i in enumerate(idx):
-                tgt[b, :len(jobs[b].drafts) + 1] = greedy_tokens(items[i][1], jobs[b].sampling)
-            verdicts = greedy_verify(tgt, draft_t, num)
-        else:
-            vocab = items[idx[0]][1].shape[-1]
-            p = torch.zeros(len(idx), kmax + 1, vocab)
-            q = None if no_q else torch.zeros(len(idx), kmax, vocab)
-            for b, i in enumerate(idx):
-                k = len(jobs[b].drafts)
-                p[b, :k + 1] = logits_to_probs(items[i][1], jobs[b].sampling)
-                if q is not None and k:
-                    q[b, :k] = q_to_dense(jobs[b].q, draft_t[b, :k], vocab)
-            seeds = np.array([j.seed for j in jobs], dtype=np.uint64)
-            starts = np.array([len(j.ids) for j in jobs], dtype=np.int64)
-            verdicts = rejection_sample(p, draft_t, num, q, seeds, starts)
-        for i, v in zip(idx, verdicts, strict=True):
-            out[i] = v
-    return out  # type: ignore[return-value]
 
 
 class BatchedDraft(_RunnerSessions):
