@@ -109,15 +109,24 @@ class OpenAIApp:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(APIError, lambda _r, e: JSONResponse(e.body(), e.status))
-        app.add_exception_handler(RequestValidationError,
-                                  lambda _r, e: JSONResponse(_validation_error(e).body(), 400))
+        app.add_exception_handler(APIError, self._error)
+        app.add_exception_handler(RequestValidationError, lambda r, e: self._error(r, _validation_error(e)))
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/models/{model_id}", self.model, methods=["GET"])
         return app
+
+    def _error(self, request: Request, err: APIError) -> JSONResponse:
+        """Every refused request is answered, and counted, here (auth, model, body, serving)."""
+        self._count(request, err.status)
+        return JSONResponse(err.body(), err.status)
+
+    def _check_model(self, model_id: str) -> None:
+        if model_id != self.model_id:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {self.model_id!r}",
+                           "invalid_request_error", "model_not_found", "model")
 
     async def health(self) -> JSONResponse:
         ok = self.ready()
@@ -129,9 +138,7 @@ class OpenAIApp:
 
     async def model(self, model_id: str, request: Request) -> ModelCard:
         self._authorize(request)
-        if model_id != self.model_id:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {self.model_id!r}",
-                           "invalid_request_error", "model_not_found", "model")
+        self._check_model(model_id)
         return ModelCard(id=self.model_id)
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -165,9 +172,7 @@ class OpenAIApp:
     def _generate_request(self, body: CompletionRequest | ChatRequest, request: Request,
                           default_tokens: int) -> generation_pb2.GenerateRequest:
         self._authorize(request)
-        if body.model != self.model_id:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_id!r}",
-                           "invalid_request_error", "model_not_found", "model")
+        self._check_model(body.model)
         req = generation_pb2.GenerateRequest(
             max_tokens=body.budget(default_tokens), temperature=body.temperature, top_k=body.top_k,
             stop=body.stops(), workload_class=body.workload_class, draft_pool=body.draft_pool,
@@ -197,15 +202,14 @@ class OpenAIApp:
             if body.stream:
                 stream = await self._stream(req, body, kind, prefix, span)
                 done = False  # the stream ends the span
-                return stream
-            resp = await self.servicer.Generate(req, None)
+            else:
+                resp = await self.servicer.Generate(req, None)
             self._count(request, 200)
-            return self._response(resp, body, kind, prefix, self._prompt_tokens(req))
+            return stream if body.stream else self._response(resp, body, kind, prefix, self._prompt_tokens(req))
         except Exception as exc:
             err = api_error(exc)
             span.set_status(Status(StatusCode.ERROR, err.message))
-            self._count(request, err.status)
-            raise err from exc
+            raise err from exc  # answered and counted by _error
         finally:
             API.reset(api)
             otel_context.detach(token)

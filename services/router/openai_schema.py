@@ -5,7 +5,6 @@ same typed path a gRPC request takes. Unknown fields are ignored, as OpenAI's se
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -124,10 +123,6 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

@@ -39,12 +39,16 @@ class Planner:
     async def plan(self, req: ValidRequest) -> SessionPlan:
         policy, source = self.policies.effective(req.workload_class)
         stats_class = self.stats_class(req.workload_class)
-        pools = [req.pinned_pool] if req.pinned_pool in self.pools else [p for p in policy.pools if p in self.pools]
-        await self.controller.watch(stats_class, pools)
-        estimates = self.controller.estimates(stats_class, pools, policy.k_range[1])
-        choice, assessment = choose_arm(req.facts, policy, self.pools, estimates, self.rng, self.controller.min_rounds)
+        choice: Choice
+        assessment: Assessment | None
         if req.prediction_ids and req.pinned_pool in (None, PREDICTION_POOL) and req.pinned_k != 0:
-            choice, assessment = prediction_choice(req.pinned_k), None
+            choice, assessment = prediction_choice(req.pinned_k), None  # no statistics to read
+        else:
+            pools = [req.pinned_pool] if req.pinned_pool in self.pools else [p for p in policy.pools if p in self.pools]
+            await self.controller.watch(stats_class, pools)
+            estimates = self.controller.estimates(stats_class, pools, policy.k_range[1])
+            choice, assessment = choose_arm(req.facts, policy, self.pools, estimates, self.rng,
+                                            self.controller.min_rounds)
         if choice.reason is Fallback.POOL_UNKNOWN and policy.draft_pool not in self._warned:
             self._warned.add(policy.draft_pool)
             log.warning("policy %r names draft pool(s) %s, none of which this router has: plain decoding",

@@ -100,8 +100,10 @@ def test_predicted_outputs_are_lossless_and_counted(client, grpc_generate, tiny_
         assert via_grpc.stats.draft_pool == "prediction"
         assert (d.accepted_prediction_tokens, d.rejected_prediction_tokens) == (
             via_grpc.stats.accepted_prediction_tokens, via_grpc.stats.rejected_prediction_tokens)
-        assert via_grpc.stats.accepted_prediction_tokens + via_grpc.stats.rejected_prediction_tokens == \
-            via_grpc.stats.draft_tokens
+        if prediction == edited:  # the walk reaches the inserted line, whose tokens the target rejects
+            assert d.rejected_prediction_tokens > 0
+        else:  # the output itself as the prediction: mostly accepted
+            assert d.accepted_prediction_tokens > d.rejected_prediction_tokens
     # /v1/completions takes it too (the SDK sends it there as extra_body)
     got = client.completions.create(model=MODEL, prompt=templated, max_tokens=MAX_TOKENS, temperature=0,
                                     extra_body={"prediction": {"type": "content", "content": plain.text}})

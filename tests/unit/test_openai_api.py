@@ -213,11 +213,15 @@ def test_http_requests_are_counted_by_route_and_status():
     api = OpenAIApp(FakeServicer(), MODEL, ChatTemplate(CHAT_TEMPLATE), set(), 8, lambda: True, metrics)
     client = TestClient(api.app)
     client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+    client.post("/v1/completions", json={"model": "gpt-4o", "prompt": "x"})  # refused before serving
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})  # the body's validation
     api.servicer.fail = Unavailable("no target")
     client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
 
-    def count(status: str) -> float:
+    def count(status: str) -> float | None:
         return metrics.registry.get_sample_value("specserve_api_requests_total",
                                                  {"api": "http", "route": "/v1/completions", "status": status})
 
-    assert (count("200"), count("503")) == (1.0, 1.0)
+    # a stream counts as served; a refusal counts whichever layer refused it
+    assert (count("200"), count("404"), count("400"), count("503")) == (2.0, 1.0, 1.0, 1.0)

@@ -186,3 +186,25 @@ def test_first_three_tokens_follow_the_target():
     keep = exp_p > 0
     exp_p = exp_p[keep] * obs_p[keep].sum() / exp_p[keep].sum()
     assert chisquare(obs_p[keep], exp_p).pvalue > ALPHA
+
+
+def test_the_token_index_finds_what_the_full_scan_finds():
+    """resync with `ends_by_token` (what the router uses) and without it (a scan of the
+    whole prediction) agree on random predictions and outputs, small vocabulary so that
+    n-grams repeat and ties between occurrences occur."""
+    from specserve.drafters.prediction import ends_by_token
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        pred = rng.integers(0, 6, size=int(rng.integers(1, 60)))
+        out = [int(t) for t in rng.integers(0, 7, size=int(rng.integers(1, 10)))]
+        expected = int(rng.integers(0, len(pred) + 2))
+        scan = resync(pred, out, expected, 1, 4)
+        # the scan the index replaced: sliding windows over the whole prediction
+        brute = None
+        for n in range(min(4, len(out), len(pred)), 0, -1):
+            ends = [i + n for i in range(len(pred) - n + 1) if list(pred[i:i + n]) == out[-n:]]
+            if ends:
+                brute = (min(ends, key=lambda e: (abs(e - expected), e)), n)
+                break
+        assert resync(pred, out, expected, 1, 4, ends_by_token(pred)) == scan == brute

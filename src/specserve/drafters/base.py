@@ -4,10 +4,11 @@ the drafter stays a pure function of the committed prefix, so a retried round dr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from specserve.errors import InvalidRequest
 from specserve.params import SamplingParams
 
 if TYPE_CHECKING:  # torch-free at run time: the router imports the prediction drafter
@@ -56,3 +57,17 @@ class Drafter(Protocol):
     vocab_size: int
 
     def start(self) -> DraftSession: ...
+
+
+def check_ngram_sizes(min_n: int, max_n: int) -> None:
+    if not (1 <= min_n <= max_n):
+        raise InvalidRequest(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+
+
+def until_banned(tokens: list[int], banned: Collection[int]) -> list[int]:
+    """The block cut before its first banned token: a banned token can never be accepted."""
+    if banned:
+        for i, t in enumerate(tokens):
+            if t in banned:
+                return tokens[:i]
+    return tokens

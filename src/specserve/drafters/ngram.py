@@ -8,15 +8,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specserve.drafters.base import DraftProposal
-from specserve.errors import InvalidRequest
+from specserve.drafters.base import DraftProposal, check_ngram_sizes, until_banned
 from specserve.params import SamplingParams
 
 
 class NgramDrafter:
     def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 4, name: str = "ngram") -> None:
-        if not (1 <= min_n <= max_n):
-            raise InvalidRequest(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        check_ngram_sizes(min_n, max_n)
         self.vocab_size = vocab_size
         self.min_n = min_n
         self.max_n = max_n
@@ -34,13 +32,7 @@ class NgramSession:
         self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int
     ) -> DraftProposal:
         tokens = lookup(token_ids, k, self.drafter.min_n, self.drafter.max_n)
-        banned = set(sampling.banned_token_ids)
-        if banned:  # a banned token can never be accepted: stop the block before it
-            for i, t in enumerate(tokens):
-                if t in banned:
-                    tokens = tokens[:i]
-                    break
-        return DraftProposal(tokens, None)
+        return DraftProposal(until_banned(tokens, set(sampling.banned_token_ids)), None)
 
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
         guess = lookup(token_ids, 1, self.drafter.min_n, self.drafter.max_n)

@@ -21,8 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specserve.drafters.base import DraftProposal
-from specserve.errors import InvalidRequest
+from specserve.drafters.base import DraftProposal, check_ngram_sizes, until_banned
 from specserve.params import SamplingParams
 
 PREDICTION_POOL = "prediction"  # the draft_pool name of a request's own prediction
@@ -36,13 +35,13 @@ class PredictionDrafter:
 
     def __init__(self, prediction: Sequence[int], prompt_len: int, vocab_size: int = 0, min_n: int = 1,
                  max_n: int = 4) -> None:
-        if not (1 <= min_n <= max_n):
-            raise InvalidRequest(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        check_ngram_sizes(min_n, max_n)
         self.prediction = np.asarray(list(prediction), dtype=np.int64)
         self.prompt_len = prompt_len
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the Drafter protocol's (the engine checks it against the target's)
         self.min_n = min_n
         self.max_n = max_n
+        self.ends_of = ends_by_token(self.prediction)
 
     def start(self) -> PredictionSession:
         return PredictionSession(self)
@@ -62,11 +61,7 @@ class PredictionSession:
         if cursor is None or k <= 0:
             return DraftProposal([], None)
         tokens = [int(t) for t in self.d.prediction[cursor : cursor + min(k, 1 + 2 * self.run)]]
-        banned = set(sampling.banned_token_ids)
-        for i, t in enumerate(tokens):  # a banned token can never be accepted: stop before it
-            if t in banned:
-                return DraftProposal(tokens[:i], None)
-        return DraftProposal(tokens, None)
+        return DraftProposal(until_banned(tokens, set(sampling.banned_token_ids)), None)
 
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
         got = self.propose(token_ids, 1, sampling, seed).tokens
@@ -88,30 +83,43 @@ class PredictionSession:
         for i in range(n, len(output)):
             self.walked.append(int(output[i]))
             self.cursor, self.in_step, self.run = step(self.d.prediction, self.walked, self.cursor,
-                                                       self.in_step, self.run, self.d.min_n, self.d.max_n)
+                                                       self.in_step, self.run, self.d.min_n, self.d.max_n,
+                                                       self.d.ends_of)
         return self.cursor if self.in_step else None
 
 
 def step(prediction: np.ndarray, output: list[int], cursor: int, in_step: bool, run: int, min_n: int,
-         max_n: int) -> tuple[int, bool, int]:
+         max_n: int, ends_of: dict[int, np.ndarray] | None = None) -> tuple[int, bool, int]:
     """(cursor, in step, run) after output[-1]: one past it while in step, else re-synchronised
     near where the walk expected to be; out of step (the cursor still
     advancing with the output) when the last tokens occur nowhere in the prediction."""
     if in_step and cursor < len(prediction) and prediction[cursor] == output[-1]:
         return cursor + 1, True, run + 1
-    found = resync(prediction, output, cursor + 1, min_n, max_n)
+    found = resync(prediction, output, cursor + 1, min_n, max_n, ends_of)
     # a single matching token is weak evidence (common tokens occur everywhere): run = n - 1
     return (found[0], True, found[1] - 1) if found is not None else (cursor + 1, False, 0)
 
 
-def resync(prediction: np.ndarray, output: list[int], expected: int, min_n: int,
-           max_n: int) -> tuple[int, int] | None:
+def ends_by_token(prediction: np.ndarray) -> dict[int, np.ndarray]:
+    """token -> the positions one past each of its occurrences, ascending (built once per
+    request, so a resync looks only where the output's last token occurs)."""
+    order = np.argsort(prediction, kind="stable")
+    tokens, first = np.unique(prediction[order], return_index=True)
+    return dict(zip(tokens.tolist(), np.split(order + 1, first[1:]), strict=True))
+
+
+def resync(prediction: np.ndarray, output: list[int], expected: int, min_n: int, max_n: int,
+           ends_of: dict[int, np.ndarray] | None = None) -> tuple[int, int] | None:
     """(one past, n) for the occurrence of the output's last n tokens (longest n first) in
-    the prediction whose end is nearest to `expected`; None when none occurs."""
+    the prediction whose end is nearest to `expected`; None when none occurs. `ends_of`:
+    `ends_by_token(prediction)`, when the caller keeps it."""
+    ends = ends_of.get(output[-1]) if ends_of is not None else np.flatnonzero(prediction == output[-1]) + 1
+    if ends is None or not ends.size:
+        return None
     for n in range(min(max_n, len(output), len(prediction)), min_n - 1, -1):
-        pattern = np.asarray(output[-n:], dtype=np.int64)
-        windows = np.lib.stride_tricks.sliding_window_view(prediction, n)
-        ends = np.flatnonzero((windows == pattern).all(axis=1)) + n
-        if ends.size:
-            return int(ends[np.argmin(np.abs(ends - expected))]), n
+        hit = ends[ends >= n]  # occurrences of the last token with room for n - 1 before it
+        for j in range(2, n + 1):
+            hit = hit[prediction[hit - j] == output[-j]]
+        if hit.size:
+            return int(hit[np.argmin(np.abs(hit - expected))]), n
     return None
