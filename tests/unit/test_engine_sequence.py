@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.algorithm.sampling import SamplingParams, logits_to_probs
 from specserve.drafters import HFDrafter, NgramDrafter
+from specserve.drafters.prediction import PredictionDrafter
 from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.models.verifier import TargetModel
 
@@ -59,15 +60,19 @@ def _exact_distribution(target, sp: SamplingParams) -> dict[tuple[int, ...], flo
 @pytest.mark.parametrize(
     "drafter_kind,sp,n",
     [("small", SamplingParams(temperature=1.0), 2000),
-     ("ngram", SamplingParams(temperature=0.8, top_k=3), 2000)],
+     ("ngram", SamplingParams(temperature=0.8, top_k=3), 2000),
+     # Predicted Outputs: a one-hot draft from the target's likeliest sequence, against a
+     # nucleus-truncated p (drafts are often accepted, so both paths run)
+     ("prediction", SamplingParams(temperature=0.7, top_p=0.9), 800)],
 )
 def test_first_three_tokens_match_target_only(drafter_kind, sp, n):
     target_hf = _micro(seed=0, scale=SCALE)
     draft_hf = _micro(seed=1, scale=SCALE)
     target = TargetModel(target_hf)
-    drafter = HFDrafter(draft_hf) if drafter_kind == "small" else NgramDrafter(VOCAB)
-    engine = SpecEngine(target, drafter, IdsTokenizer())
     exact = _exact_distribution(target_hf, sp)
+    drafter = {"small": lambda: HFDrafter(draft_hf), "ngram": lambda: NgramDrafter(VOCAB),
+               "prediction": lambda: PredictionDrafter(list(max(exact, key=exact.get)), len(PROMPT), VOCAB)}
+    engine = SpecEngine(target, drafter[drafter_kind](), IdsTokenizer())
 
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0

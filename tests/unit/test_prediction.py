@@ -1,19 +1,16 @@
 """The prediction drafter (Predicted Outputs): alignment and re-synchronisation on literal
 tokens, then losslessness through the engine: at T = 0 the output is the target's greedy
-output whatever the prediction says, at T > 0 its distribution is the target's."""
+output whatever the prediction says (here); at T > 0 its distribution is the target's (a case
+of tests/unit/test_engine_sequence.py, beside the other drafters)."""
 
-import itertools
 
 import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
-from specserve.algorithm.sampling import SamplingParams, logits_to_probs
+from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.prediction import PredictionDrafter, resync
 from specserve.errors import InvalidRequest
 from specserve.models.engine import GenerationParams, SpecEngine
-from specserve.models.verifier import TargetModel
 
 GREEDY = SamplingParams()
 PROMPT = [100, 101]  # the drafter reads the output after these
@@ -128,64 +125,6 @@ def test_greedy_output_is_plain_greedy_whatever_the_prediction(tiny_pair, target
             accepted += sum(r.accepted for r in res.rounds)
             rejected += sum(r.k - r.accepted for r in res.rounds)
     assert accepted > 0 and rejected > 0  # both paths were exercised
-
-
-VOCAB = 5
-MICRO_PROMPT = [1, 2, 3, 1, 2]
-ALPHA = 1e-3  # as in test_engine_sequence: a correct engine fails these fixed seeds w.p. 1e-3
-
-
-def _micro(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(5.0)  # sharpen the near-uniform random init
-    model.generation_config.eos_token_id = None
-    return model
-
-
-class _IdsTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
-@pytest.mark.slow
-def test_first_three_tokens_follow_the_target():
-    """Exact enumeration of the target's 125 three-token sequences vs 800 seeded engine runs
-    that draft from a prediction (its most likely sequence, so drafts are often accepted).
-    One setting, T > 0 with nucleus truncation (the one-hot q against a truncated p): the
-    other sampling settings of the same verifier are covered by test_engine_sequence."""
-    sp = SamplingParams(temperature=0.7, top_p=0.9)
-    target_hf = _micro(0)
-    seqs = torch.tensor([MICRO_PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
-    with torch.inference_mode():
-        probs = logits_to_probs(target_hf(input_ids=seqs).logits[:, -3:], sp)  # [25, 3, V]
-    exact = {(a, b, c): float(probs[row, 0, a] * probs[row, 1, b] * probs[row, 2, c])
-             for row, (a, b) in enumerate(itertools.product(range(VOCAB), repeat=2)) for c in range(VOCAB)}
-    prediction = list(max(exact, key=exact.get))
-    engine = SpecEngine(TargetModel(target_hf), PredictionDrafter(prediction, len(MICRO_PROMPT), VOCAB),
-                        _IdsTokenizer())
-    n, counts, accepted = 800, {}, 0
-    for seed in range(n):
-        res = engine.generate(MICRO_PROMPT, GenerationParams(max_tokens=3, sampling=sp, num_draft_tokens=3,
-                                                             seed=seed))
-        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
-        accepted += sum(r.accepted for r in res.rounds)
-    assert accepted > n // 10  # the accept path was exercised, not only recovery
-    keys = sorted(exact)
-    assert sum(counts.get(k, 0) for k in keys if exact[k] == 0) == 0, "emitted an impossible sequence"
-    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    exp = np.array([exact[k] for k in keys]) * n
-    big = exp >= 5  # pool small cells: the chi-square approximation needs expected counts >= 5
-    obs_p, exp_p = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
-    keep = exp_p > 0
-    exp_p = exp_p[keep] * obs_p[keep].sum() / exp_p[keep].sum()
-    assert chisquare(obs_p[keep], exp_p).pvalue > ALPHA
 
 
 def test_the_token_index_finds_what_the_full_scan_finds():
