@@ -24,13 +24,15 @@ import keyword
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from specserve.tooling.modelbuild.build import load_eval_prompts
-from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_stack import via_router  # noqa: E402
+
+from specserve.tooling.modelbuild.build import load_eval_prompts  # noqa: E402
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec  # noqa: E402
 
 IDENT = re.compile(r"\b[a-z_][a-z0-9_]{2,}\b")
 
@@ -59,18 +61,9 @@ def edit_text(text: str, i: int) -> str:
 
 
 def call(stub, prompt: str, max_tokens: int, pool: str, k: int | None, prediction: str, repeats: int):
-    from specserve.v1 import generation_pb2
-
-    best, resp = float("inf"), None
-    for _ in range(repeats):
-        req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, draft_pool=pool,
-                                             prediction=prediction)
-        if k is not None:
-            req.num_draft_tokens = k
-        t0 = time.perf_counter()
-        resp = stub.Generate(req, timeout=900)
-        best = min(best, time.perf_counter() - t0)
-    return best, resp
+    """(best seconds, response): bench_stack's timed call, with a prediction."""
+    ms, resp = via_router(stub, prompt, pool, k, max_tokens, [], repeats, prediction)
+    return ms / 1e3, resp
 
 
 def main() -> None:

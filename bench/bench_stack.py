@@ -35,15 +35,19 @@ from specserve.tooling.textquality import is_degenerate
 CLASSES = ("code", "chat", "extraction")
 
 
-def via_router(stub, prompt: str, pool: str, k: int, max_tokens: int, banned: list[int], repeats: int):
+def via_router(stub, prompt: str, pool: str, k: int | None, max_tokens: int, banned: list[int], repeats: int,
+               prediction: str = ""):
+    """(best wall ms of `repeats`, the last response). `k` None: the router's choice."""
     from specserve.v1 import generation_pb2
 
     best, resp = float("inf"), None
     for _ in range(repeats):
         req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, draft_pool=pool,
-                                             num_draft_tokens=k, banned_token_ids=banned)
+                                             banned_token_ids=banned, prediction=prediction)
+        if k is not None:
+            req.num_draft_tokens = k
         t0 = time.perf_counter()
-        resp = stub.Generate(req, timeout=600)
+        resp = stub.Generate(req, timeout=900)
         best = min(best, (time.perf_counter() - t0) * 1e3)
     return best, resp
 
