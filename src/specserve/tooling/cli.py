@@ -238,6 +238,7 @@ def _stack_spec(models: Path, preset: str, run_dir: Path, http_port: int = 8000)
     import json
     import secrets
 
+    from specserve.tooling.files import write_private
     from specserve.tooling.modelbuild.build import PRESETS, build_pair
     from specserve.tooling.stack import PoolSpec, StackSpec
 
@@ -246,9 +247,7 @@ def _stack_spec(models: Path, preset: str, run_dir: Path, http_port: int = 8000)
     # run/admin.token (0600) where `specserve policy` finds it
     token = os.environ.get("SPECSERVE_ROUTER_ADMIN_TOKEN") or secrets.token_urlsafe(24)
     run_dir.mkdir(parents=True, exist_ok=True)
-    token_file = run_dir / "admin.token"
-    token_file.touch(mode=0o600)
-    token_file.write_text(token)
+    write_private(run_dir / "admin.token", token)
     # every class may use both pools: the controller moves each to the pool that pays
     policies = {"code": {"draft_pool": "small", "draft_pools": ["ngram"], "adaptive_k": True, "k_min": 1, "k_max": 8},
                 "chat": {"draft_pool": "small", "draft_pools": ["ngram"], "k": 4},

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.errors import SpecserveError
+from specserve.tooling.files import write_private
 
 INSTALL_HINT = "install it with `sudo apt-get install redis-server` (Debian/Ubuntu)"
 
@@ -210,7 +211,7 @@ def write_pidfile(path: Path, server: LocalRedis) -> None:
         "log_path": str(server.log_path),
         "password": server.password,
     }
-    Path(path).write_text(json.dumps(record) + "\n")
+    write_private(path, json.dumps(record) + "\n")  # it holds the password
 
 
 def read_pidfile(path: Path) -> LocalRedis | None:

@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.tooling.files import write_private
+
 
 @dataclass
 class PoolSpec:
@@ -122,7 +124,8 @@ class Stack:
         return proc, log
 
     def _save(self) -> None:
-        (self.run_dir / "stack.json").write_text(json.dumps(asdict(self.info), indent=1))
+        # the Redis URL carries its password: owner-only
+        write_private(self.run_dir / "stack.json", json.dumps(asdict(self.info), indent=1))
 
     @contextlib.contextmanager
     def running(self, timeout_s: float = 600.0) -> Iterator[Stack]:
