@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--kill-every-s", type=float, default=60.0)
     ap.add_argument("--session-ttl-s", type=int, default=60)
     ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--deadline-s", type=float, default=60.0, help="each call's deadline (a late call Resumes)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--run-dir", type=Path, default=None, help="keep the services' logs here (default: a temp dir)")
     args = ap.parse_args()
@@ -87,8 +88,10 @@ def references(pair: Path, prompts: list[str]) -> dict[str, list[int]]:
 class Client:
     """One stream at a time, forever: finish, cancel or disconnect + Resume, at random."""
 
-    def __init__(self, i: int, stubs, prompts, refs, stats: Counter, delivered: list[int], stop: threading.Event):
+    def __init__(self, i: int, stubs, prompts, refs, stats: Counter, delivered: list[int], stop: threading.Event,
+                 deadline_s: float = 60.0):
         self.rng = random.Random(i)
+        self.deadline_s = deadline_s
         self.i, self.stubs, self.prompts, self.refs = i, stubs, prompts, refs
         self.stats, self.delivered, self.stop = stats, delivered, stop
 
@@ -112,7 +115,7 @@ class Client:
             stub = self.stubs[(self.i + attempt) % len(self.stubs)]
             pos = sum(len(c.token_ids) for c in chunks)
             call = stub.Resume(generation_pb2.ResumeRequest(session_id=chunks[0].session_id, from_offset=pos),
-                               timeout=60) if chunks else stub.GenerateStream(req, timeout=60)
+                               timeout=self.deadline_s) if chunks else stub.GenerateStream(req, timeout=self.deadline_s)
             try:
                 for c in call:
                     chunks.append(c)
@@ -126,10 +129,18 @@ class Client:
                             action = "finish"
                         break
             except grpc.RpcError as err:
-                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                code = err.code()
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self.stats["retried"] += 1
+                    time.sleep(0.2)
+                elif code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    # overload, as a production client meets it: the session runs on detached
+                    # (Resume collects it) and a refused request is sent again after a pause;
+                    # counted apart so an overloaded run shows as one
+                    self.stats[f"overload:{code.name}"] += 1
+                    time.sleep(1.0 + self.rng.random())
+                else:
                     raise
-                self.stats["retried"] += 1
-                time.sleep(0.2)
             if chunks and chunks[-1].finish_reason:
                 break
         tokens = [t for c in chunks for t in c.token_ids]
@@ -176,7 +187,7 @@ def soak(stack, args, prompts, refs) -> dict:
     stats: Counter = Counter()
     delivered = [0]
     stop = threading.Event()
-    clients = [threading.Thread(target=Client(i, stubs, prompts, refs, stats, delivered, stop).run, daemon=True)
+    clients = [threading.Thread(target=Client(i, stubs, prompts, refs, stats, delivered, stop, args.deadline_s).run, daemon=True)
                for i in range(args.streams)]
     for t in clients:
         t.start()
