@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -127,11 +126,9 @@ def main() -> None:
                     help="concurrencies run again on a stack with batching off (today's path); empty = skip")
     ap.add_argument("--target-threads", type=int, default=2, help="the target's and the bound's torch threads")
     args = ap.parse_args()
-    from specserve.tooling.modelbuild.build import load_eval_prompts
+    from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 
-    pair = Path(args.models).resolve()
-    if not (pair / "target").exists():
-        sys.exit(f"no model pair at {pair}: run `make models` (or pass --models)")
+    pair = find_pair(args.models)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [p["prompt"] for p in load_eval_prompts(pair)]

@@ -62,6 +62,7 @@ from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.models.loading import load_pair
 from specserve.models.verifier import TargetModel
+from specserve.tooling.modelbuild.build import find_pair
 from specserve.tooling.textquality import is_degenerate
 
 SPEC = ("spec-model", "spec-ngram", "hf-assisted", "hf-lookup")  # methods that take a K
@@ -88,15 +89,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
     a.methods = a.methods.split(",")
     return a
-
-
-def resolve_pair(path: str) -> Path:
-    p = Path(path)
-    if not (p / "target").is_dir() and (p / "default" / "target").is_dir():
-        p = p / "default"
-    if not (p / "target").is_dir():
-        sys.exit(f"no pair at {path}: expected target/ and draft/ (run `make models`)")
-    return p.resolve()
 
 
 def load_prompts(pair: Path, per_class: int) -> dict[str, list[str]]:
@@ -410,7 +402,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    pair = resolve_pair(args.models)
+    pair = find_pair(args.models)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()

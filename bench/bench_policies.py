@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from specserve.tooling.modelbuild.build import load_eval_prompts, untrained_copy
+from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts, untrained_copy
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec, _alive
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
@@ -84,9 +83,7 @@ def main() -> None:
     ap.add_argument("--draft-token-ms", type=float, default=3.0, help="simulated model-draft cost per token")
     ap.add_argument("--half-life-s", type=float, default=15.0)
     args = ap.parse_args()
-    pair = Path(args.models).resolve()
-    if not (pair / "target").exists():
-        sys.exit(f"no model pair at {pair}: run `make models` (or pass --models)")
+    pair = find_pair(args.models)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_eval_prompts(pair)

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stack import via_router  # noqa: E402
 
-from specserve.tooling.modelbuild.build import load_eval_prompts  # noqa: E402
+from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts  # noqa: E402
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec  # noqa: E402
 
 IDENT = re.compile(r"\b[a-z_][a-z0-9_]{2,}\b")
@@ -81,8 +81,7 @@ def main() -> None:
         done = json.loads(Path(a.table).read_text())
         print_table(summarise(done["rows"], list(dict.fromkeys(r["mode"] for r in done["rows"]))))
         return
-    pair = Path(a.models)
-    pair = (pair / "default" if not (pair / "target").exists() else pair).resolve()
+    pair = find_pair(a.models)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     files = [p["prompt"] for p in load_eval_prompts(pair) if p["workload_class"] == "code"][: a.prompts]

@@ -28,7 +28,7 @@ from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.models.loading import load_pair
 from specserve.models.verifier import TargetModel
-from specserve.tooling.modelbuild.build import load_eval_prompts
+from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 from specserve.tooling.textquality import is_degenerate
 
@@ -73,9 +73,7 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="instead: the overlap off vs on, CPU and simulated devices (bench_overlap.py, ADR 0010)")
     a = ap.parse_args()
-    pair = Path(a.models)
-    pair = pair / "default" if not (pair / "target").exists() else pair
-    pair = pair.resolve()
+    pair = find_pair(a.models)
     if a.overlap:
         sys.path.insert(0, str(Path(__file__).parent))
         from bench_overlap import run as run_overlap

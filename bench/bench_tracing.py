@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from specserve.tooling.modelbuild.build import load_eval_prompts
+from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.otlp_receiver import OtlpReceiver
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -55,8 +55,7 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=1.0,
                     help="trace sampling ratio (1 = always_on; else parentbased_traceidratio)")
     args = ap.parse_args()
-    pair = Path(args.models)
-    pair = (pair / "default" if not (pair / "target").exists() else pair).resolve()
+    pair = find_pair(args.models)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [p["prompt"] for p in load_eval_prompts(pair)][:: max(1, len(load_eval_prompts(pair)) // args.prompts)]

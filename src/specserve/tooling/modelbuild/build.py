@@ -260,6 +260,17 @@ def _refresh_prompts(out: Path, cfg: PairConfig) -> None:
     _write_prompts(out, corpus.heldout, AutoTokenizer.from_pretrained(out / "target"), target, cfg)
 
 
+def find_pair(path: str | Path) -> Path:
+    """A pair directory from what a user passes: the pair itself (target/ and draft/), or
+    the models directory holding `default/` (what `make models` writes)."""
+    p = Path(path)
+    if not (p / "target").is_dir() and (p / "default" / "target").is_dir():
+        p = p / "default"
+    if not (p / "target").is_dir():
+        raise SystemExit(f"no model pair at {path}: expected target/ and draft/, or default/ (run `make models`)")
+    return p.resolve()
+
+
 def load_eval_prompts(pair: Path) -> list[dict]:
     """[{"workload_class": ..., "prompt": ...}] of a built pair."""
     return json.loads((Path(pair) / "eval_prompts.json").read_text())["prompts"]
