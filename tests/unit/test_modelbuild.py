@@ -48,3 +48,17 @@ def test_two_builds_of_one_config_have_the_same_weights(tiny_pair_dir, tmp_path)
     again = build_pair(PRESETS["tiny"], tmp_path, force=True, log=lambda *_: None)
     assert json.loads((again / "build.json").read_text())["weights_sha256"] == meta["weights_sha256"]
     assert (again / "eval_prompts.json").read_text() == (tiny_pair_dir / "eval_prompts.json").read_text()
+
+
+def test_find_pair_takes_the_pair_or_the_models_dir(tmp_path):
+    import pytest
+
+    from specserve.tooling.modelbuild.build import find_pair
+
+    pair = tmp_path / "default-abc"
+    (pair / "target").mkdir(parents=True)
+    (tmp_path / "default").symlink_to(pair.name)
+    assert find_pair(tmp_path) == pair.resolve()  # `make bench` passes the models dir
+    assert find_pair(pair) == pair.resolve()
+    with pytest.raises(SystemExit, match="make models"):
+        find_pair(tmp_path / "nothing")
