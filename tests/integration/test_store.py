@@ -299,8 +299,10 @@ def test_the_services_client_rides_a_redis_restart_on_its_pooled_connections(tmp
     from specserve.state.store import connect
     from specserve.tooling.redis_server import start_redis
 
-    server = start_redis(tmp_path / "redis")
+    servers = [start_redis(tmp_path / "redis")]
     try:
+        server = servers[0]
+
         async def body():
             client = connect(server.url)
             store = SessionStore(client, prefix="restart", ttl_s=600)
@@ -308,7 +310,8 @@ def test_the_services_client_rides_a_redis_restart_on_its_pooled_connections(tmp
             # several pooled connections, so the restart leaves several dead sockets behind
             await asyncio.gather(*(client.ping() for _ in range(4)))
             assert (await store.commit(sid, 0, epoch, "r1", [1, 2], "ab", "")).status is CommitStatus.OK
-            await asyncio.to_thread(server.restart)  # SIGTERM: Redis writes its AOF out, loses nothing
+            # SIGTERM: Redis writes its AOF out, loses nothing; the new server is stopped below
+            servers.append(await asyncio.to_thread(server.restart))
             # first a plain command, then a script, then a pipeline and stream reads
             assert (await store.get(sid)).status is SessionStatus.RUNNING
             assert (await store.commit(sid, 2, epoch, "r2", [3], "c", "eos")).status is CommitStatus.OK
@@ -318,4 +321,5 @@ def test_the_services_client_rides_a_redis_restart_on_its_pooled_connections(tmp
 
         run(body())
     finally:
-        server.stop()
+        for s in servers:
+            s.stop()
