@@ -31,6 +31,30 @@ import numpy as np
 CLASS = "bench"  # the controller arm's workload class (its policy below)
 
 
+ROLES = (("target", "ray::TargetWorker"), ("router", "services.router"), ("draft", "services.draft"),
+         ("redis", "redis-server"), ("ray", "ray"), ("bench", "bench_batching"))
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process on the machine, by role (the first
+    pattern its command line contains; "other" for the rest): where a cell's CPU went."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = next((r for r, pat in ROLES if pat in cmd), "other")
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def cell(stub, arm: str, k: int, prompts: list[str], conc: int, requests: int, max_tokens: int) -> dict:
     from specserve.v1 import generation_pb2
 
@@ -53,18 +77,22 @@ def cell(stub, arm: str, k: int, prompts: list[str], conc: int, requests: int, m
             log.append((time.perf_counter() - t0, len(resp.token_ids), len(resp.stats.round)))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(conc)]
+    cpu0 = cpu_by_role()
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu1 = cpu_by_role()
+    cpu_share = {r: round((cpu1.get(r, 0) - cpu0.get(r, 0)) / wall, 3) for r in cpu1}  # cores busy, by role
     tpot = np.array([w / max(n, 1) * 1e3 for w, n, _ in log]) if log else np.array([np.nan])
     tokens = sum(n for _, n, _ in log)
     return {"arm": arm, "k": k, "concurrency": conc, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "tpot_p50_ms": float(np.percentile(tpot, 50)), "tpot_p90_ms": float(np.percentile(tpot, 90)),
             "tpot_p99_ms": float(np.percentile(tpot, 99)), "requests": len(log), "errors": errors[:3],
-            "rounds_per_token": sum(r for *_, r in log) / max(tokens, 1), "tpot_ms": tpot.tolist()}
+            "rounds_per_token": sum(r for *_, r in log) / max(tokens, 1), "tpot_ms": tpot.tolist(),
+            "cores_busy": cpu_share}
 
 
 def merge(cells: list[dict]) -> dict:
@@ -76,6 +104,9 @@ def merge(cells: list[dict]) -> dict:
              rounds_per_token=sum(c["rounds_per_token"] * c["tokens"] for c in cells)
              / max(sum(c["tokens"] for c in cells), 1), repeats=len(cells))
     r["tok_s"] = r["tokens"] / r["wall_s"]
+    roles = {k for c in cells for k in c["cores_busy"]}
+    r["cores_busy"] = {k: round(sum(c["cores_busy"].get(k, 0) * c["wall_s"] for c in cells) / r["wall_s"], 3)
+                       for k in sorted(roles)}
     for q in (50, 90, 99):
         r[f"tpot_p{q}_ms"] = float(np.percentile(tpot, q))
     return r
@@ -227,6 +258,11 @@ def print_table(r: dict) -> None:
         c = x["concurrency"]
         print(f"{c:>3} {x['arm']:<11}{x['tok_s']:8.1f}{x['tpot_p50_ms']:10.1f}{x['tpot_p99_ms']:8.1f}"
               f"{x['tok_s'] / plain.get(c, float('nan')):8.2f}{r['bound_tok_s'].get(c, float('nan')):8.1f}")
+    print("cores busy by role (of the machine's", __import__("os").cpu_count(), "):")
+    for x in r["rows"]:
+        if x["arm"] in ("plain", f"k{r['config']['k']}", "plain-off"):
+            busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(x["cores_busy"].items(), key=lambda kv: -kv[1]) if v >= 0.01)
+            print(f"{x['concurrency']:>3} {x['arm']:<11} {busy}")
     print("capacity (largest C with p90 TPOT <= 2x single-stream plain):", r["capacity"])
     print("controller vs the best fixed arm:", r["controller_vs_best"])
 
