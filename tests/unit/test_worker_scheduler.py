@@ -253,3 +253,21 @@ def test_an_item_stays_busy_until_its_batch_is_over_even_when_its_caller_goes_aw
     during, after = asyncio.run(go())
     assert during == []  # nothing released while "a" still ran, nor before "b" was dropped
     assert sorted(after) == ["a", "b"]
+
+
+def test_a_session_released_while_its_item_waits_keeps_its_kv_until_the_item_leaves():
+    """A router's Release can arrive while a Verify of the session still waits for a batch
+    (soak, 64 streams: "holds no KV slot" on the model thread). The session leaves the table
+    at once; its slot is freed only when its last item leaves the scheduler."""
+    kv = FakeKV(2)
+    table = SessionTable(kv.open, kv.close, max_sessions=10)
+    seq = table.get("a")
+    seq.busy = 2  # two items queued
+    assert table.release("a") and "a" not in table.sessions
+    assert kv.closed == []  # the queued items still use the slot
+    seq.leave()
+    assert kv.closed == []
+    seq.leave()
+    assert kv.closed == ["a"] and kv.free == 2
+    table.get("b").busy = 0
+    assert table.release("b") and kv.closed == ["a", "b"]  # idle: freed at once

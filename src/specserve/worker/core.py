@@ -25,19 +25,11 @@ class WorkerCore:
         self.extra_s = extra_s
         # One model thread: every batch, and every release of a KV slot, runs there in order.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.sessions = SessionTable(engine.open, self._close, max_sessions, evict_idle_s, on_close)
+        self.sessions = SessionTable(engine.open, engine.close, max_sessions, evict_idle_s, on_close)
         # a per-session engine runs items one by one: batches of one answer each call at once
         self.scheduler = Scheduler(min(max_batch, getattr(engine, "max_batch", max_batch)), max_wait_ms / 1e3,
                                    on_batch=self._observe)
         self._loop: asyncio.Task | None = None
-
-    def _close(self, handle: Any, busy: bool) -> None:
-        """Free a session's KV now, or, while one of its items may be running, on the model
-        thread after it."""
-        if busy:
-            self.executor.submit(self.engine.close, handle)
-        else:
-            self.engine.close(handle)
 
     def _observe(self, size: int, seconds: float) -> None:
         m = self.metrics

@@ -28,10 +28,15 @@ class Sequence:
     extra: Any = None  # the servicer's own per-session state (the draft's speculation cache)
     busy: int = 0  # items queued or running in the scheduler (raised per item, lowered as it leaves)
     last_used: float = field(default_factory=time.monotonic)
+    # set when the session was released while busy: frees its KV once its last item has left
+    on_idle: Callable[[], None] | None = field(default=None, repr=False)
 
     def leave(self) -> None:
         """One of its items left the scheduler (Work.release)."""
         self.busy -= 1
+        if self.busy == 0 and self.on_idle is not None:
+            free, self.on_idle = self.on_idle, None
+            free()
 
     def reconcile(self, prefix) -> list[int]:
         """The committed sequence of a request's `prefix` (base_len, base_hash, tokens);
@@ -44,10 +49,12 @@ class Sequence:
 
 class SessionTable:
     """Sessions by id, least recently used first. `open(session_id)` makes a backend handle
-    (raising KVBudgetExhausted when full), `close(handle, busy)` frees it (`busy`: a call of
-    the session may still be on the model thread)."""
+    (raising KVBudgetExhausted when full), `close(handle)` frees it, never while an item of
+    the session is queued or running: a session released then (its router finished, was
+    cancelled or moved on while a Verify of it still waited for a batch) leaves the table at
+    once and frees its KV when its last item leaves the scheduler."""
 
-    def __init__(self, open: Callable[[str], Any], close: Callable[[Any, bool], None], max_sessions: int,
+    def __init__(self, open: Callable[[str], Any], close: Callable[[Any], None], max_sessions: int,
                  evict_idle_s: float = 1.0, on_close: Callable[[Sequence], None] | None = None) -> None:
         self.open = open
         self.close = close
@@ -96,7 +103,10 @@ class SessionTable:
             return False
         if self.on_close is not None:
             self.on_close(seq)
-        self.close(seq.handle, seq.busy > 0)
+        if seq.busy > 0:
+            seq.on_idle = lambda: self.close(seq.handle)
+        else:
+            self.close(seq.handle)
         return True
 
     def __len__(self) -> int:
