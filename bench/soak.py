@@ -48,6 +48,12 @@ def main() -> None:
     ap.add_argument("--session-ttl-s", type=int, default=60)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--deadline-s", type=float, default=60.0, help="each call's deadline (a late call Resumes)")
+    ap.add_argument("--max-len", type=int, default=256,
+                    help="KV positions per session in the workers: the soak's requests need under 128; at the "
+                         "model's 1024 the target's 1 GiB holds 42 sessions, fewer than 64 streams and the "
+                         "sessions their disconnects leave running, so admission would refuse some")
+    ap.add_argument("--give-up-s", type=float, default=180.0,
+                    help="how long a client keeps retrying one request (backoff 0.2 s doubling to 2 s)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--run-dir", type=Path, default=None, help="keep the services' logs here (default: a temp dir)")
     args = ap.parse_args()
@@ -61,6 +67,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         spec = StackSpec(pair_dir=str(pair), run_dir=str(args.run_dir or tmp), pools={"small": PoolSpec("draft", replicas=2)},
                          routers=2, target_threads=1,
+                         env={"SPECSERVE_TARGET_MAX_LEN": str(args.max_len), "SPECSERVE_DRAFT_MAX_LEN": str(args.max_len)},
                          router_env={"SPECSERVE_ROUTER_SESSION_TTL_S": str(args.session_ttl_s),
                                      "SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "1000",
                                      "SPECSERVE_ROUTER_DETACHED_IDLE_S": "20"})
@@ -89,9 +96,9 @@ class Client:
     """One stream at a time, forever: finish, cancel or disconnect + Resume, at random."""
 
     def __init__(self, i: int, stubs, prompts, refs, stats: Counter, delivered: list[int], stop: threading.Event,
-                 deadline_s: float = 60.0):
+                 deadline_s: float = 60.0, give_up_s: float = 180.0):
         self.rng = random.Random(i)
-        self.deadline_s = deadline_s
+        self.deadline_s, self.give_up_s = deadline_s, give_up_s
         self.i, self.stubs, self.prompts, self.refs = i, stubs, prompts, refs
         self.stats, self.delivered, self.stop = stats, delivered, stop
 
@@ -110,7 +117,11 @@ class Client:
         req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, draft_pool="small",
                                              request_id=request_id)
         chunks: list = []
-        for attempt in range(20):
+        last = "none"  # the last failure seen: an incomplete request is counted under it
+        give_up = time.monotonic() + self.give_up_s  # a client's patience, not a count of tries
+        attempt = -1
+        while time.monotonic() < give_up:
+            attempt += 1
             # a router that does not answer: the next one (it joins or Resumes the same session)
             stub = self.stubs[(self.i + attempt) % len(self.stubs)]
             pos = sum(len(c.token_ids) for c in chunks)
@@ -130,14 +141,18 @@ class Client:
                         break
             except grpc.RpcError as err:
                 code = err.code()
+                last = code.name
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     self.stats["retried"] += 1
-                    time.sleep(0.2)
+                    time.sleep(min(0.2 * 2 ** min(attempt, 4), 2.0))
                 elif code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    # overload, as a production client meets it: the session runs on detached
-                    # (Resume collects it) and a refused request is sent again after a pause;
-                    # counted apart so an overloaded run shows as one
+                    # overload, as a production client meets it: a late call's session runs on
+                    # detached (Resume or the same request_id collects it); a refused request
+                    # failed for good, so it is sent again, after a pause, as a new request.
+                    # Counted apart, so an overloaded run shows as one.
                     self.stats[f"overload:{code.name}"] += 1
+                    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not chunks:
+                        req.request_id = f"{request_id}-again{attempt}"
                     time.sleep(1.0 + self.rng.random())
                 else:
                     raise
@@ -152,7 +167,11 @@ class Client:
         elif reason not in ("eos", "length"):
             # no finish after every attempt (each with its own deadline): an availability
             # failure, not a wrong token; a prefix that differs is still wrong
-            self.stats["incomplete" if tokens == want[: len(tokens)] else "wrong"] += 1
+            if tokens == want[: len(tokens)]:
+                self.stats["incomplete"] += 1
+                self.stats[f"incomplete_after:{reason or last}"] += 1
+            else:
+                self.stats["wrong"] += 1
             return
         else:
             ok = tokens == want
@@ -187,7 +206,7 @@ def soak(stack, args, prompts, refs) -> dict:
     stats: Counter = Counter()
     delivered = [0]
     stop = threading.Event()
-    clients = [threading.Thread(target=Client(i, stubs, prompts, refs, stats, delivered, stop, args.deadline_s).run, daemon=True)
+    clients = [threading.Thread(target=Client(i, stubs, prompts, refs, stats, delivered, stop, args.deadline_s, args.give_up_s).run, daemon=True)
                for i in range(args.streams)]
     for t in clients:
         t.start()
