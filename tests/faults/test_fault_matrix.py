@@ -150,6 +150,16 @@ def _until(stream, n: int) -> list:
     return got
 
 
+def _started(stubs, pick, reference, column: str, i: int):
+    """The i-th prompt of the column streaming on router 0, read up to FAULT_AT tokens:
+    (reference tokens, the stream, the chunks so far, the session id)."""
+    prompt = pick(column, i)
+    want = reference(column, prompt)
+    stream = stubs[0].GenerateStream(_req(prompt, column), timeout=120)
+    got = _until(stream, FAULT_AT)
+    return want, stream, got, got[0].session_id
+
+
 def _mid_generation(r, session_id: str, want: list[int]) -> None:
     """The proof that a fault lands mid-generation: running, with tokens still to come."""
     status, committed = r.hmget(f"specserve:sess:{session_id}", "status", "committed")
@@ -252,11 +262,7 @@ def test_the_local_ray_cluster_refuses_a_driver_without_the_token(stack):
 
 @pytest.mark.parametrize("column", COLUMNS)
 def test_cancel_mid_round(stubs, r, pick, reference, column):
-    prompt = pick(column, 0)
-    want = reference(column, prompt)
-    stream = stubs[0].GenerateStream(_req(prompt, column), timeout=120)
-    got = _until(stream, FAULT_AT)
-    sid = got[0].session_id
+    want, stream, got, sid = _started(stubs, pick, reference, column, 0)
     _mid_generation(r, sid, want)
     t0 = time.monotonic()
     assert stubs[1].Cancel(generation_pb2.CancelRequest(session_id=sid), timeout=10).cancelled  # any router
@@ -274,11 +280,8 @@ def test_cancel_mid_round(stubs, r, pick, reference, column):
 
 @pytest.mark.parametrize("column", COLUMNS)
 def test_client_disconnect_then_resume(stubs, r, pick, reference, column):
-    prompt = pick(column, 1)
-    want = reference(column, prompt)
-    stream = stubs[0].GenerateStream(_req(prompt, column), timeout=120)
-    got = _until(stream, FAULT_AT)
-    sid, n = got[0].session_id, len(_tokens(got))
+    want, stream, got, sid = _started(stubs, pick, reference, column, 1)
+    n = len(_tokens(got))
     _mid_generation(r, sid, want)
     t0 = time.monotonic()
     stream.cancel()  # the client goes away
@@ -345,11 +348,7 @@ def test_an_unread_session_runs_on_then_is_cancelled(stubs, r, pick):
 
 @pytest.mark.parametrize("column", COLUMNS)
 def test_sigstop_draft_replica(stack, stubs, r, pick, reference, column):
-    prompt = pick(column, 2)
-    want = reference(column, prompt)
-    stream = stubs[0].GenerateStream(_req(prompt, column), timeout=120)
-    got = _until(stream, FAULT_AT)
-    sid = got[0].session_id
+    want, stream, got, sid = _started(stubs, pick, reference, column, 2)
     pid = stack.info.pids[_replica_of(stack, sid)]
     _mid_generation(r, sid, want)
     t0 = time.monotonic()
@@ -455,11 +454,7 @@ def test_kill_draft_replica(stack, stubs, r, pick, reference):
     randomness) drafts the same tokens. Then greedy: the replica its session uses dies too,
     and the rounds fall back to plain decoding, which greedy output does not notice."""
     for column in ("seeded", "greedy"):
-        prompt = pick(column, 6)
-        want = reference(column, prompt)
-        stream = stubs[0].GenerateStream(_req(prompt, column), timeout=120)
-        got = _until(stream, FAULT_AT)
-        sid = got[0].session_id
+        want, stream, got, sid = _started(stubs, pick, reference, column, 6)
         name = _replica_of(stack, sid)
         if column == "greedy" and not _alive(stack.info.pids[name]):
             name = next(n for n in ("draft-small-0", "draft-small-1") if _alive(stack.info.pids[n]))
