@@ -323,3 +323,23 @@ def test_the_services_client_rides_a_redis_restart_on_its_pooled_connections(tmp
     finally:
         for s in servers:
             s.stop()
+
+
+def test_the_services_client_waits_for_a_pooled_connection_rather_than_failing(redis_server, run):
+    """More blocking stream reads at once than redis-py's default pool holds (100): each gets
+    a connection (the pool grows to MAX_CONNECTIONS, then waits), none fails with "Too many
+    connections" (which the router took for Redis being down, in the 64-stream soak)."""
+    from specserve.state.store import MAX_CONNECTIONS, connect
+
+    readers = 150
+    assert readers <= MAX_CONNECTIONS
+
+    async def body():
+        client = connect(redis_server.url)
+        try:
+            got = await asyncio.gather(*(client.xread({f"pool-test:{i}": "$"}, block=300) for i in range(readers)))
+            assert got == [[] for _ in range(readers)]  # every read ran its block out, empty
+        finally:
+            await client.aclose()
+
+    run(body())

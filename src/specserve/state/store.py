@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from redis.asyncio import Redis, from_url
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -49,13 +49,25 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 OUTAGE_BACKOFF_S, OUTAGE_BACKOFF_MAX_S = 0.05, 1.0
 
 
+# Every stream reader holds a connection for its blocking XREAD, so a router's connections
+# grow with its streams (64 streams moved onto one router by a kill took more than redis-py's
+# default 100, and the pool's "Too many connections" read as Redis being down). A command
+# beyond this waits up to POOL_WAIT_S for a free connection instead of failing.
+MAX_CONNECTIONS = 1024
+POOL_WAIT_S = 20.0
+
+
 def connect(url: str) -> Redis:
     """The services' client. Each command is retried a few times with a fresh connection, so
     a pooled socket that a Redis restart closed costs nothing; longer outages are ridden
     out by the callers (`ride_out`, `read_chunks(outage_s=...)`). The retry class must be
-    redis.asyncio's: the sync one hands the coroutine back unawaited, so nothing retries."""
-    return from_url(url, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3), retry_on_error=list(REDIS_DOWN),
-                    socket_connect_timeout=2.0, health_check_interval=10)
+    redis.asyncio's: the sync one hands the coroutine back unawaited, so nothing retries.
+    The pool blocks when full (MAX_CONNECTIONS) rather than raising."""
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3), retry_on_error=list(REDIS_DOWN),
+        socket_connect_timeout=2.0, health_check_interval=10)
+    return Redis.from_pool(pool)
 
 
 async def ride_out(call: Callable[[], Awaitable[Any]], outage_s: float) -> Any:
