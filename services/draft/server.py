@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import Drafter, DraftProposal
+from specserve.errors import SessionNotFound
 from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.streams import Push, serve_calls
 from specserve.serving.telemetry import tracer
@@ -142,6 +143,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 prepared += 1
         except asyncio.CancelledError:
             pass  # the next round arrived: what it needs was cached or is drafted afresh
+        except SessionNotFound:
+            pass  # the session was released meanwhile: nobody will ask for these blocks
         finally:
             span.set_attribute("specserve.predrafted_blocks", prepared)
             span.end()

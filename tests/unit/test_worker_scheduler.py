@@ -271,3 +271,32 @@ def test_a_session_released_while_its_item_waits_keeps_its_kv_until_the_item_lea
     assert kv.closed == ["a"] and kv.free == 2
     table.get("b").busy = 0
     assert table.release("b") and kv.closed == ["a", "b"]  # idle: freed at once
+
+
+def test_no_new_item_runs_on_a_released_session():
+    """Drafting ahead awaits between blocks; a Release in between must stop it, not hand the
+    freed handle to the model thread (the draft's "holds no KV slot" in the soak)."""
+    import asyncio
+
+    from specserve.errors import SessionNotFound
+    from specserve.serving.metrics import WorkerMetrics
+    from specserve.worker.core import WorkerCore
+
+    class Engine(FakeKV):
+        max_batch = 4
+        slots = None
+
+        def step(self, batch):
+            return [w.payload for w in batch]
+
+    async def body():
+        engine = Engine(1)
+        core = WorkerCore(engine, WorkerMetrics("test_released"), max_sessions=4)
+        seq = core.session("a")
+        assert (await core.run(seq, "first", 1)).value == "first"
+        core.sessions.release("a")
+        with pytest.raises(SessionNotFound, match="released"):
+            await core.run(seq, "after", 1)
+        assert engine.closed == ["a"] and seq.busy == 0
+
+    asyncio.run(body())

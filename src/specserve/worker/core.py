@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from specserve.errors import KVBudgetExhausted
+from specserve.errors import KVBudgetExhausted, SessionNotFound
 from specserve.serving.metrics import WorkerMetrics
 from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
 from specserve.worker.sequence import Sequence, SessionTable
@@ -53,5 +53,7 @@ class WorkerCore:
         """Queue one item for `seq` and wait for its batch (the session is not evicted meanwhile)."""
         if self._loop is None or self._loop.done():
             self._loop = asyncio.create_task(self.scheduler.run(self.executor, self.engine.step, self.extra_s))
+        if seq.released:  # work that outlived its session (drafting ahead after a Release)
+            raise SessionNotFound(f"session {seq.id} was released on this worker")
         seq.busy += 1  # until the item leaves the scheduler, even if this caller goes away first
         return await self.scheduler.submit(Work(seq.id, job, tokens, priority, release=seq.leave))

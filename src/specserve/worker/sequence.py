@@ -30,6 +30,7 @@ class Sequence:
     last_used: float = field(default_factory=time.monotonic)
     # set when the session was released while busy: frees its KV once its last item has left
     on_idle: Callable[[], None] | None = field(default=None, repr=False)
+    released: bool = False  # out of the table: no new item may use its handle
 
     def leave(self) -> None:
         """One of its items left the scheduler (Work.release)."""
@@ -101,6 +102,7 @@ class SessionTable:
         seq = self.sessions.pop(session_id, None)
         if seq is None:
             return False
+        seq.released = True
         if self.on_close is not None:
             self.on_close(seq)
         if seq.busy > 0:
