@@ -109,7 +109,7 @@ class OpenAIApp:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(APIError, self._error)
+        app.add_exception_handler(APIError, self._error)  # type: ignore[arg-type]  # Starlette types the handler by Exception
         app.add_exception_handler(RequestValidationError, lambda r, e: self._error(r, _validation_error(e)))
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])

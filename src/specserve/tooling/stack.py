@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.tooling.files import write_private
+from specserve.tooling.redis_server import LocalRedis
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Stack:
         self.run_dir = Path(spec.run_dir)
         self.info = StackInfo()
         self.procs: dict[str, subprocess.Popen] = {}
-        self.redis = None  # the LocalRedis started here (fault tests kill and restart it)
+        self.redis: LocalRedis | None = None  # the LocalRedis started here (fault tests kill and restart it)
         self.launched: dict[str, tuple[str, dict[str, str]]] = {}  # name -> (module, env), for restart
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:

@@ -174,7 +174,8 @@ class BatchedDraft(_RunnerSessions):
         """Step 0 feeds each session's new committed tokens (1 logit), then one batched
         1-token step per further draft position."""
         results: list[Any] = [None] * len(batch)
-        rows, live = [], []
+        rows: list[Row] = []
+        live: list[tuple[int, DraftJob, int, int, list]] = []
         for i, w in enumerate(batch):
             job: DraftJob = w.payload
             k = 1 if job.guess else min(job.k, self.max_positions - len(job.ids))
