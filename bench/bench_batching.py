@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 import threading
@@ -38,8 +39,6 @@ ROLES = (("target", "ray::TargetWorker"), ("router", "services.router"), ("draft
 def cpu_by_role() -> dict[str, float]:
     """CPU seconds (user + system) so far of every process on the machine, by role (the first
     pattern its command line contains; "other" for the rest): where a cell's CPU went."""
-    import os
-
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -258,7 +257,7 @@ def print_table(r: dict) -> None:
         c = x["concurrency"]
         print(f"{c:>3} {x['arm']:<11}{x['tok_s']:8.1f}{x['tpot_p50_ms']:10.1f}{x['tpot_p99_ms']:8.1f}"
               f"{x['tok_s'] / plain.get(c, float('nan')):8.2f}{r['bound_tok_s'].get(c, float('nan')):8.1f}")
-    print("cores busy by role (of the machine's", __import__("os").cpu_count(), "):")
+    print("cores busy by role (of the machine's", os.cpu_count(), "):")
     for x in r["rows"]:
         if x["arm"] in ("plain", f"k{r['config']['k']}", "plain-off"):
             busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(x["cores_busy"].items(), key=lambda kv: -kv[1]) if v >= 0.01)

@@ -20,6 +20,7 @@ Writes <out>/soak.json and <out>/soak.png (throughput and RSS over time).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -119,9 +120,9 @@ class Client:
         chunks: list = []
         last = "none"  # the last failure seen: an incomplete request is counted under it
         give_up = time.monotonic() + self.give_up_s  # a client's patience, not a count of tries
-        attempt = -1
-        while time.monotonic() < give_up:
-            attempt += 1
+        for attempt in itertools.count():
+            if time.monotonic() >= give_up:
+                break
             # a router that does not answer: the next one (it joins or Resumes the same session)
             stub = self.stubs[(self.i + attempt) % len(self.stubs)]
             pos = sum(len(c.token_ids) for c in chunks)

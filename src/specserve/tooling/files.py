@@ -12,14 +12,10 @@ def write_private(path: Path | str, text: str) -> None:
     the old one, so the secret is never readable by others, not even for a moment."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode is masked by the umask; an old tmp kept its mode
-        with os.fdopen(fd, "w") as f:
-            fd = -1
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode is masked by the umask; an old tmp kept its own
             f.write(text)
         os.replace(tmp, path)
     finally:
-        if fd >= 0:
-            os.close(fd)
         tmp.unlink(missing_ok=True)

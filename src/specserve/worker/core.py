@@ -23,7 +23,8 @@ class WorkerCore:
         self.engine = engine
         self.metrics = metrics
         self.extra_s = extra_s
-        # One model thread: every batch, and every release of a KV slot, runs there in order.
+        # One model thread runs every batch; KV slots are taken and freed on the event loop,
+        # a session's only once none of its items is queued or running (SessionTable).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.sessions = SessionTable(engine.open, engine.close, max_sessions, evict_idle_s, on_close)
         # a per-session engine runs items one by one: batches of one answer each call at once
@@ -53,7 +54,7 @@ class WorkerCore:
         """Queue one item for `seq` and wait for its batch (the session is not evicted meanwhile)."""
         if self._loop is None or self._loop.done():
             self._loop = asyncio.create_task(self.scheduler.run(self.executor, self.engine.step, self.extra_s))
-        if seq.released:  # work that outlived its session (drafting ahead after a Release)
+        if not self.sessions.holds(seq):  # work that outlived its session (drafting ahead after a Release)
             raise SessionNotFound(f"session {seq.id} was released on this worker")
         seq.busy += 1  # until the item leaves the scheduler, even if this caller goes away first
         return await self.scheduler.submit(Work(seq.id, job, tokens, priority, release=seq.leave))

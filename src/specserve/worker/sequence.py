@@ -30,7 +30,6 @@ class Sequence:
     last_used: float = field(default_factory=time.monotonic)
     # set when the session was released while busy: frees its KV once its last item has left
     on_idle: Callable[[], None] | None = field(default=None, repr=False)
-    released: bool = False  # out of the table: no new item may use its handle
 
     def leave(self) -> None:
         """One of its items left the scheduler (Work.release)."""
@@ -102,7 +101,6 @@ class SessionTable:
         seq = self.sessions.pop(session_id, None)
         if seq is None:
             return False
-        seq.released = True
         if self.on_close is not None:
             self.on_close(seq)
         if seq.busy > 0:
@@ -110,6 +108,10 @@ class SessionTable:
         else:
             self.close(seq.handle)
         return True
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether `seq` is still this table's entry for its id (not released or evicted)."""
+        return self.sessions.get(seq.id) is seq
 
     def __len__(self) -> int:
         return len(self.sessions)
