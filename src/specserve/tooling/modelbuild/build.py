@@ -67,6 +67,10 @@ class PairConfig:
     # training threads, fixed (not the machine's core count): a matmul's reduction order, and
     # so its rounding, follows how it is split across threads
     threads: int = 2
+    corpus_version: int = 1  # corpus.py: 2 = no codec tables, whole-library sample, docstrings
+    # the weights as saved (and evaluated): bfloat16 halves the shipped pair; served in fp32 on
+    # CPU, the upcast is exact, so what was evaluated is what is served
+    save_dtype: str = "float32"
 
     def digest(self) -> str:
         # bf16 autocast is part of the recipe where the CPU supports it: another machine type
@@ -85,6 +89,17 @@ PRESETS: dict[str, PairConfig] = {
         max_positions=1024, seq_len=128, batch=8, target_steps=900, target_lr=2e-3,
         draft_steps=300, draft_lr=3e-3, code_bytes=4_000_000, prose_bytes=2_000_000,
         n_extraction=1200,
+    ),
+    # The shipped demo pair (models/specserve-demo-v1, ADR 0003): trained once with a real budget
+    # (about 50 min of target training on 2 cores with bf16), committed, served everywhere.
+    "demo": PairConfig(
+        name="demo", vocab_size=4096,
+        target=ModelShape(layers=6, hidden=512, heads=8, intermediate=1408),
+        draft=ModelShape(layers=1, hidden=128, heads=4, intermediate=384),
+        max_positions=1024, seq_len=256, batch=16, target_steps=2000, target_lr=2e-3,
+        draft_steps=800, draft_lr=3e-3, code_bytes=8_000_000, prose_bytes=4_000_000,
+        n_extraction=3000, prompts_per_class=30, corpus_version=2, save_dtype="bfloat16",
+        weights=(("code", 0.5), ("chat", 0.25), ("extraction", 0.25)),
     ),
     # A quick pair for the test suite: trained enough to be non-trivial, built in ~1 min.
     "tiny": PairConfig(
@@ -157,7 +172,7 @@ def _deterministic(cfg: PairConfig):
 
 def _build(cfg: PairConfig, out: Path, log) -> None:
     started = time.time()
-    corpus = build_corpus(cfg.code_bytes, cfg.prose_bytes, cfg.n_extraction, cfg.seed)
+    corpus = build_corpus(cfg.code_bytes, cfg.prose_bytes, cfg.n_extraction, cfg.seed, cfg.corpus_version)
     log("corpus: " + ", ".join(f"{c} {sum(map(len, corpus.train[c])) / 1e6:.1f} MB" for c in CLASSES))
     tokenizer = train_tokenizer((d for c in CLASSES for d in corpus.train[c]), cfg.vocab_size)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -179,12 +194,15 @@ def _build(cfg: PairConfig, out: Path, log) -> None:
         loss_d = distill_draft(draft, target,
                                WindowSampler(streams, weights, cfg.seq_len, cfg.batch, cfg.seed + 1),
                                cfg.draft_steps, cfg.draft_lr, _reporter(bar, task, "draft", log), bf16)
+    if cfg.save_dtype != "float32":  # round once, then evaluate exactly what is saved
+        for model in (target, draft):
+            model.to(getattr(torch, cfg.save_dtype)).float()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     gen = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=eos)
     for name, model in (("target", target), ("draft", draft)):
         model.generation_config = gen
-        model.save_pretrained(tmp / name)
+        _save(model, tmp / name, cfg.save_dtype)
         tokenizer.save_pretrained(tmp / name)
     quality = {c: heldout_nll(target, tokenizer, corpus.heldout[c], cfg.seq_len, max_windows=32)
                for c in CLASSES}
@@ -204,6 +222,17 @@ def _build(cfg: PairConfig, out: Path, log) -> None:
     }, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+
+
+def _save(model, path: Path, dtype: str) -> None:
+    if dtype == "float32":
+        model.save_pretrained(path)
+        return
+    model.to(getattr(torch, dtype))
+    try:
+        model.save_pretrained(path)
+    finally:
+        model.float()
 
 
 def weights_digest(pair: Path) -> str:
@@ -255,7 +284,7 @@ def _refresh_prompts(out: Path, cfg: PairConfig) -> None:
         pass
     from transformers import AutoTokenizer
 
-    corpus = build_corpus(cfg.code_bytes, cfg.prose_bytes, cfg.n_extraction, cfg.seed)
+    corpus = build_corpus(cfg.code_bytes, cfg.prose_bytes, cfg.n_extraction, cfg.seed, cfg.corpus_version)
     target = LlamaForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
     _write_prompts(out, corpus.heldout, AutoTokenizer.from_pretrained(out / "target"), target, cfg)
 

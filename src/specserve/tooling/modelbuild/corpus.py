@@ -4,6 +4,7 @@ and seeded, generated records (extraction). Deterministic; no downloads."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import random
@@ -33,22 +34,38 @@ def _is_heldout(name: str, share: float = 0.1) -> bool:
     return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < share
 
 
-def code_documents(max_bytes: int) -> tuple[list[str], list[str]]:
-    """Python source files of the standard library, in sorted order, test suites excluded."""
+def _stdlib_sources(version: int) -> list[tuple[str, str]]:
+    """(relative path, text) of the standard library's Python files, test suites excluded.
+    Version 1 walks them in sorted order (so a byte cap takes the packages from `a` on, codec
+    tables included); version 2 leaves out the generated codec tables under `encodings/`
+    (a third of version 1's code) and orders files by a hash of their path, so a cap samples
+    the whole library."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    train: list[str] = []
-    heldout: list[str] = []
-    used = 0
+    skip = ("test/", "idlelib/", "site-packages/", "lib2to3/tests", "tkinter/test")
+    if version >= 2:
+        skip += ("encodings/",)
+    out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel.startswith(("test/", "idlelib/", "site-packages/", "lib2to3/tests", "tkinter/test")) or "/test" in rel:
+        if rel.startswith(skip) or "/test" in rel:
             continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if not (500 <= len(text) <= 60_000):
-            continue
+        if 500 <= len(text) <= 60_000:
+            out.append((rel, text))
+    if version >= 2:
+        out.sort(key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
+    return out
+
+
+def code_documents(max_bytes: int, version: int = 1) -> tuple[list[str], list[str]]:
+    """Python source files of the standard library (see `_stdlib_sources`), up to max_bytes."""
+    train: list[str] = []
+    heldout: list[str] = []
+    used = 0
+    for rel, text in _stdlib_sources(version):
         (heldout if _is_heldout(rel) else train).append(text)
         used += len(text)
         if used >= max_bytes:
@@ -56,18 +73,42 @@ def code_documents(max_bytes: int) -> tuple[list[str], list[str]]:
     return train, heldout
 
 
-def prose_documents(max_bytes: int) -> tuple[list[str], list[str]]:
-    """The Python documentation shipped in the standard library (pydoc topics)."""
+def docstring_documents(version: int) -> list[tuple[str, str]]:
+    """(module path, text): the standard library's longer docstrings (module, class, function; at
+    least 200 characters), one document per module, as English prose beside the pydoc topics
+    (which are only 0.46 MB). Version 1 of the corpus has none."""
+    if version < 2:
+        return []
+    out = []
+    for rel, text in _stdlib_sources(version):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        docs = [d for node in ast.walk(tree)
+                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                and (d := ast.get_docstring(node)) and len(d) >= 200]
+        if docs:
+            out.append((rel, "\n\n".join(docs) + "\n"))
+    return out
+
+
+def prose_documents(max_bytes: int, version: int = 1) -> tuple[list[str], list[str]]:
+    """The Python documentation shipped in the standard library (pydoc topics), then (corpus
+    version 2) the library's docstrings, in chunks of about 4,000 characters."""
     from pydoc_data.topics import topics  # always present with CPython
 
     train: list[str] = []
     heldout: list[str] = []
     used = 0
-    for name in sorted(topics):
-        text = topics[name].strip()
+    # a topic's chunks are split one by one; a module's docstrings go where its code goes
+    # (held out with it), so held-out prose never appears in the training code
+    sources = [(name, topics[name].strip(), None) for name in sorted(topics)]
+    sources += [(rel, text, _is_heldout(rel)) for rel, text in docstring_documents(version)]
+    for name, text, held in sources:
         for i, para_block in enumerate(_chunks(text, 4000)):
             key = f"{name}/{i}"
-            (heldout if _is_heldout(key) else train).append(para_block)
+            (heldout if (_is_heldout(key) if held is None else held) else train).append(para_block)
             used += len(para_block)
         if used >= max_bytes:
             break
@@ -140,9 +181,9 @@ def extraction_documents(n_train: int, n_heldout: int, seed: int) -> tuple[list[
     return train, heldout
 
 
-def build_corpus(code_bytes: int, prose_bytes: int, n_extraction: int, seed: int) -> Corpus:
-    code_tr, code_ho = code_documents(code_bytes)
-    prose_tr, prose_ho = prose_documents(prose_bytes)
+def build_corpus(code_bytes: int, prose_bytes: int, n_extraction: int, seed: int, version: int = 1) -> Corpus:
+    code_tr, code_ho = code_documents(code_bytes, version)
+    prose_tr, prose_ho = prose_documents(prose_bytes, version)
     ext_tr, ext_ho = extraction_documents(n_extraction, 64, seed)
     return Corpus(
         train={"code": code_tr, "chat": prose_tr, "extraction": ext_tr},
