@@ -1,0 +1,106 @@
+"""Where the engine's draft blocks come from (ADR 0014): a `DraftSource` per pool.
+
+The engine tells a source when a session opens, each round's outcome, and when it closes.
+Each call is made on the loop thread and must not block. The source delivers blocks through
+the callback the engine attached; it may deliver from any thread, at any time. A block names
+the committed prefix it assumes, and the engine uses it only for exactly that prefix.
+
+`LocalDrafts` runs an in-process drafter (a small model, n-gram, a prediction) and delivers
+each block at once. It serves the in-process engine and the tests. The draft workers'
+stream (`Draft.Link`) is the remote source.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from specserve.engine.session import DraftBlock, EngineSession, Outcome
+from specserve.state.prefix import CommittedPrefix
+
+if TYPE_CHECKING:
+    from specserve.algorithm.rejection import QProbs
+    from specserve.drafters.base import Drafter, DraftSession
+
+DRAFT_UNAVAILABLE = "draft_unavailable"
+
+Deliver = Callable[[DraftBlock], None]
+
+
+class DraftSource(Protocol):
+    @property
+    def available(self) -> bool:
+        """False when no replica can draft (the engine's rows run plain, failing closed)."""
+        ...
+
+    def attach(self, deliver: Deliver) -> None: ...
+    def open(self, session: EngineSession) -> None: ...
+    def outcome(self, outcome: Outcome) -> None: ...
+    def close(self, session_id: str) -> None: ...
+
+
+def clip(block: DraftBlock, k: int) -> tuple[list[int], QProbs]:
+    """The block's first k drafts and their q (a block may hold more than the round wants
+    when the token budget shrank)."""
+    from specserve.algorithm.rejection import DenseQ, SparseQ
+
+    tokens = list(block.tokens[:k])
+    q = block.q
+    if len(block.tokens) > k:
+        if isinstance(q, DenseQ):
+            q = DenseQ(q.probs[:k])
+        elif isinstance(q, SparseQ):
+            q = SparseQ(q.ids[:k], q.probs[:k])
+    return tokens, q
+
+
+class _Local:
+    """One session's state in a local source: the prefix it has seen, the drafter's session."""
+
+    def __init__(self, session: EngineSession, draft: DraftSession) -> None:
+        self.prefix = CommittedPrefix(session.committed.ids)
+        self.sampling = session.plan.params.sampling
+        self.seed = session.plan.seed
+        self.draft = draft
+
+
+class LocalDrafts:
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.deliver: Deliver | None = None
+        self.sessions: dict[str, _Local] = {}
+
+    @property
+    def available(self) -> bool:
+        return True
+
+    def attach(self, deliver: Deliver) -> None:
+        self.deliver = deliver
+
+    def open(self, session: EngineSession) -> None:
+        local = self.sessions[session.id] = _Local(session, self.drafter.start())
+        self._propose(session.id, local, session.k_wanted)
+
+    def outcome(self, outcome: Outcome) -> None:
+        local = self.sessions.get(outcome.session_id)
+        if local is None:
+            return
+        local.prefix.crop(outcome.committed_len - len(outcome.emitted))
+        local.prefix.extend(outcome.emitted)
+        self._propose(outcome.session_id, local, outcome.k)
+
+    def close(self, session_id: str) -> None:
+        local = self.sessions.pop(session_id, None)
+        if local is not None:
+            local.draft.release()
+
+    def _propose(self, session_id: str, local: _Local, k: int) -> None:
+        if k <= 0 or self.deliver is None:
+            return
+        t = time.perf_counter()
+        proposal = local.draft.propose(local.prefix.ids, k, local.sampling, local.seed)
+        n = len(local.prefix)
+        self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
+                                draft_ms=(time.perf_counter() - t) * 1e3,
+                                rollback_tokens=proposal.rollback_tokens))

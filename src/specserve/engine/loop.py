@@ -1,0 +1,283 @@
+"""The engine loop that drives rounds beside the target (ADR 0014): schedule -> run ->
+postprocess, one batched forward per step, nano-vllm's `LLMEngine.step` shape.
+
+The loop thread owns every session and the model. Other threads (the gRPC event loop, the
+draft links) only post messages: a new session, a draft block, a cancel. They go through a
+thread-safe inbox that the loop drains at the start of each step, so the step itself takes
+no locks. The step never waits for Redis, a client or a draft replica:
+- commits go to the committer, which sends them off this thread;
+- outcomes go to the draft sources, which push their next blocks back through the inbox;
+- a session whose block is late waits at most `block_wait_s()`, then runs plain.
+
+Example (in process, a local drafter):
+    loop = EngineLoop(target_engine(target, Batching()), stops_for, {"small": LocalDrafts(drafter)})
+    loop.add("s1", prompt_ids, EnginePlan(params, pool="small"))
+    loop.run_until_idle()
+    loop.sessions["s1"].generated
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from specserve.algorithm.round import RoundStats, settle
+from specserve.algorithm.stops import StopChecker
+from specserve.engine.drafting import DRAFT_UNAVAILABLE, DraftSource, clip
+from specserve.engine.scheduler import Budget, Row, schedule
+from specserve.engine.session import (
+    CommitRecord,
+    DraftBlock,
+    EnginePlan,
+    EngineSession,
+    Outcome,
+    Status,
+)
+from specserve.params import GenerationParams
+from specserve.worker.scheduler import AGAIN, Work
+
+
+class ModelStep(Protocol):
+    """The batched target (worker/model_runner.py: BatchedTarget)."""
+
+    max_positions: int
+
+    def open(self, session_id: str) -> Any: ...
+    def close(self, handle: Any) -> None: ...
+    def step(self, batch: list[Work]) -> list[Any]: ...
+
+
+class Committer(Protocol):
+    def submit(self, records: Sequence[CommitRecord]) -> None:
+        """Take one step's commits; must not block the loop."""
+        ...
+
+
+class EngineObserver(Protocol):
+    def round(self, session: EngineSession, stats: RoundStats) -> None: ...
+    def finished(self, session: EngineSession) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepReport:
+    rows: int
+    tokens: int  # tokens fed
+    forward_ms: float  # the model step (forward + rejection sampling)
+    bookkeeping_ms: float  # schedule + postprocess: the engine's own Python per step
+
+
+class EngineLoop:
+    def __init__(self, model: ModelStep, stops_for: Callable[[GenerationParams], StopChecker],
+                 sources: Mapping[str, DraftSource] | None = None, committer: Committer | None = None,
+                 observers: Sequence[EngineObserver] = (), budget: Budget | None = None,
+                 block_wait_max_s: float = 0.005, wait_factor: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, keep_ended: int = 1024) -> None:
+        self.model = model
+        self.stops_for = stops_for
+        self.sources = dict(sources or {})
+        self.committer = committer
+        self.observers = list(observers)
+        self.budget = budget or Budget()
+        self.block_wait_max_s = block_wait_max_s
+        self.wait_factor = wait_factor
+        self.clock = clock
+        self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
+        self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
+        self.last: StepReport | None = None
+        self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
+        self.keep_ended = keep_ended
+        self._wake_at: float | None = None
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Condition()
+        for source in self.sources.values():
+            source.attach(self.offer)
+
+    # ---- what other threads call (posted; applied by the loop thread) ----
+    def add(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, generated: Sequence[int] = (),
+            epoch: int = 0) -> Future:
+        """Start (or adopt, after `generated` committed tokens) a session. The future gives
+        the EngineSession once the loop has opened its KV, or the error (no KV room)."""
+        done: Future = Future()
+        self._post("add", (session_id, list(prompt_ids), plan, list(generated), epoch, done))
+        return done
+
+    def offer(self, block: DraftBlock) -> None:
+        self._post("block", block)
+
+    def cancel(self, session_id: str, reason: str = "cancelled") -> None:
+        self._post("cancel", (session_id, reason))
+
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._wake:
+            self._inbox.append((kind, payload))
+            self._wake.notify()
+
+    # ---- the loop thread ----
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            if self.step() is None:
+                self._sleep(self._wake_at, stop)
+
+    def run_until_idle(self, timeout_s: float = 600.0) -> None:
+        """Step until no session runs (in process: tests, the benchmark's bound)."""
+        end = self.clock() + timeout_s
+        while self._inbox or any(s.running for s in self.sessions.values()):
+            if self.clock() > end:
+                raise TimeoutError("engine sessions still running")
+            if self.step() is None:
+                self._sleep(self._wake_at, None)
+
+    def _sleep(self, until: float | None, stop: threading.Event | None) -> None:
+        with self._wake:
+            if self._inbox or (stop is not None and stop.is_set()):
+                return
+            self._wake.wait(timeout=0.05 if until is None else max(until - self.clock(), 0.0))
+
+    def step(self) -> StepReport | None:
+        """One step: inbox -> schedule -> one forward -> postprocess. None: nothing to run."""
+        t0 = time.perf_counter()
+        self._drain()
+        self._forget_ended()
+        plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s(), self._can_draft)
+        self._wake_at = plan.wake_at
+        if not plan.rows:
+            return None
+        works = [self._work(r) for r in plan.rows]
+        t1 = time.perf_counter()
+        results = self.model.step(works)
+        t2 = time.perf_counter()
+        forward_ms = (t2 - t1) * 1e3
+        self.step_ms += 0.2 * (forward_ms - self.step_ms)
+        commits: list[CommitRecord] = []
+        rounds = [self._settle(r, res, forward_ms, commits) for r, res in zip(plan.rows, results, strict=True)]
+        if commits and self.committer is not None:
+            self.committer.submit(commits)
+        self._forget_ended()
+        bookkeeping_ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
+        for s, stats in rounds:
+            if stats is not None:
+                stats_final = _with_overhead(stats, bookkeeping_ms)
+                s.rounds.append(stats_final)
+                for o in self.observers:
+                    o.round(s, stats_final)
+        self.last = StepReport(len(plan.rows), sum(w.tokens for w in works), forward_ms, bookkeeping_ms)
+        return self.last
+
+    def block_wait_s(self) -> float:
+        """How long a row waits for its late block: never longer than a plain step costs."""
+        return min(self.block_wait_max_s, self.wait_factor * self.step_ms / 1e3)
+
+    def _drain(self) -> None:
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                self._open(*payload)
+            elif kind == "block":
+                s = self.sessions.get(payload.session_id)
+                if s is not None:
+                    s.offer(payload)  # a stale block (another prefix) is dropped here
+            elif kind == "cancel":
+                s = self.sessions.get(payload[0])
+                if s is not None and s.running:
+                    self._end(s, Status.CANCELLED, payload[1])
+
+    def _open(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, generated: list[int], epoch: int,
+              done: Future) -> None:
+        old = self.sessions.get(session_id)
+        if old is not None:  # adopted again (a new epoch): the old run ends here
+            if old.running:
+                self._end(old, Status.CANCELLED, "adopted")
+            self._forget_ended()
+        try:
+            s = EngineSession.new(session_id, prompt_ids, plan, self.stops_for(plan.params), generated, epoch,
+                                  self.clock())
+            s.handle = self.model.open(session_id)
+        except Exception as exc:
+            done.set_exception(exc)
+            return
+        self.sessions[session_id] = s
+        source = self.sources.get(plan.pool or "")
+        if source is not None and s.k_wanted > 0:
+            source.open(s)
+        done.set_result(s)
+
+    def _work(self, row: Row) -> Work:
+        from specserve.worker.model_runner import VerifyJob  # the torch side, imported where used
+
+        s = row.session
+        p = s.plan.params
+        drafts, q = clip(row.block, s.k_wanted) if row.block is not None else ([], None)
+        return Work(s.id, VerifyJob(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed), row.tokens)
+
+    def _settle(self, row: Row, result: Any, forward_ms: float,
+                commits: list[CommitRecord]) -> tuple[EngineSession, RoundStats | None]:
+        s = row.session
+        if result is AGAIN:  # a prefill chunk that did not reach the end of the prompt
+            s.cached = min(s.cached + row.tokens, len(s.committed) - 1)
+            return s, None
+        if isinstance(result, Exception):
+            self._end(s, Status.FAILED, "error", f"{type(result).__name__}: {result}")
+            return s, None
+        verdict = result.verdict
+        s.cached = result.cached_len
+        k_asked = s.k_wanted
+        expected = len(s.generated)
+        settled = settle(s.generated, verdict.tokens, s.text.stops, s.plan.params.max_tokens)
+        s.committed.extend(settled.tokens)
+        text = s.text.advance(s.generated, settled.finish_reason)
+        commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))
+        block = row.block
+        k = min(len(block.tokens), k_asked) if block is not None else 0
+        stats = RoundStats(
+            k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
+            rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
+            verify_ms=forward_ms, fallback_reason="" if block else self._plain_reason(s, row, k_asked),
+            rollback_tokens=block.rollback_tokens if block else 0, k_asked=k_asked,
+            predraft="pushed" if block is not None and block.predrafted else "")
+        s.block, s.waiting_since = None, None
+        if settled.finish_reason is not None:
+            self._end(s, Status.FINISHED, settled.finish_reason)
+        elif s.k_wanted > 0 and (source := self.sources.get(s.plan.pool or "")) is not None:
+            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), s.k_wanted))
+        return s, stats
+
+    def _can_draft(self, s: EngineSession) -> bool:
+        source = self.sources.get(s.plan.pool or "")
+        return source is not None and source.available
+
+    def _plain_reason(self, s: EngineSession, row: Row, k_asked: int) -> str:
+        if not s.plan.pool:
+            return s.plan.plain_reason
+        if k_asked == 0:
+            return ""  # the token budget left no room for drafts
+        return row.fallback if self._can_draft(s) else DRAFT_UNAVAILABLE
+
+    def _end(self, s: EngineSession, status: Status, reason: str, error: str = "") -> None:
+        s.finish(status, reason, error)
+        source = self.sources.get(s.plan.pool or "")
+        if source is not None:
+            source.close(s.id)
+        for o in self.observers:
+            o.finished(s)
+
+    def _forget_ended(self) -> None:
+        """Sessions that ended free their KV and leave the table (the last few stay readable
+        in `ended`)."""
+        gone = [s for s in self.sessions.values() if not s.running]
+        for s in gone:
+            if s.handle is not None:
+                self.model.close(s.handle)
+                s.handle = None
+            del self.sessions[s.id]
+            self.ended[s.id] = s
+        while len(self.ended) > self.keep_ended:
+            self.ended.pop(next(iter(self.ended)))
+
+
+def _with_overhead(stats: RoundStats, bookkeeping_ms: float) -> RoundStats:
+    return replace(stats, overhead_ms=bookkeeping_ms)

@@ -1,0 +1,94 @@
+"""Which rows the next engine step runs (torch-free; nano-vllm's `Scheduler.schedule`).
+
+Per running session, oldest first, at most one row:
+- prefilling (its committed prefix is not all in KV): a prefill chunk. The model step feeds
+  the next `prefill_chunk` tokens; the chunk that reaches the end of the prompt also
+  verifies, like any other row;
+- speculating, with a block for exactly its committed prefix: a verify row (K + 1 logits);
+- speculating without one: it waits for its block, at most `block_wait_s` (the cost-chosen
+  bound: waiting longer than a plain step never pays), then runs a plain row (`draft_late`);
+- plain: a plain row (1 logit).
+
+The step holds at most `max_batch` rows and `max_batched_tokens` tokens fed. The first row
+is always taken, so one long chunk cannot stall the engine. Sessions left out this step go
+first next step, because the order is by arrival.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from specserve.engine.session import DraftBlock, EngineSession
+
+DRAFT_LATE = "draft_late"
+
+
+@dataclass(frozen=True)
+class Row:
+    session: EngineSession
+    block: DraftBlock | None  # the drafts this row verifies (None: a plain row)
+    tokens: int  # tokens the row feeds (its share of the budget)
+    fallback: str = ""  # why a speculating session runs without drafts this step
+
+
+@dataclass(frozen=True)
+class Schedule:
+    rows: list[Row]
+    wake_at: float | None  # the earliest block deadline of a waiting session (None: none waits)
+
+
+@dataclass(frozen=True)
+class Budget:
+    max_batch: int = 32
+    max_batched_tokens: int = 2048
+    prefill_chunk: int = 128
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_batched_tokens < 1 or self.prefill_chunk < 1:
+            raise ValueError(f"engine budget must be positive: {self}")
+
+
+def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget, block_wait_s: float,
+             can_draft: Callable[[EngineSession], bool] = lambda s: True) -> Schedule:
+    """The rows of the next step and when to look again for sessions waiting for a block.
+    `can_draft(session)` is False when no replica of its pool can draft: it runs plain at
+    once rather than wait for a block that cannot come.
+
+    Example: a plain session, a speculating one whose block has arrived and one whose block
+    is 1 ms late with a 2 ms bound -> rows [plain, verify], wake_at = its wait start + 2 ms.
+    """
+    rows: list[Row] = []
+    used = 0
+    wake_at: float | None = None
+    for s in sessions:
+        if not s.running:
+            continue
+        row = _row(s, now, budget.prefill_chunk, block_wait_s, can_draft)
+        if row is None:  # waiting for its block
+            deadline = (s.waiting_since or now) + block_wait_s
+            wake_at = deadline if wake_at is None else min(wake_at, deadline)
+            continue
+        if rows and (len(rows) >= budget.max_batch or used + row.tokens > budget.max_batched_tokens):
+            break
+        rows.append(row)
+        used += row.tokens
+    return Schedule(rows, wake_at)
+
+
+def _row(s: EngineSession, now: float, chunk: int, block_wait_s: float,
+         can_draft: Callable[[EngineSession], bool]) -> Row | None:
+    pending = len(s.committed) - s.cached  # tokens not yet in KV (at least the last one)
+    if pending > chunk:  # a chunk that does not reach the end of the prompt: no logits needed
+        return Row(s, None, chunk)
+    feed = max(pending, 1)
+    k = s.k_wanted
+    if k == 0 or not can_draft(s):
+        return Row(s, None, feed)
+    if s.block is not None and s.matches(s.block):
+        return Row(s, s.block, feed + min(len(s.block.tokens), k))
+    if s.waiting_since is None:
+        s.waiting_since = now
+    if now - s.waiting_since < block_wait_s:
+        return None
+    return Row(s, None, feed, DRAFT_LATE)

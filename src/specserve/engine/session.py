@@ -1,0 +1,152 @@
+"""One session as the engine drives it (nano-vllm's `Sequence`): the one owner of its
+committed tokens, the length its KV holds, its plan, the draft block waiting for it, and its
+status. Everything else reads it. Torch-free.
+
+The records that cross the engine's edges live here too: a `DraftBlock` (a draft replica's
+proposal for exactly one committed prefix), an `Outcome` (what a round committed, for the
+draft replica), and a `CommitRecord` (what the committer appends to Redis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from specserve.algorithm.round import RoundStats, draft_budget
+from specserve.algorithm.stops import IncrementalText, StopChecker
+from specserve.params import GenerationParams
+from specserve.state.prefix import CommittedPrefix
+
+if TYPE_CHECKING:
+    from specserve.algorithm.rejection import QProbs
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the engine needs of a session's plan: sampling, budget, stops, seed (resolved),
+    the draft pool (None: plain) and K, the most drafts a round may verify."""
+
+    params: GenerationParams
+    pool: str | None = None
+    workload_class: str = ""
+    plain_reason: str = "speculation_off"  # a plain session's rounds' fallback_reason
+
+    @property
+    def seed(self) -> int:
+        if self.params.seed is None:
+            raise ValueError("an engine plan needs a resolved seed")
+        return self.params.seed
+
+    @property
+    def k(self) -> int:
+        return self.params.num_draft_tokens if self.pool else 0
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """K draft tokens for exactly the committed prefix (base_len, base_hash) they assume."""
+
+    session_id: str
+    base_len: int
+    base_hash: int
+    tokens: tuple[int, ...]
+    q: QProbs = None  # their draft distributions; None = one-hot
+    draft_ms: float = 0.0  # the replica's compute for it (0 when it was drafted ahead)
+    predrafted: bool = False
+    rollback_tokens: int = 0  # provisional positions the replica dropped to reconcile
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A round's result as a draft replica needs it: the committed length after the round,
+    the tokens it emitted, and the K the next block may have (0: no block wanted)."""
+
+    session_id: str
+    committed_len: int
+    emitted: tuple[int, ...]
+    k: int
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """One round's tokens for Redis, fenced by the length they extend and the epoch."""
+
+    session_id: str
+    epoch: int
+    expected_len: int  # generated tokens committed before this round
+    tokens: tuple[int, ...]
+    text: str  # the text they make visible (stop strings held back until settled)
+    finish_reason: str | None
+
+    @property
+    def round_id(self) -> str:
+        return f"{self.epoch}:{self.expected_len}"
+
+
+class Status(StrEnum):
+    RUNNING = "running"
+    FINISHED = "finished"  # eos | stop | length
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class EngineSession:
+    id: str
+    plan: EnginePlan
+    prompt_len: int
+    committed: CommittedPrefix  # prompt + generated tokens, as the engine has settled them
+    text: IncrementalText
+    epoch: int = 0
+    handle: Any = None  # the model step's KV handle
+    cached: int = 0  # positions its KV holds (after the last step)
+    block: DraftBlock | None = None
+    waiting_since: float | None = None  # when it began waiting for a block for this prefix
+    status: Status = Status.RUNNING
+    finish_reason: str | None = None
+    error: str = ""
+    rounds: list[RoundStats] = field(default_factory=list)
+    arrived: float = 0.0  # the engine's clock when it was added
+
+    @classmethod
+    def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,
+            generated: list[int] | tuple[int, ...] = (), epoch: int = 0, now: float = 0.0) -> EngineSession:
+        """A session from its prompt and the tokens already committed (an adopted session
+        continues after them)."""
+        text = IncrementalText(stops)
+        text.advance(list(generated), None)
+        return cls(session_id, plan, len(prompt_ids), CommittedPrefix([*prompt_ids, *generated]), text,
+                   epoch=epoch, arrived=now)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed.ids[self.prompt_len :]
+
+    @property
+    def running(self) -> bool:
+        return self.status is Status.RUNNING
+
+    @property
+    def k_wanted(self) -> int:
+        """Drafts the next round may verify (0: a plain round)."""
+        return draft_budget(self.plan.k, len(self.generated), self.plan.params.max_tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        """More than the last committed token is still to be fed to the KV."""
+        return len(self.committed) - self.cached > 1
+
+    def matches(self, block: DraftBlock) -> bool:
+        return block.base_len == len(self.committed) and block.base_hash == self.committed.hash_at(block.base_len)
+
+    def offer(self, block: DraftBlock) -> bool:
+        """Keep the block if it is for exactly the committed prefix; a stale one is dropped."""
+        if not self.running or not self.matches(block):
+            return False
+        self.block = block
+        return True
+
+    def finish(self, status: Status, reason: str, error: str = "") -> None:
+        self.status, self.finish_reason, self.error = status, reason, error
+        self.block = None

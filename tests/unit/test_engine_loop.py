@@ -1,0 +1,207 @@
+"""The engine loop beside the target (ADR 0014): sessions of every kind share its steps —
+speculative, plain and prefilling — and each one's tokens are what it would get alone:
+greedy identical to target-only decoding, seeded sampling reproduced exactly. Stale blocks
+are never verified, a late or missing drafter degrades to plain rounds, commits are
+contiguous, and an adopted session continues exactly.
+
+Micro models are randomly initialised Llamas (near-uniform logits: many near-ties, the
+hardest case for batch invariance); greedy identity to transformers is checked on the
+trained tiny pair's held-out prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve.algorithm.sampling import SamplingParams
+from specserve.algorithm.stops import StopChecker
+from specserve.drafters import HFDrafter, NgramDrafter
+from specserve.engine.drafting import DRAFT_UNAVAILABLE, LocalDrafts
+from specserve.engine.loop import EngineLoop
+from specserve.engine.scheduler import DRAFT_LATE, Budget
+from specserve.engine.session import DraftBlock, EnginePlan, Status
+from specserve.models.verifier import TargetModel
+from specserve.params import GenerationParams
+from specserve.worker.model_runner import BatchedTarget, Batching, target_engine
+
+VOCAB = 96
+PROMPTS = [[(7 * i + j * 3) % VOCAB for j in range(3 + 7 * i)] for i in range(6)]  # 3..38 tokens
+
+
+def _llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return TargetModel(_llama(2, 64, 0)), HFDrafter(_llama(1, 32, 1))
+
+
+def _stops(params: GenerationParams) -> StopChecker:
+    return StopChecker(frozenset(), params.stop, lambda ids: " ".join(map(str, ids)))
+
+
+class Commits:
+    def __init__(self) -> None:
+        self.records = []
+
+    def submit(self, records) -> None:
+        self.records.extend(records)
+
+
+CHUNKED = Budget(prefill_chunk=16)
+
+
+def _loop(pair, sources=None, budget=CHUNKED, **kw) -> EngineLoop:
+    target, drafter = pair
+    model = target_engine(target, Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=16))
+    assert isinstance(model, BatchedTarget)
+    if sources is None:
+        sources = {"small": LocalDrafts(drafter), "ngram": LocalDrafts(NgramDrafter(VOCAB))}
+    return EngineLoop(model, _stops, sources, budget=budget, **kw)
+
+
+def _plans(temperature: float) -> list[EnginePlan]:
+    sp = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
+    pools = ["small", None, "small", "ngram", "small", None]
+    return [EnginePlan(GenerationParams(max_tokens=14, sampling=sp, num_draft_tokens=1 + i % 4, seed=100 + i),
+                       pool=pools[i]) for i in range(len(PROMPTS))]
+
+
+def _run(loop: EngineLoop, items) -> dict[str, list[int]]:
+    for sid, prompt, plan in items:
+        loop.add(sid, prompt, plan)
+    loop.run_until_idle()
+    return {sid: loop.ended[sid].generated for sid, _, _ in items}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sessions_of_every_kind_share_steps_and_each_gets_its_tokens_alone(pair, temperature):
+    plans = _plans(temperature)
+    alone = {}
+    for i, (prompt, plan) in enumerate(zip(PROMPTS, plans, strict=True)):
+        alone.update(_run(_loop(pair), [(f"s{i}", prompt, plan)]))
+    loop = _loop(pair)
+    widest = []
+    step = loop.step
+
+    def counting_step():
+        report = step()
+        if report is not None:
+            widest.append(report.rows)
+        return report
+
+    loop.step = counting_step
+    together = _run(loop, [(f"s{i}", p, plan) for i, (p, plan) in enumerate(zip(PROMPTS, plans, strict=True))])
+    assert together == alone
+    assert max(widest) >= 5  # prefill chunks, plain and verify rows really shared steps
+    rounds = [r for s in loop.ended.values() for r in s.rounds]
+    assert any(r.k > 0 and r.accepted < r.k for r in rounds)  # rejections were exercised
+    assert all(len(t) == 14 for t in together.values())
+
+
+def test_greedy_equals_target_only_on_held_out_prompts(tiny_pair, target_model, eval_prompts):
+    model = target_engine(target_model, Batching(kv_budget_mb=16, max_sessions=16, prefill_chunk=32))
+    eos = target_model.eos_token_ids
+    loop = EngineLoop(model, lambda p: StopChecker(eos, p.stop, tiny_pair.tokenizer.decode),
+                      {"small": LocalDrafts(HFDrafter(tiny_pair.draft))})
+    items, refs = [], {}
+    for i, item in enumerate(eval_prompts[:12]):
+        ids = tiny_pair.tokenizer.encode(item["prompt"])
+        with torch.inference_mode():
+            out = tiny_pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                            max_new_tokens=24, do_sample=False)
+        refs[f"p{i}"] = out[0, len(ids):].tolist()
+        plan = EnginePlan(GenerationParams(max_tokens=24, num_draft_tokens=4, seed=1), pool="small" if i % 3 else None)
+        items.append((f"p{i}", ids, plan))
+    got = _run(loop, items)
+    for sid, tokens in got.items():
+        assert tokens == refs[sid][: len(tokens)], sid  # HF pads after EOS; the engine stops at it
+        assert loop.ended[sid].finish_reason in ("eos", "length")
+    assert sum(r.accepted for s in loop.ended.values() for r in s.rounds) > 0
+
+
+class StaleDrafts(LocalDrafts):
+    """Every block names the prefix one token behind the committed one."""
+
+    def attach(self, deliver) -> None:
+        super().attach(lambda b: deliver(DraftBlock(b.session_id, b.base_len - 1, b.base_hash, b.tokens, b.q)))
+
+
+class SilentDrafts(LocalDrafts):
+    def _propose(self, *args) -> None:
+        pass
+
+
+class DownDrafts(SilentDrafts):
+    @property
+    def available(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(("source", "reason"), [(StaleDrafts, DRAFT_LATE), (SilentDrafts, DRAFT_LATE),
+                                                 (DownDrafts, DRAFT_UNAVAILABLE)])
+def test_without_a_usable_block_a_speculating_session_runs_plain_and_is_unchanged(pair, source, reason):
+    plan = EnginePlan(GenerationParams(max_tokens=10, num_draft_tokens=3, seed=5), pool="small")
+    plain = _run(_loop(pair), [("s", PROMPTS[2], EnginePlan(plan.params))])["s"]
+    loop = _loop(pair, {"small": source(pair[1])}, block_wait_max_s=0.0005)
+    assert _run(loop, [("s", PROMPTS[2], plan)])["s"] == plain
+    rounds = loop.ended["s"].rounds
+    assert all(r.k == 0 for r in rounds)
+    # the last round may have no room for drafts left in the token budget: no fallback there
+    assert {r.fallback_reason for r in rounds if r.k_asked} == {reason}
+
+
+def test_commits_are_contiguous_and_spell_the_output(pair):
+    commits = Commits()
+    loop = _loop(pair, committer=commits)
+    plans = _plans(0.0)
+    got = _run(loop, [(f"s{i}", p, plans[i]) for i, p in enumerate(PROMPTS[:3])])
+    for sid, tokens in got.items():
+        mine = [c for c in commits.records if c.session_id == sid]
+        assert [c.expected_len for c in mine] == [sum(len(c.tokens) for c in mine[:j]) for j in range(len(mine))]
+        assert [t for c in mine for t in c.tokens] == tokens
+        assert "".join(c.text for c in mine) == " ".join(map(str, tokens))
+        assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
+        assert len({c.round_id for c in mine}) == len(mine)
+
+
+def test_an_adopted_session_continues_exactly_after_its_committed_tokens(pair):
+    plan = _plans(0.8)[0]
+    whole = _run(_loop(pair), [("s", PROMPTS[1], plan)])["s"]
+    loop = _loop(pair)
+    loop.add("s", PROMPTS[1], plan, generated=whole[:5], epoch=2)
+    loop.run_until_idle()
+    assert loop.ended["s"].generated == whole and loop.ended["s"].epoch == 2
+
+
+def test_cancel_ends_a_session_and_frees_its_kv(pair):
+    loop = _loop(pair)
+    plan = EnginePlan(GenerationParams(max_tokens=100, num_draft_tokens=2, seed=1), pool="small")
+    opened = loop.add("s", PROMPTS[3], plan)  # applied by the next step
+    loop.step()
+    loop.step()
+    assert opened.result().running
+    free_before = loop.model.slots[1]
+    loop.cancel("s")
+    loop.run_until_idle()
+    s = loop.ended["s"]
+    assert s.status is Status.CANCELLED and 0 < len(s.generated) < 100
+    assert loop.model.slots[1] == free_before + 1 and "s" not in loop.sessions
+
+
+def test_a_session_the_kv_cannot_hold_is_refused_at_add(pair):
+    target, drafter = pair
+    model = target_engine(target, Batching(kv_budget_mb=4, max_sessions=1, prefill_chunk=16))
+    loop = EngineLoop(model, _stops, {})
+    plan = EnginePlan(GenerationParams(max_tokens=4, seed=1))
+    first, second = loop.add("a", PROMPTS[0], plan), loop.add("b", PROMPTS[1], plan)
+    loop.step()
+    assert first.result().id == "a"
+    with pytest.raises(Exception, match="(?i)kv|slot|room"):
+        second.result()
