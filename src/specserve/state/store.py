@@ -31,10 +31,10 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -98,6 +98,25 @@ class CommitStatus(StrEnum):
     CLOSED = "closed"  # finished, cancelled or failed: no more tokens
     STALE_EPOCH = "stale_epoch"  # another router took the session over
     STALE_LEN = "stale_len"  # expected_len is not the committed length
+
+
+class RoundCommit(Protocol):
+    """One round's commit as `commit_batch` takes it (the engine's CommitRecord)."""
+
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def expected_len(self) -> int: ...
+    @property
+    def round_id(self) -> str: ...
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def finish_reason(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -406,6 +425,12 @@ class SessionStore:
         finish_reason: str | None,
     ) -> CommitResult:
         """Append one round's emitted tokens iff the session is where the caller thinks."""
+        status, length = await self._commit(**self._commit_call(session_id, expected_len, epoch, round_id, tokens,
+                                                                 text, finish_reason))
+        return CommitResult(CommitStatus(_str(status)), int(length))
+
+    def _commit_call(self, session_id: str, expected_len: int, epoch: int, round_id: str, tokens: list[int],
+                     text: str, finish_reason: str | None) -> dict[str, Any]:
         if expected_len < 0 or epoch < 1 or not round_id:
             raise InvalidRequest("commit needs expected_len >= 0, epoch >= 1 and a round_id")
         if not tokens and not finish_reason:
@@ -413,10 +438,19 @@ class SessionStore:
         if any(t < 0 for t in tokens):
             raise InvalidRequest("token ids must be non-negative")
         args = [self.prefix, self.ttl_s, epoch, expected_len, round_id, text, finish_reason or ""]
-        status, length = await self._commit(
-            keys=self._keys(session_id), args=args + [int(t) for t in tokens]
-        )
-        return CommitResult(CommitStatus(_str(status)), int(length))
+        return {"keys": self._keys(session_id), "args": args + [int(t) for t in tokens]}
+
+    async def commit_batch(self, rounds: Sequence[RoundCommit]) -> list[CommitResult]:
+        """Several rounds' commits in one pipeline (one round trip; the engine sends one per
+        step), each fenced exactly like `commit`. Applied in order, so a session's rounds in
+        one batch land one after the other."""
+        calls = [self._commit_call(r.session_id, r.expected_len, r.epoch, r.round_id, list(r.tokens), r.text,
+                                   r.finish_reason) for r in rounds]
+        async with self._r.pipeline(transaction=False) as pipe:
+            for call in calls:
+                await self._commit(client=pipe, **call)
+            replies = await pipe.execute()
+        return [CommitResult(CommitStatus(_str(status)), int(length)) for status, length in replies]
 
     async def cancel(self, session_id: str) -> bool:
         """Close a running session on a client's request; False if it already ended."""
