@@ -154,5 +154,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                        draft_pb2.ProposeReply, "specserve.v1.Draft/Propose"):
             yield reply
 
+    async def Link(self, request_iterator, context):
+        from services.draft.link import Link
+
+        async for reply in Link(self).serve(request_iterator):
+            yield reply
+
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))

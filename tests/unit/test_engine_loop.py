@@ -139,8 +139,7 @@ class SilentDrafts(LocalDrafts):
 
 
 class DownDrafts(SilentDrafts):
-    @property
-    def available(self) -> bool:
+    def drafts_for(self, session_id: str) -> bool:
         return False
 
 

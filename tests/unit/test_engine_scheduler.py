@@ -15,6 +15,10 @@ STOPS = StopChecker(frozenset(), (), lambda ids: "")
 WAIT = 0.002
 
 
+def wait(s) -> float:
+    return WAIT
+
+
 def _session(sid: str, prompt_len: int = 4, k: int = 0, cached: int | None = None, max_tokens: int = 16,
              generated: tuple[int, ...] = ()) -> EngineSession:
     plan = EnginePlan(GenerationParams(max_tokens=max_tokens, num_draft_tokens=k, seed=1), pool="small" if k else None)
@@ -30,7 +34,7 @@ def _block(s: EngineSession, tokens=(9, 9, 9), base_len: int | None = None) -> D
 
 def test_a_plain_session_gets_a_plain_row():
     s = _session("a")
-    plan = schedule([s], 0.0, Budget(), WAIT)
+    plan = schedule([s], 0.0, Budget(), wait)
     assert [(r.session.id, r.block, r.tokens, r.fallback) for r in plan.rows] == [("a", None, 1, "")]
     assert plan.wake_at is None
 
@@ -38,7 +42,7 @@ def test_a_plain_session_gets_a_plain_row():
 def test_a_speculating_session_with_its_block_gets_a_verify_row_of_last_token_plus_drafts():
     s = _session("a", k=3)
     assert s.offer(_block(s))
-    (row,) = schedule([s], 0.0, Budget(), WAIT).rows
+    (row,) = schedule([s], 0.0, Budget(), wait).rows
     assert row.block is s.block and row.tokens == 1 + 3
 
 
@@ -48,60 +52,69 @@ def test_a_block_for_another_prefix_is_refused_on_arrival():
     assert s.block is None
 
 
+def test_a_block_whose_first_drafts_were_since_committed_verifies_the_rest():
+    s = _session("a", k=3, generated=(7,))  # a plain round just committed 7
+    n = len(s.committed) - 1
+    assert s.offer(DraftBlock("a", n, s.committed.hash_at(n), (7, 8, 9)))  # drafted before 7 came
+    (row,) = schedule([s], 0.0, Budget(), wait).rows
+    assert row.offset == 1 and row.tokens == 1 + 2  # the last token, then drafts 8 and 9
+    assert not s.offer(DraftBlock("a", n, s.committed.hash_at(n), (6, 8, 9)))  # guessed wrong: stale
+
+
 def test_a_block_longer_than_the_budget_allows_counts_only_the_drafts_the_round_can_use():
     s = _session("a", k=4, max_tokens=3, generated=(5,))  # 2 tokens left -> K = 1
     s.offer(_block(s, tokens=(9, 9, 9, 9)))
-    (row,) = schedule([s], 0.0, Budget(), WAIT).rows
+    (row,) = schedule([s], 0.0, Budget(), wait).rows
     assert s.k_wanted == 1 and row.tokens == 2
 
 
 def test_a_session_waits_for_its_late_block_within_the_bound_then_runs_plain():
     s = _session("a", k=3)
-    first = schedule([s], 10.0, Budget(), WAIT)
+    first = schedule([s], 10.0, Budget(), wait)
     assert first.rows == [] and first.wake_at == pytest.approx(10.0 + WAIT)
-    assert schedule([s], 10.0 + WAIT / 2, Budget(), WAIT).rows == []  # still within the bound
-    (row,) = schedule([s], 10.0 + WAIT, Budget(), WAIT).rows
+    assert schedule([s], 10.0 + WAIT / 2, Budget(), wait).rows == []  # still within the bound
+    (row,) = schedule([s], 10.0 + WAIT, Budget(), wait).rows
     assert row.block is None and row.fallback == DRAFT_LATE and row.tokens == 1
 
 
 def test_a_session_whose_pool_cannot_draft_runs_plain_at_once():
     s = _session("a", k=3)
-    (row,) = schedule([s], 0.0, Budget(), WAIT, can_draft=lambda s: False).rows
+    (row,) = schedule([s], 0.0, Budget(), wait, can_draft=lambda s: False).rows
     assert row.block is None and s.waiting_since is None
 
 
 def test_a_waiting_session_does_not_hold_back_the_others():
     late, plain = _session("late", k=2), _session("plain")
-    plan = schedule([late, plain], 0.0, Budget(), WAIT)
+    plan = schedule([late, plain], 0.0, Budget(), wait)
     assert [r.session.id for r in plan.rows] == ["plain"] and plan.wake_at == WAIT
 
 
 def test_a_long_prompt_is_fed_in_chunks_without_logits_until_its_last_chunk():
     s = _session("long", prompt_len=300, cached=0)
-    (row,) = schedule([s], 0.0, Budget(prefill_chunk=128), WAIT).rows
+    (row,) = schedule([s], 0.0, Budget(prefill_chunk=128), wait).rows
     assert row.tokens == 128 and row.block is None and row.fallback == ""
     s.cached = 256
-    (row,) = schedule([s], 0.0, Budget(prefill_chunk=128), WAIT).rows
+    (row,) = schedule([s], 0.0, Budget(prefill_chunk=128), wait).rows
     assert row.tokens == 44  # the rest of the prompt, and this row samples
 
 
 def test_the_token_budget_cuts_the_step_but_always_takes_the_first_row():
     long, a, b = _session("long", prompt_len=300, cached=0), _session("a"), _session("b")
-    rows = schedule([long, a, b], 0.0, Budget(max_batched_tokens=100, prefill_chunk=128), WAIT).rows
+    rows = schedule([long, a, b], 0.0, Budget(max_batched_tokens=100, prefill_chunk=128), wait).rows
     assert [r.session.id for r in rows] == ["long"]  # over budget alone, still taken
-    rows = schedule([a, long, b], 0.0, Budget(max_batched_tokens=120, prefill_chunk=128), WAIT).rows
+    rows = schedule([a, long, b], 0.0, Budget(max_batched_tokens=120, prefill_chunk=128), wait).rows
     assert [r.session.id for r in rows] == ["a"]  # the chunk does not fit after a; b waits its turn
 
 
 def test_max_batch_caps_the_rows():
     sessions = [_session(str(i)) for i in range(5)]
-    assert len(schedule(sessions, 0.0, Budget(max_batch=3), WAIT).rows) == 3
+    assert len(schedule(sessions, 0.0, Budget(max_batch=3), wait).rows) == 3
 
 
 def test_sessions_that_ended_get_no_row():
     s = _session("a")
     s.finish(Status.CANCELLED, "cancelled")
-    assert schedule([s], 0.0, Budget(), WAIT).rows == []
+    assert schedule([s], 0.0, Budget(), wait).rows == []
 
 
 def test_a_bad_budget_is_refused():

@@ -29,9 +29,9 @@ Deliver = Callable[[DraftBlock], None]
 
 
 class DraftSource(Protocol):
-    @property
-    def available(self) -> bool:
-        """False when no replica can draft (the engine's rows run plain, failing closed)."""
+    def drafts_for(self, session_id: str) -> bool:
+        """False when no replica can draft for the session: its rows run plain at once,
+        failing closed."""
         ...
 
     def attach(self, deliver: Deliver) -> None: ...
@@ -40,18 +40,19 @@ class DraftSource(Protocol):
     def close(self, session_id: str) -> None: ...
 
 
-def clip(block: DraftBlock, k: int) -> tuple[list[int], QProbs]:
-    """The block's first k drafts and their q (a block may hold more than the round wants
-    when the token budget shrank)."""
+def clip(block: DraftBlock, k: int, offset: int = 0) -> tuple[list[int], QProbs]:
+    """The block's drafts from `offset` (those before it are committed already), at most k,
+    with their q rows."""
     from specserve.algorithm.rejection import DenseQ, SparseQ
 
-    tokens = list(block.tokens[:k])
+    end = min(len(block.tokens), offset + k)
+    tokens = list(block.tokens[offset:end])
     q = block.q
-    if len(block.tokens) > k:
+    if (offset, end) != (0, len(block.tokens)):
         if isinstance(q, DenseQ):
-            q = DenseQ(q.probs[:k])
+            q = DenseQ(q.probs[offset:end])
         elif isinstance(q, SparseQ):
-            q = SparseQ(q.ids[:k], q.probs[:k])
+            q = SparseQ(q.ids[offset:end], q.probs[offset:end])
     return tokens, q
 
 
@@ -71,8 +72,7 @@ class LocalDrafts:
         self.deliver: Deliver | None = None
         self.sessions: dict[str, _Local] = {}
 
-    @property
-    def available(self) -> bool:
+    def drafts_for(self, session_id: str) -> bool:
         return True
 
     def attach(self, deliver: Deliver) -> None:

@@ -76,7 +76,8 @@ class EngineLoop:
                  sources: Mapping[str, DraftSource] | None = None, committer: Committer | None = None,
                  observers: Sequence[EngineObserver] = (), budget: Budget | None = None,
                  block_wait_max_s: float = 0.005, wait_factor: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, keep_ended: int = 1024) -> None:
+                 clock: Callable[[], float] = time.monotonic, keep_ended: int = 1024,
+                 simulated_step_ms: Callable[[list[Work]], float] | None = None) -> None:
         self.model = model
         self.stops_for = stops_for
         self.sources = dict(sources or {})
@@ -86,6 +87,9 @@ class EngineLoop:
         self.block_wait_max_s = block_wait_max_s
         self.wait_factor = wait_factor
         self.clock = clock
+        # a simulated device (benchmarks, tests): this much device time per step, slept after
+        # the real forward of a small model (ADR 0014's device profiles)
+        self.simulated_step_ms = simulated_step_ms
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
         self.last: StepReport | None = None
@@ -143,13 +147,15 @@ class EngineLoop:
         t0 = time.perf_counter()
         self._drain()
         self._forget_ended()
-        plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s(), self._can_draft)
+        plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s, self._can_draft)
         self._wake_at = plan.wake_at
         if not plan.rows:
             return None
         works = [self._work(r) for r in plan.rows]
         t1 = time.perf_counter()
         results = self.model.step(works)
+        if self.simulated_step_ms is not None:
+            time.sleep(self.simulated_step_ms(works) / 1e3)
         t2 = time.perf_counter()
         forward_ms = (t2 - t1) * 1e3
         self.step_ms += 0.2 * (forward_ms - self.step_ms)
@@ -168,9 +174,12 @@ class EngineLoop:
         self.last = StepReport(len(plan.rows), sum(w.tokens for w in works), forward_ms, bookkeeping_ms)
         return self.last
 
-    def block_wait_s(self) -> float:
-        """How long a row waits for its late block: never longer than a plain step costs."""
-        return min(self.block_wait_max_s, self.wait_factor * self.step_ms / 1e3)
+    def block_wait_s(self, s: EngineSession) -> float:
+        """How long a row waits for its late block, by cost: a block worth E emitted tokens
+        in one step is worth waiting for up to E - 1 plain steps (in that time plain rounds
+        would emit as many), and never longer than `block_wait_max_s`."""
+        worth = self.wait_factor * max(s.expected_emitted - 1.0, 0.0) * self.step_ms / 1e3
+        return min(self.block_wait_max_s, worth)
 
     def _drain(self) -> None:
         while self._inbox:
@@ -211,7 +220,7 @@ class EngineLoop:
 
         s = row.session
         p = s.plan.params
-        drafts, q = clip(row.block, s.k_wanted) if row.block is not None else ([], None)
+        drafts, q = clip(row.block, s.k_wanted, row.offset) if row.block is not None else ([], None)
         return Work(s.id, VerifyJob(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed), row.tokens)
 
     def _settle(self, row: Row, result: Any, forward_ms: float,
@@ -232,7 +241,9 @@ class EngineLoop:
         text = s.text.advance(s.generated, settled.finish_reason)
         commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))
         block = row.block
-        k = min(len(block.tokens), k_asked) if block is not None else 0
+        k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
+        if k:  # what a block is worth to this session (prices the wait for its next one)
+            s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
         stats = RoundStats(
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
@@ -240,6 +251,7 @@ class EngineLoop:
             rollback_tokens=block.rollback_tokens if block else 0, k_asked=k_asked,
             predraft="pushed" if block is not None and block.predrafted else "")
         s.block, s.waiting_since = None, None
+        s.promote()  # a block drafted ahead for the prefix just committed is ready at once
         if settled.finish_reason is not None:
             self._end(s, Status.FINISHED, settled.finish_reason)
         elif s.k_wanted > 0 and (source := self.sources.get(s.plan.pool or "")) is not None:
@@ -248,7 +260,7 @@ class EngineLoop:
 
     def _can_draft(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")
-        return source is not None and source.available
+        return source is not None and source.drafts_for(s.id)
 
     def _plain_reason(self, s: EngineSession, row: Row, k_asked: int) -> str:
         if not s.plan.pool:

@@ -4,9 +4,11 @@ Per running session, oldest first, at most one row:
 - prefilling (its committed prefix is not all in KV): a prefill chunk. The model step feeds
   the next `prefill_chunk` tokens; the chunk that reaches the end of the prompt also
   verifies, like any other row;
-- speculating, with a block for exactly its committed prefix: a verify row (K + 1 logits);
-- speculating without one: it waits for its block, at most `block_wait_s` (the cost-chosen
-  bound: waiting longer than a plain step never pays), then runs a plain row (`draft_late`);
+- speculating, with a block for its committed prefix (or one whose first drafts were since
+  committed, `EngineSession.usable`): a verify row (K + 1 logits);
+- speculating without one: it waits for its block, at most `block_wait_s(session)` (chosen
+  by cost in the loop: what the block is worth against plain steps), then runs a plain row
+  (`draft_late`);
 - plain: a plain row (1 logit).
 
 The step holds at most `max_batch` rows and `max_batched_tokens` tokens fed. The first row
@@ -30,6 +32,7 @@ class Row:
     block: DraftBlock | None  # the drafts this row verifies (None: a plain row)
     tokens: int  # tokens the row feeds (its share of the budget)
     fallback: str = ""  # why a speculating session runs without drafts this step
+    offset: int = 0  # the block's drafts already committed (the row verifies the rest)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class Budget:
             raise ValueError(f"engine budget must be positive: {self}")
 
 
-def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget, block_wait_s: float,
+def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
+             block_wait_s: Callable[[EngineSession], float],
              can_draft: Callable[[EngineSession], bool] = lambda s: True) -> Schedule:
     """The rows of the next step and when to look again for sessions waiting for a block.
     `can_draft(session)` is False when no replica of its pool can draft: it runs plain at
@@ -66,7 +70,7 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget, bloc
             continue
         row = _row(s, now, budget.prefill_chunk, block_wait_s, can_draft)
         if row is None:  # waiting for its block
-            deadline = (s.waiting_since or now) + block_wait_s
+            deadline = (s.waiting_since or now) + block_wait_s(s)
             wake_at = deadline if wake_at is None else min(wake_at, deadline)
             continue
         if rows and (len(rows) >= budget.max_batch or used + row.tokens > budget.max_batched_tokens):
@@ -76,7 +80,7 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget, bloc
     return Schedule(rows, wake_at)
 
 
-def _row(s: EngineSession, now: float, chunk: int, block_wait_s: float,
+def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[EngineSession], float],
          can_draft: Callable[[EngineSession], bool]) -> Row | None:
     pending = len(s.committed) - s.cached  # tokens not yet in KV (at least the last one)
     if pending > chunk:  # a chunk that does not reach the end of the prompt: no logits needed
@@ -85,10 +89,10 @@ def _row(s: EngineSession, now: float, chunk: int, block_wait_s: float,
     k = s.k_wanted
     if k == 0 or not can_draft(s):
         return Row(s, None, feed)
-    if s.block is not None and s.matches(s.block):
-        return Row(s, s.block, feed + min(len(s.block.tokens), k))
+    if s.block is not None and (offset := s.usable(s.block)) is not None:
+        return Row(s, s.block, feed + min(len(s.block.tokens) - offset, k), offset=offset)
     if s.waiting_since is None:
         s.waiting_since = now
-    if now - s.waiting_since < block_wait_s:
+    if now - s.waiting_since < block_wait_s(s):
         return None
     return Row(s, None, feed, DRAFT_LATE)

@@ -84,6 +84,9 @@ class CommitRecord:
         return f"{self.epoch}:{self.expected_len}"
 
 
+MAX_AHEAD = 8  # blocks drafted ahead kept per session (a few likely outcomes of one round)
+
+
 class Status(StrEnum):
     RUNNING = "running"
     FINISHED = "finished"  # eos | stop | length
@@ -102,12 +105,14 @@ class EngineSession:
     handle: Any = None  # the model step's KV handle
     cached: int = 0  # positions its KV holds (after the last step)
     block: DraftBlock | None = None
+    ahead: list[DraftBlock] = field(default_factory=list)  # blocks for prefixes not yet committed
     waiting_since: float | None = None  # when it began waiting for a block for this prefix
     status: Status = Status.RUNNING
     finish_reason: str | None = None
     error: str = ""
     rounds: list[RoundStats] = field(default_factory=list)
     arrived: float = 0.0  # the engine's clock when it was added
+    expected_emitted: float = 2.0  # tokens per verified round, recent average: what a block is worth
 
     @classmethod
     def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,
@@ -137,16 +142,52 @@ class EngineSession:
         """More than the last committed token is still to be fed to the KV."""
         return len(self.committed) - self.cached > 1
 
-    def matches(self, block: DraftBlock) -> bool:
-        return block.base_len == len(self.committed) and block.base_hash == self.committed.hash_at(block.base_len)
+    def usable(self, block: DraftBlock) -> int | None:
+        """How many of the block's drafts the committed prefix has already passed, when what
+        is left is a draft for exactly the committed prefix; None when the block is stale.
+
+        A block drafted for prefix P whose first d drafts were since committed (a plain round
+        emitted the token the draft guessed) still drafts P + those d tokens: its remaining
+        tokens, and their q rows, were drawn conditioned on exactly that prefix, with draft
+        randomness keyed by absolute position. Using them is as lossless as a fresh block.
+
+        Example: block (base_len 10, tokens [7, 8, 9]), committed now 11 tokens ending in 7
+        -> 1: drafts [8, 9] verify after the committed prefix.
+        """
+        d = len(self.committed) - block.base_len
+        if d < 0 or d >= len(block.tokens) or block.base_hash != self.committed.hash_at(block.base_len):
+            return None
+        if self.committed.ids[block.base_len :] != list(block.tokens[:d]):
+            return None
+        return d
 
     def offer(self, block: DraftBlock) -> bool:
-        """Keep the block if it is for exactly the committed prefix; a stale one is dropped."""
-        if not self.running or not self.matches(block):
+        """Keep the block if (what is left of) it drafts the committed prefix, or if it was
+        drafted ahead for a longer prefix this session may reach (ADR 0010: pushed during the
+        verify, before the commit it assumes); drop a stale one."""
+        if not self.running:
             return False
-        self.block = block
-        return True
+        if self.usable(block) is not None:
+            self.block = block
+            return True
+        if block.base_len > len(self.committed):
+            self.ahead = [*self.ahead[-(MAX_AHEAD - 1):], block]
+            return True
+        return False
+
+    def promote(self) -> None:
+        """After a commit: take a block drafted ahead for the prefix reached, if any (the one
+        with the most drafts left); forget those it has passed."""
+        n = len(self.committed)
+        best, best_left = None, 0
+        for b in self.ahead:
+            offset = self.usable(b)
+            if offset is not None and len(b.tokens) - offset > best_left:
+                best, best_left = b, len(b.tokens) - offset
+        self.ahead = [b for b in self.ahead if b.base_len > n]
+        if best is not None:
+            self.block = best
 
     def finish(self, status: Status, reason: str, error: str = "") -> None:
         self.status, self.finish_reason, self.error = status, reason, error
-        self.block = None
+        self.block, self.ahead = None, []

@@ -1,0 +1,141 @@
+"""The draft worker's end of a target's stream (`Draft.Link`, ADR 0014).
+
+The target opens sessions and sends each round's outcome. The worker keeps each session's
+committed prefix from those messages, drafts the next block through the same path as
+`Propose` (reconcile, the speculation cache, batched drafting, drafting ahead), and pushes it
+named by the prefix it assumes. Blocks drafted ahead for likely outcomes are pushed as soon
+as they are ready. When the target's round lands on one of them, the block is already there
+and the round has no network hop on its critical path.
+
+A session's messages are handled in order (a lock per session); different sessions draft
+concurrently, so the scheduler batches them. An outcome already overtaken by a newer one
+only moves the prefix. Its block would be stale on arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from specserve.errors import NeedsFullPrefix, SessionNotFound, SpecserveError
+from specserve.serving.server import status_for
+from specserve.serving.telemetry import attach_carrier
+from specserve.serving.wire import prefix_to_proto
+from specserve.state.prefix import CommittedPrefix
+from specserve.v1 import common_pb2, draft_pb2
+
+
+@dataclass
+class _Linked:
+    """One session on this stream: the committed prefix the target told us, and how to draft."""
+
+    prefix: CommittedPrefix
+    sampling: common_pb2.SamplingParams
+    seed: int
+    branches: int
+    held: int = 0  # prefix length the worker's session table holds (the incremental base)
+    latest: int = 0  # committed length of the newest outcome received
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Link:
+    def __init__(self, servicer) -> None:  # services.draft.server.DraftServicer
+        self.servicer = servicer
+        self.sessions: dict[str, _Linked] = {}
+        self.out: asyncio.Queue[draft_pb2.LinkOut | None] = asyncio.Queue()
+        self.tasks: set[asyncio.Task] = set()
+
+    async def serve(self, messages: AsyncIterator[draft_pb2.LinkIn]) -> AsyncIterator[draft_pb2.LinkOut]:
+        pump = asyncio.ensure_future(self._pump(messages))
+        try:
+            while (reply := await self.out.get()) is not None:
+                yield reply
+        finally:
+            pump.cancel()
+            for task in list(self.tasks):
+                task.cancel()
+            for sid in self.sessions:
+                self.servicer.sessions.release(sid)
+
+    async def _pump(self, messages: AsyncIterator[draft_pb2.LinkIn]) -> None:
+        try:
+            async for msg in messages:
+                self._receive(msg)
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            self.out.put_nowait(None)  # the target hung up: end the reply stream
+
+    def _receive(self, msg: draft_pb2.LinkIn) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "close":
+            linked = self.sessions.pop(msg.close, None)
+            if linked is not None:
+                self.servicer.sessions.release(msg.close)
+            return
+        if kind == "open":
+            o = msg.open
+            self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
+                                                  o.predraft_branches, latest=len(o.committed))
+            sid, k, update = o.session_id, o.k, None
+        elif kind == "outcome":
+            linked_or_none = self.sessions.get(msg.outcome.session_id)
+            if linked_or_none is None:
+                return  # closed meanwhile
+            linked_or_none.latest = max(linked_or_none.latest, msg.outcome.committed_len)
+            sid, k, update = msg.outcome.session_id, msg.outcome.k, msg.outcome
+        else:
+            return
+        task = asyncio.ensure_future(self._draft(sid, k, update, dict(msg.trace_context)))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _draft(self, sid: str, k: int, outcome: draft_pb2.LinkOutcome | None, carrier: dict) -> None:
+        linked = self.sessions.get(sid)
+        if linked is None:
+            return
+        async with linked.lock:
+            if outcome is not None:
+                linked.prefix.crop(outcome.committed_len - len(outcome.emitted))
+                linked.prefix.extend(outcome.emitted)
+                if outcome.committed_len < linked.latest:
+                    return  # a newer outcome is queued behind: this block would be stale
+            if k <= 0 or sid not in self.sessions:
+                return
+            attach_carrier(carrier)
+            n = len(linked.prefix)
+            request = draft_pb2.ProposeRequest(session_id=sid, prefix=prefix_to_proto(linked.prefix, linked.held),
+                                               k=k, sampling=linked.sampling, seed=linked.seed,
+                                               predraft_branches=linked.branches)
+            try:
+                block = await self._propose(request, linked)
+            except SpecserveError as exc:  # bad parameters, no KV room: the target runs it plain
+                self.out.put_nowait(draft_pb2.LinkOut(failed_session=sid, error_code=status_for(exc).value[0],
+                                                      error=str(exc)))
+                return
+            linked.held = n
+            self._send(sid, n, linked.prefix.hash_at(n), k, block)
+
+    async def _propose(self, request: draft_pb2.ProposeRequest, linked: _Linked) -> draft_pb2.ProposeResponse:
+        """Propose from what the worker holds; the whole prefix when it holds too little (an
+        eviction, a release)."""
+        try:
+            return await self.servicer.Propose(request, None, self._push)
+        except (NeedsFullPrefix, SessionNotFound):
+            if linked.held == 0:
+                raise
+            linked.held = 0
+            request.prefix.CopyFrom(prefix_to_proto(linked.prefix, 0))
+            return await self.servicer.Propose(request, None, self._push)
+
+    def _send(self, sid: str, n: int, prefix_hash: int, k: int, block: draft_pb2.ProposeResponse) -> None:
+        self.out.put_nowait(draft_pb2.LinkOut(block=draft_pb2.Predraft(
+            session_id=sid, prefix_len=n, prefix_hash=prefix_hash, k=k, block=block)))
+
+    def _push(self, reply: draft_pb2.ProposeReply) -> None:
+        """A block drafted ahead (Propose's push): on the stream as it is."""
+        if reply.predraft.session_id in self.sessions:
+            self.out.put_nowait(draft_pb2.LinkOut(block=reply.predraft))

@@ -1,0 +1,148 @@
+"""Drafts come to the target (ADR 0014): the engine loop with a draft pool of real draft
+workers on loopback, linked by one `Draft.Link` stream per replica. Greedy output is the
+target's alone. Blocks drafted ahead are pushed and used without a call. When replicas die
+mid-generation, sessions move to the survivor, then run plain, and the output is unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from services.draft.server import DraftServicer
+from specserve.algorithm.stops import StopChecker
+from specserve.drafters import HFDrafter
+from specserve.engine.drafting import DRAFT_UNAVAILABLE
+from specserve.engine.link import RemoteDrafts
+from specserve.engine.loop import EngineLoop
+from specserve.engine.session import EnginePlan
+from specserve.models.verifier import TargetModel
+from specserve.params import GenerationParams
+from specserve.v1 import draft_pb2_grpc
+from specserve.worker.model_runner import Batching, target_engine
+
+VOCAB = 96
+PROMPTS = [[(5 * i + 3 * j) % VOCAB for j in range(4 + 6 * i)] for i in range(4)]
+
+
+def _llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The draft is the target's twin: two unrelated random models almost never agree at
+    greedy, and this test is about the stream (acceptance, bonus, blocks drafted ahead)."""
+    return _llama(2, 64, 0), _llama(2, 64, 0)
+
+
+def _stops(p):
+    return StopChecker(frozenset(), p.stop, lambda ids: "")
+
+
+async def _draft_server(draft_model, simulated_token_ms: float = 0.0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    servicer = DraftServicer(HFDrafter(draft_model), 8, batching=Batching(kv_budget_mb=8, max_sessions=8),
+                             simulated_token_ms=simulated_token_ms)
+    draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _engine(target_model, sources, step_ms: float = 0.0) -> tuple[EngineLoop, threading.Event, threading.Thread]:
+    """The engine on its own thread; `step_ms`: a slower simulated target device, so the
+    draft (here the target's twin) is cheap next to a target step, as a real draft is."""
+    engine = EngineLoop(target_engine(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)),
+                        _stops, sources, block_wait_max_s=0.05,
+                        simulated_step_ms=(lambda works: step_ms) if step_ms else None)
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    return engine, stop, thread
+
+
+def _plain_reference(target_model, max_tokens: int) -> list[list[int]]:
+    engine = EngineLoop(target_engine(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)), _stops)
+    for i, p in enumerate(PROMPTS):
+        engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=max_tokens, seed=1)))
+    engine.run_until_idle()
+    return [engine.ended[f"s{i}"].generated for i in range(len(PROMPTS))]
+
+
+async def _until(predicate, timeout_s: float = 60.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+def test_greedy_through_the_link_is_the_target_alone_and_pushed_blocks_are_used(models, run):
+    target_model, draft_model = models
+    reference = _plain_reference(target_model, 32)
+
+    async def go():
+        servers = [await _draft_server(draft_model) for _ in range(2)]
+        # all K + 1 outcomes of K = 3 drafted ahead: a random model's near-uniform q ranks them poorly
+        pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB, predraft_branches=4).start()
+        await _until(lambda: all(r.up for r in pool.replicas))
+        engine, stop, thread = _engine(target_model, {"small": pool}, step_ms=25.0)
+        for i, p in enumerate(PROMPTS):
+            engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=32, num_draft_tokens=3, seed=1),
+                                              pool="small"))
+        await _until(lambda: all(f"s{i}" in engine.ended for i in range(len(PROMPTS))))
+        stop.set()
+        thread.join(10)
+        await pool.stop()
+        for server, _ in servers:
+            await server.stop(0)
+        return engine
+
+    engine = run(go())
+    assert [engine.ended[f"s{i}"].generated for i in range(len(PROMPTS))] == reference
+    rounds = [r for i in range(len(PROMPTS)) for r in engine.ended[f"s{i}"].rounds]
+    assert sum(r.k for r in rounds) > 0 and sum(r.accepted for r in rounds) > 0
+    assert any(r.predraft == "pushed" for r in rounds)  # a block drafted ahead, used with no call
+
+
+def test_replicas_dying_mid_generation_move_sessions_then_fail_closed_to_plain(models, run):
+    target_model, draft_model = models
+    reference = _plain_reference(target_model, 150)
+
+    async def go():
+        servers = [await _draft_server(draft_model, simulated_token_ms=2.0) for _ in range(2)]
+        pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB, reconnect_s=30).start()
+        await _until(lambda: all(r.up for r in pool.replicas))
+        engine, stop, thread = _engine(target_model, {"small": pool})
+        sids = [f"s{i}" for i in range(len(PROMPTS))]
+        for sid, p in zip(sids, PROMPTS, strict=True):
+            engine.add(sid, p, EnginePlan(GenerationParams(max_tokens=150, num_draft_tokens=3, seed=1), pool="small"))
+
+        def progress() -> int:
+            return min((len(s.generated) for s in list(engine.sessions.values())), default=0)
+
+        await _until(lambda: progress() >= 10)
+        await servers[0][0].stop(0)  # one replica dies mid-generation
+        at_first = progress()
+        await _until(lambda: progress() >= at_first + 20 or len(engine.ended) == len(sids))
+        await servers[1][0].stop(0)  # then the other
+        at_second = progress()
+        await _until(lambda: len(engine.ended) == len(sids), 120)
+        stop.set()
+        thread.join(10)
+        await pool.stop()
+        return engine, sids, at_first, at_second
+
+    engine, sids, at_first, at_second = run(go())
+    assert 10 <= at_first < at_second < 150  # both faults landed mid-generation
+    assert [engine.ended[s].generated for s in sids] == reference
+    rounds = [r for s in sids for r in engine.ended[s].rounds]
+    assert any(r.fallback_reason == DRAFT_UNAVAILABLE for r in rounds)  # plain once no replica was left
+    assert sum(r.k for r in rounds) > 0
