@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specserve.algorithm.sampling import SamplingParams
-from specserve.errors import InvalidRequest
+from specserve.errors import InvalidRequest, Unavailable
 from specserve.models.verifier import TargetModel
 from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.streams import serve_calls
@@ -26,8 +26,9 @@ from specserve.worker.qcodec import q_from_proto
 class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, target: TargetModel, max_sessions: int, metrics: WorkerMetrics | None = None,
                  simulated_pass_ms: float = 0.0, batching: Batching | None = None, max_batch: int = 32,
-                 max_wait_ms: float = 0.0, evict_idle_s: float = 1.0) -> None:
+                 max_wait_ms: float = 0.0, evict_idle_s: float = 1.0, host=None) -> None:
         self.target = target
+        self.host = host  # services.target.engine_host.EngineHost: the engine that drives rounds (ADR 0014)
         self.simulated_pass_ms = simulated_pass_ms
         self.metrics = metrics or WorkerMetrics("target")
         b = batching or Batching(enabled=False)
@@ -82,6 +83,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                        draft_tokens=[3, 4])
         await self.Verify(req, None)
         self.sessions.release(req.session_id)
+
+    async def Start(self, request: target_pb2.StartRequest, context) -> target_pb2.StartResponse:
+        if self.host is None:
+            raise Unavailable("this target does not drive sessions (no engine)")
+        epoch, committed = await self.host.start(request.session_id)
+        return target_pb2.StartResponse(epoch=epoch, committed=committed)
+
+    async def Stop(self, request: target_pb2.StopRequest, context) -> target_pb2.StopResponse:
+        return target_pb2.StopResponse(stopped=self.host is not None and self.host.stop(request.session_id))
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
         return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))

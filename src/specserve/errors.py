@@ -34,6 +34,11 @@ class SessionLost(SpecserveError):
     """Another router took the session over, or it expired (gRPC ABORTED): Resume it."""
 
 
+class SessionClosed(SpecserveError):
+    """The session has ended (finished, cancelled or failed): nothing more to drive (gRPC
+    FAILED_PRECONDITION)."""
+
+
 class SessionNotFound(SpecserveError, LookupError):
     """No such session, or it expired (gRPC NOT_FOUND)."""
 

@@ -23,6 +23,7 @@ import grpc
 
 from specserve.engine.drafting import Deliver
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
+from specserve.serving.wire import sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -73,11 +74,7 @@ class RemoteDrafts:
         return any(r.up for r in self.replicas)
 
     def open(self, session: EngineSession) -> None:
-        p = session.plan.params
-        sampling = common_pb2.SamplingParams(temperature=p.sampling.temperature, top_k=p.sampling.top_k,
-                                             banned_token_ids=list(p.sampling.banned_token_ids))
-        if p.sampling.top_p is not None:
-            sampling.top_p = p.sampling.top_p
+        sampling = sampling_to_proto(session.plan.params.sampling)
         args = (session.id, list(session.committed.ids), sampling, session.plan.seed, session.k_wanted)
         self.loop.call_soon_threadsafe(self._open, *args)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from specserve.algorithm.round import RoundStats, draft_budget
 from specserve.algorithm.stops import IncrementalText, StopChecker
-from specserve.params import GenerationParams
+from specserve.params import GenerationParams, SamplingParams
 from specserve.state.prefix import CommittedPrefix
 
 if TYPE_CHECKING:
@@ -31,6 +31,16 @@ class EnginePlan:
     pool: str | None = None
     workload_class: str = ""
     plain_reason: str = "speculation_off"  # a plain session's rounds' fallback_reason
+
+    @classmethod
+    def from_stored(cls, d: dict[str, Any]) -> EnginePlan:
+        """The engine's part of a session's stored plan (the `params` the router wrote:
+        services/router/plan.py SessionPlan.encode)."""
+        sampling = SamplingParams(d["temperature"], d["top_k"], d["top_p"], tuple(d["banned"]))
+        params = GenerationParams(max_tokens=int(d["max_tokens"]), sampling=sampling, num_draft_tokens=int(d["k"]),
+                                  stop=tuple(d["stop"]), seed=int(d["seed"]))
+        return cls(params, d.get("pool") or None, d.get("workload_class", ""),
+                   d.get("plain_reason") or "speculation_off")
 
     @property
     def seed(self) -> int:

@@ -334,6 +334,11 @@ class SessionStore:
         self._mark_read: Any = redis.register_script(_MARK_READ)
         self.running_key = f"{prefix}:running"
 
+    @property
+    def client(self) -> Any:
+        """The Redis client (for keys beside the sessions', under the same prefix)."""
+        return self._r
+
     def _keys(self, session_id: str) -> list[str]:
         if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
             raise InvalidRequest(f"session_id must be 32 lowercase hex digits, got {session_id!r}")

@@ -1,0 +1,166 @@
+"""The target drives sessions (ADR 0014): `Target.Start` over real gRPC claims a session the
+router created in Redis (its stored plan, as the router's SessionPlan encodes it), and the
+engine commits every round there. A restarted incarnation adopts the sessions in its index
+mid-generation and finishes them exactly, while the old one is fenced out. Bad starts get
+NOT_FOUND or FAILED_PRECONDITION."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from services.router.plan import SessionPlan
+from services.target.engine_host import EngineHost
+from services.target.server import TargetServicer
+from specserve.algorithm.stops import StopChecker
+from specserve.control.arms import Choice, Decision, Fallback
+from specserve.drafters import HFDrafter
+from specserve.engine.drafting import LocalDrafts
+from specserve.engine.loop import EngineLoop
+from specserve.engine.session import EnginePlan
+from specserve.models.verifier import TargetModel
+from specserve.params import GenerationParams, SamplingParams
+from specserve.serving.server import DomainErrorInterceptor
+from specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.worker.model_runner import Batching, target_engine
+
+VOCAB = 96
+PROMPT = [(7 * j + 3) % VOCAB for j in range(9)]
+
+
+def _llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return TargetModel(_llama(2, 64, 0))
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return HFDrafter(_llama(2, 64, 0))  # the target's twin: blocks are accepted
+
+
+def _decode(ids) -> str:
+    return "".join(f"<{t}>" for t in ids)
+
+
+def _stops(p: GenerationParams) -> StopChecker:
+    return StopChecker(frozenset(), p.stop, _decode)
+
+
+def _plan(max_tokens: int, pool: str | None, temperature: float = 0.8) -> SessionPlan:
+    params = GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(temperature=temperature, top_p=0.9),
+                              num_draft_tokens=3, seed=11)
+    choice = Choice(pool, 3, False, Decision.PINNED, Fallback.SPECULATION_OFF if pool is None else Fallback(""))
+    return SessionPlan(params, "code", "explicit", "code", choice)
+
+
+def _reference(target, drafter, plan: SessionPlan) -> list[int]:
+    loop = EngineLoop(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops,
+                      {"small": LocalDrafts(drafter)})
+    loop.add("r", PROMPT, EnginePlan.from_stored(plan.encode()))
+    loop.run_until_idle()
+    return loop.ended["r"].generated
+
+
+def _host(target, drafter, store, step_ms: float = 0.0) -> EngineHost:
+    return EngineHost(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
+                      {"small": LocalDrafts(drafter)}, asyncio.get_running_loop(), simulated_step_ms=step_ms).start_loop()
+
+
+async def _serve(servicer) -> tuple[grpc.aio.Server, target_pb2_grpc.TargetStub, grpc.aio.Channel]:
+    server = grpc.aio.server(interceptors=[DomainErrorInterceptor()])
+    target_pb2_grpc.add_TargetServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return server, target_pb2_grpc.TargetStub(channel), channel
+
+
+async def _all_chunks(store, sid: str):
+    return [c async for c in store.read_chunks(sid, 0, block_ms=200)]
+
+
+@pytest.mark.parametrize("pool", ["small", None])
+def test_start_over_grpc_drives_the_session_and_redis_gets_every_round(target, drafter, store, run, pool):
+    plan = _plan(30, pool)
+    reference = _reference(target, drafter, plan)
+
+    async def go():
+        host = _host(target, drafter, store)
+        server, stub, channel = await _serve(TargetServicer(target, 4, host=host))
+        handle = await store.create_or_join(None, plan.encode(), PROMPT, owner="router-0")
+        reply = await stub.Start(target_pb2.StartRequest(session_id=handle.session_id))
+        chunks = await asyncio.wait_for(_all_chunks(store, handle.session_id), 60)
+        info = await store.get(handle.session_id)
+        await channel.close()
+        await server.stop(0)
+        await host.close()
+        return reply, handle, chunks, info
+
+    reply, handle, chunks, info = run(go())
+    assert reply.epoch == handle.epoch + 1 and reply.committed == 0
+    assert [t for c in chunks for t in c.tokens] == reference and len(reference) == 30
+    assert "".join(c.text for c in chunks) == _decode(reference)
+    assert chunks[-1].finish_reason == "length" and info.status.value == "finished"
+
+
+def test_a_restarted_incarnation_adopts_its_sessions_and_finishes_them_exactly(target, drafter, store, run):
+    plan = _plan(120, "small")
+    reference = _reference(target, drafter, plan)
+
+    async def go():
+        first = _host(target, drafter, store, step_ms=5.0)
+        handle = await store.create_or_join(None, plan.encode(), PROMPT, owner="router-0")
+        await first.start(handle.session_id)
+        async with asyncio.timeout(60):
+            while len(await store.committed_tokens(handle.session_id)) < 10:
+                await asyncio.sleep(0.005)
+        second = _host(target, drafter, store)  # Ray restarted the actor: a new incarnation
+        adopted = await second.adopt_mine()
+        at_adoption = len(await store.committed_tokens(handle.session_id))
+        chunks = await asyncio.wait_for(_all_chunks(store, handle.session_id), 60)
+        zombie = first.engine.ended.get(handle.session_id)
+        await first.close()
+        await second.close()
+        return handle, adopted, at_adoption, chunks, zombie, second
+
+    handle, adopted, at_adoption, chunks, zombie, second = run(go())
+    assert adopted == [handle.session_id] and 10 <= at_adoption < 120  # adopted mid-generation
+    tokens = [t for c in chunks for t in c.tokens]
+    assert tokens == reference  # nothing lost, nothing repeated, the same sampled tokens
+    assert [c.offset for c in chunks] == [sum(len(c.tokens) for c in chunks[:i]) for i in range(len(chunks))]
+    assert zombie is not None and zombie.finish_reason == "stale_epoch"  # the old incarnation was fenced out
+    assert second.engine.ended[handle.session_id].finish_reason == "length"
+
+
+def test_bad_starts_are_refused_with_a_status_a_caller_can_act_on(target, drafter, store, run):
+    async def go():
+        host = _host(target, drafter, store)
+        server, stub, channel = await _serve(TargetServicer(target, 4, host=host))
+        codes = []
+        handle = await store.create_or_join(None, _plan(4, None).encode(), PROMPT, owner="router-0")
+        await store.cancel(handle.session_id)
+        for sid in ("0" * 32, handle.session_id, "not-a-session"):
+            try:
+                await stub.Start(target_pb2.StartRequest(session_id=sid))
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        await channel.close()
+        await server.stop(0)
+        await host.close()
+        return codes
+
+    assert run(go()) == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                         grpc.StatusCode.INVALID_ARGUMENT]
