@@ -115,10 +115,14 @@ def _stats(run: Run, joined: bool) -> generation_pb2.GenerationStats:
         rounds=len(run.rounds), draft_tokens=sum(r.k for r in run.rounds),
         accepted_tokens=sum(r.accepted for r in run.rounds), round=[round_to_proto(r) for r in run.rounds],
         joined=joined, accepted_prediction_tokens=sum(r.accepted for r in run.rounds) if predicted else 0,
-        rejected_prediction_tokens=sum(r.k - r.accepted for r in run.rounds) if predicted else 0)
+        rejected_prediction_tokens=sum(r.k - r.accepted for r in run.rounds) if predicted else 0,
+        k=run.params.num_draft_tokens if run.pool else 0, decision=run.plan.choice.decision.value,
+        decision_reason=run.plan.decision_reason)
 
 
 def _joined_stats(info: SessionInfo | None) -> generation_pb2.GenerationStats:
     p = info.params if info is not None else {}
     return generation_pb2.GenerationStats(seed=p.get("seed", 0), workload_class=p.get("workload_class", ""),
-                                          draft_pool=p.get("pool") or "", joined=True)
+                                          draft_pool=p.get("pool") or "", joined=True,
+                                          k=p.get("k", 0) if p.get("pool") else 0, decision=p.get("decision", ""),
+                                          decision_reason=p.get("decision_reason", ""))

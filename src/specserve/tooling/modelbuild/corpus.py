@@ -41,7 +41,7 @@ def _stdlib_sources(version: int) -> list[tuple[str, str]]:
     (a third of version 1's code) and orders files by a hash of their path, so a cap samples
     the whole library."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("test/", "idlelib/", "site-packages/", "lib2to3/tests", "tkinter/test")
+    skip: tuple[str, ...] = ("test/", "idlelib/", "site-packages/", "lib2to3/tests", "tkinter/test")
     if version >= 2:
         skip += ("encodings/",)
     out = []
@@ -103,7 +103,7 @@ def prose_documents(max_bytes: int, version: int = 1) -> tuple[list[str], list[s
     used = 0
     # a topic's chunks are split one by one; a module's docstrings go where its code goes
     # (held out with it), so held-out prose never appears in the training code
-    sources = [(name, topics[name].strip(), None) for name in sorted(topics)]
+    sources: list[tuple[str, str, bool | None]] = [(name, topics[name].strip(), None) for name in sorted(topics)]
     sources += [(rel, text, _is_heldout(rel)) for rel, text in docstring_documents(version)]
     for name, text, held in sources:
         for i, para_block in enumerate(_chunks(text, 4000)):

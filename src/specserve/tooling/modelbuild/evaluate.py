@@ -85,6 +85,30 @@ def annotate_prompts(model, tokenizer, prompts: list[dict]) -> list[dict]:
     return out
 
 
+@torch.no_grad()
+def extraction_match(model, tokenizer, docs: list[str], max_new: int = 128) -> dict:
+    """Does the pair copy the source record? For each held-out extraction document, the
+    greedy continuation after "JSON:" is parsed (its first line) and each field compared
+    with the record's own: {"records", "parse_rate", "field_match"} (exact-match rate over
+    all fields of all records; a record that does not parse scores 0 on its fields)."""
+    fields = hits = parsed = 0
+    for doc in docs:
+        cut = doc.index("JSON: ") + len("JSON:")
+        truth = json.loads(doc[cut:].strip().splitlines()[0])
+        ids = tokenizer.encode(doc[:cut])
+        text = tokenizer.decode(greedy(model, ids, max_new, (tokenizer.eos_token_id,))).strip()
+        try:
+            got = json.loads(text.splitlines()[0]) if text else None
+        except ValueError:
+            got = None
+        parsed += isinstance(got, dict)
+        for key, value in truth.items():
+            fields += 1
+            hits += isinstance(got, dict) and got.get(key) == value
+    n = max(len(docs), 1)
+    return {"records": len(docs), "parse_rate": parsed / n, "field_match": hits / max(fields, 1)}
+
+
 def demo_choice(prompts: list[dict], workload_class: str, n: int) -> list[dict]:
     """The n prompts of a class the pair continues best: non-degenerate greedy continuation
     first, then the lowest reference NLL. Unannotated prompts keep their order."""
@@ -110,7 +134,7 @@ def evaluate_pair(pair: Path, per_class: int, code_bytes: int | None = None, pro
 
     cfg = json.loads((pair / "build.json").read_text())["config"]
     corpus = build_corpus(code_bytes or cfg["code_bytes"], prose_bytes or cfg["prose_bytes"],
-                          cfg["n_extraction"], cfg["seed"])
+                          cfg["n_extraction"], cfg["seed"], cfg.get("corpus_version", 1))
     tok = AutoTokenizer.from_pretrained(pair / "target")
     model = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).eval()
     prompts = eval_prompts(corpus.heldout, per_class)
@@ -128,6 +152,7 @@ def evaluate_pair(pair: Path, per_class: int, code_bytes: int | None = None, pro
             "degenerate_fraction": sum(r["degenerate"] for r in rows) / max(len(rows), 1),
             "samples": rows[:samples], "all": rows,
         }
+    report["extraction_match"] = extraction_match(model, tok, corpus.heldout["extraction"][:per_class])
     return report
 
 
@@ -147,6 +172,9 @@ def main(argv=None) -> None:
     for cls, r in rep["classes"].items():
         print(f"| {cls} | {r['ppl']:.2f} | {r['bits_per_byte']:.3f} | "
               f"{r['degenerate_fraction']:.0%} ({sum(x['degenerate'] for x in r['all'])}/{r['prompts']}) |")
+    m = rep["extraction_match"]
+    print(f"extraction, {m['records']} held-out records: {m['parse_rate']:.0%} parse, "
+          f"{m['field_match']:.0%} of fields copied exactly")
     for cls, r in rep["classes"].items():
         for s in r["samples"]:
             print(f"[{cls}] prompt {s['prompt'][-80:]!r}\n   -> {s['output']!r}  (degenerate={s['degenerate']})")
