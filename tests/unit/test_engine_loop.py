@@ -6,7 +6,7 @@ contiguous, and an adopted session continues exactly.
 
 Micro models are randomly initialised Llamas (near-uniform logits: many near-ties, the
 hardest case for batch invariance); greedy identity to transformers is checked on the
-trained tiny pair's held-out prompts."""
+committed demo pair's held-out prompts."""
 
 from __future__ import annotations
 
@@ -105,16 +105,16 @@ def test_sessions_of_every_kind_share_steps_and_each_gets_its_tokens_alone(pair,
     assert all(len(t) == 14 for t in together.values())
 
 
-def test_greedy_equals_target_only_on_held_out_prompts(tiny_pair, target_model, eval_prompts):
+def test_greedy_equals_target_only_on_held_out_prompts(demo_pair, target_model, eval_prompts):
     model = target_engine(target_model, Batching(kv_budget_mb=16, max_sessions=16, prefill_chunk=32))
     eos = target_model.eos_token_ids
-    loop = EngineLoop(model, lambda p: StopChecker(eos, p.stop, tiny_pair.tokenizer.decode),
-                      {"small": LocalDrafts(HFDrafter(tiny_pair.draft))})
+    loop = EngineLoop(model, lambda p: StopChecker(eos, p.stop, demo_pair.tokenizer.decode),
+                      {"small": LocalDrafts(HFDrafter(demo_pair.draft))})
     items, refs = [], {}
     for i, item in enumerate(eval_prompts[:12]):
-        ids = tiny_pair.tokenizer.encode(item["prompt"])
+        ids = demo_pair.tokenizer.encode(item["prompt"])
         with torch.inference_mode():
-            out = tiny_pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = demo_pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                             max_new_tokens=24, do_sample=False)
         refs[f"p{i}"] = out[0, len(ids):].tolist()
         plan = EnginePlan(GenerationParams(max_tokens=24, num_draft_tokens=4, seed=1), pool="small" if i % 3 else None)
@@ -204,3 +204,24 @@ def test_a_session_the_kv_cannot_hold_is_refused_at_add(pair):
     assert first.result().id == "a"
     with pytest.raises(Exception, match="(?i)kv|slot|room"):
         second.result()
+
+
+def test_the_engine_turns_speculation_off_where_it_does_not_pay_and_keeps_it_where_it_does(pair):
+    """Adaptive plans: an unrelated draft (random weights, almost never agrees at greedy) is
+    held plain after a few rounds, probing now and then; the target's twin (always agrees)
+    keeps speculating. Either way the tokens are the target's alone."""
+    target, unrelated = pair
+    twin = HFDrafter(target.model)
+    params = GenerationParams(max_tokens=60, num_draft_tokens=4, seed=3)
+    plain = _run(_loop(pair), [("s", PROMPTS[4], EnginePlan(params))])["s"]
+    outcomes = {}
+    for name, drafter in (("unrelated", unrelated), ("twin", twin)):
+        loop = _loop(pair, {"small": LocalDrafts(drafter)})
+        plan = EnginePlan(params, pool="small", workload_class="code", adaptive=True)
+        assert _run(loop, [("s", PROMPTS[4], plan)])["s"] == plain
+        outcomes[name] = (loop.ended["s"].rounds, loop.estimates[("code", "small")])
+    rounds, estimates = outcomes["unrelated"]
+    assert sum(r.fallback_reason == "speculation_not_paying" for r in rounds) >= len(rounds) // 2
+    assert max(estimates.values()) <= 1.05  # its own estimates: no K beats plain by the margin
+    rounds, estimates = outcomes["twin"]
+    assert all(r.k_asked > 0 for r in rounds[:-1]) and max(estimates.values()) > 1.5

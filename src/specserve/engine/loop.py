@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from specserve.algorithm.round import RoundStats, settle
 from specserve.algorithm.stops import StopChecker
 from specserve.engine.drafting import DRAFT_UNAVAILABLE, DraftSource, clip
+from specserve.engine.kchoice import PROBE_EVERY, Acceptance, choose_k, prior_cost, speedups
 from specserve.engine.scheduler import Budget, Row, schedule
 from specserve.engine.session import (
     CommitRecord,
@@ -39,7 +40,10 @@ from specserve.engine.session import (
     Status,
 )
 from specserve.params import GenerationParams
+from specserve.worker.cost import CostModel
 from specserve.worker.scheduler import AGAIN, Work
+
+NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
 
 
 class ModelStep(Protocol):
@@ -93,6 +97,9 @@ class EngineLoop:
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
         self.last: StepReport | None = None
+        self.cost = CostModel()  # step time by rows and tokens: prices K at the current load
+        self.acceptance: dict[tuple[str, str], Acceptance] = {}  # per (class, pool)
+        self.estimates: dict[tuple[str, str], dict[int, float]] = {}  # S(K) per (class, pool), last computed
         self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
         self.keep_ended = keep_ended
         self._wake_at: float | None = None
@@ -159,6 +166,7 @@ class EngineLoop:
         t2 = time.perf_counter()
         forward_ms = (t2 - t1) * 1e3
         self.step_ms += 0.2 * (forward_ms - self.step_ms)
+        self.cost.observe(len(works), sum(w.tokens for w in works), forward_ms / 1e3)
         commits: list[CommitRecord] = []
         rounds = [self._settle(r, res, forward_ms, commits) for r, res in zip(plan.rows, results, strict=True)]
         if commits and self.committer is not None:
@@ -244,6 +252,9 @@ class EngineLoop:
         k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
+            self._acceptance(s).observe(k, verdict.num_accepted)
+        if s.plan.adaptive:
+            self._choose_k(s, len(self.sessions), forward_ms / 1e3)
         stats = RoundStats(
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
@@ -258,6 +269,19 @@ class EngineLoop:
             source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), s.k_wanted))
         return s, stats
 
+    def _acceptance(self, s: EngineSession) -> Acceptance:
+        return self.acceptance.setdefault((s.plan.workload_class, s.plan.pool or ""), Acceptance())
+
+    def _choose_k(self, s: EngineSession, batch: int, step_s: float) -> None:
+        """The session's K for its next round, from its class's acceptance and the step cost
+        at this batch size (kchoice.py); a session held plain probes every PROBE_EVERY rounds."""
+        alphas = self._acceptance(s).alphas()
+        cost = prior_cost(step_s) if self.cost.coef is None else (lambda n: self.cost.row_cost(batch, n, step_s))
+        self.estimates[(s.plan.workload_class, s.plan.pool or "")] = speedups(alphas, s.plan.k, cost)
+        k = choose_k(alphas, s.plan.k, cost)
+        s.held_plain = s.held_plain + 1 if k == 0 else 0
+        s.k_choice = min(2, s.plan.k) if k == 0 and s.held_plain % PROBE_EVERY == 0 else k
+
     def _can_draft(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")
         return source is not None and source.drafts_for(s.id)
@@ -265,8 +289,8 @@ class EngineLoop:
     def _plain_reason(self, s: EngineSession, row: Row, k_asked: int) -> str:
         if not s.plan.pool:
             return s.plan.plain_reason
-        if k_asked == 0:
-            return ""  # the token budget left no room for drafts
+        if k_asked == 0:  # the engine held it plain, or the token budget left no room for drafts
+            return NOT_PAYING if s.k_choice == 0 else ""
         return row.fallback if self._can_draft(s) else DRAFT_UNAVAILABLE
 
     def _end(self, s: EngineSession, status: Status, reason: str, error: str = "") -> None:

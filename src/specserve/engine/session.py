@@ -31,6 +31,7 @@ class EnginePlan:
     pool: str | None = None
     workload_class: str = ""
     plain_reason: str = "speculation_off"  # a plain session's rounds' fallback_reason
+    adaptive: bool = False  # the engine picks K in 0..k every round (kchoice.py); else K is fixed
 
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> EnginePlan:
@@ -123,6 +124,8 @@ class EngineSession:
     rounds: list[RoundStats] = field(default_factory=list)
     arrived: float = 0.0  # the engine's clock when it was added
     expected_emitted: float = 2.0  # tokens per verified round, recent average: what a block is worth
+    k_choice: int | None = None  # the engine's K for the next round (adaptive plans); None: the plan's
+    held_plain: int = 0  # rounds in a row the engine held it plain (it probes now and then)
 
     @classmethod
     def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,
@@ -145,7 +148,8 @@ class EngineSession:
     @property
     def k_wanted(self) -> int:
         """Drafts the next round may verify (0: a plain round)."""
-        return draft_budget(self.plan.k, len(self.generated), self.plan.params.max_tokens)
+        k = self.plan.k if self.k_choice is None else min(self.k_choice, self.plan.k)
+        return draft_budget(k, len(self.generated), self.plan.params.max_tokens)
 
     @property
     def prefilling(self) -> bool:
