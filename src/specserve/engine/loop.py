@@ -91,8 +91,8 @@ class EngineLoop:
         self.block_wait_max_s = block_wait_max_s
         self.wait_factor = wait_factor
         self.clock = clock
-        # a simulated device (benchmarks, tests): this much device time per step, slept after
-        # the real forward of a small model (ADR 0014's device profiles)
+        # a simulated device (benchmarks, tests): a step takes this long, the real forward of a
+        # small model padded up to it (ADR 0014's device profiles)
         self.simulated_step_ms = simulated_step_ms
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
@@ -161,8 +161,8 @@ class EngineLoop:
         works = [self._work(r) for r in plan.rows]
         t1 = time.perf_counter()
         results = self.model.step(works)
-        if self.simulated_step_ms is not None:
-            time.sleep(self.simulated_step_ms(works) / 1e3)
+        if self.simulated_step_ms is not None:  # the device's time: the real forward padded up to it
+            time.sleep(max(self.simulated_step_ms(works) / 1e3 - (time.perf_counter() - t1), 0.0))
         t2 = time.perf_counter()
         forward_ms = (t2 - t1) * 1e3
         self.step_ms += 0.2 * (forward_ms - self.step_ms)

@@ -1,0 +1,240 @@
+"""The engine loop beside the target under simulated devices (ADR 0014), in process: what a
+GPU deployment's rounds would do, measured without a GPU.
+
+A small real target (a random-init 2 × 64 Llama) runs every step on this CPU, padded up to
+the profile's step time (bench/profiles.py: `seed`, `h100`). Drafts come from a simulated
+remote pool:
+- each block arrives after the profile's drafting time, on a timer, while the target keeps
+  stepping;
+- the all-accepted branch is drafted ahead and pushed as the draft workers do;
+- acceptance is synthetic: the drafter proposes the target's own greedy continuation (known
+  in advance: at T = 0 the output is the target's alone) and corrupts each position with
+  probability 1 − α, from a seeded draw.
+
+Arms: plain, fixed K and the engine's own K choice (adaptive), at 1, 4, 16 and 64 streams.
+Reported per cell:
+- tok/s, TPOT p50/p90;
+- device busy: the simulated step time over the wall time;
+- the engine's bookkeeping per step (schedule + postprocess, p50/p99);
+- the share of rounds whose block was already there (pushed);
+- the engine's own S(K) estimates.
+Results: bench/results/engine_loop.json and engine_loop.png.
+
+    python bench/bench_engine_loop.py [--profiles seed,h100] [--streams 1,4,16,64] [--alpha 0.7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+from profiles import PROFILES, Profile
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve.algorithm.rng import Purpose, uniform
+from specserve.algorithm.stops import StopChecker
+from specserve.engine.loop import EngineLoop
+from specserve.engine.scheduler import Budget
+from specserve.engine.session import DraftBlock, EnginePlan, EngineSession, Outcome
+from specserve.models.verifier import TargetModel
+from specserve.params import GenerationParams
+from specserve.state.prefix import CommittedPrefix
+from specserve.worker.model_runner import Batching, target_engine
+
+VOCAB = 512
+PROMPT_LEN = 16
+
+
+class SyntheticDrafts:
+    """A remote draft pool with chosen acceptance α and a profile's drafting time. One
+    delivery thread sleeps until each block is due: per-block timer threads would fight the
+    engine thread for the GIL and show up as the engine's own bookkeeping."""
+
+    def __init__(self, reference: dict[str, list[int]], prompts: dict[str, list[int]], alpha: float,
+                 profile: Profile) -> None:
+        self.reference, self.alpha, self.profile = reference, alpha, profile
+        self.prompt_len = {sid: len(p) for sid, p in prompts.items()}
+        self.prefix = {sid: CommittedPrefix([*p, *reference[sid]]) for sid, p in prompts.items()}  # hashes once
+        self.deliver = None
+        self.due: list[tuple[float, int, DraftBlock]] = []
+        self.wake = threading.Condition()
+        self.seq = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def attach(self, deliver) -> None:
+        self.deliver = deliver
+
+    def drafts_for(self, session_id: str) -> bool:
+        return True
+
+    def open(self, session: EngineSession) -> None:
+        self._draft(session.id, len(session.generated), session.k_wanted)
+
+    def outcome(self, o: Outcome) -> None:
+        self._draft(o.session_id, o.committed_len - self.prompt_len[o.session_id], o.k)
+
+    def close(self, session_id: str) -> None:
+        pass
+
+    def _block(self, sid: str, n: int, k: int) -> tuple[int, ...]:
+        ref = self.reference[sid]
+        return tuple(ref[n + i] if uniform(7, n + i, Purpose.DRAFT) < self.alpha else (ref[n + i] + 1) % VOCAB
+                     for i in range(min(k, len(ref) - n)))
+
+    def _draft(self, sid: str, n: int, k: int) -> None:
+        """The block after n generated tokens, due when the simulated draft is done; and the
+        all-accepted branch drafted ahead (its bonus guessed right with probability α)."""
+        if k <= 0 or n >= len(self.reference[sid]):
+            return
+        now = time.monotonic()
+        tokens = self._block(sid, n, k)
+        delay = self.profile.draft_ms(len(tokens)) / 1e3
+        self._at(now + delay, self._make(sid, n, tokens, False, delay * 1e3))
+        nxt = n + len(tokens) + 1
+        if tokens == tuple(self.reference[sid][n:n + len(tokens)]) and nxt < len(self.reference[sid]) \
+                and uniform(11, nxt, Purpose.DRAFT) < self.alpha:
+            ahead = self._block(sid, nxt, k)
+            self._at(now + delay + self.profile.draft_ms(len(ahead) + 1) / 1e3, self._make(sid, nxt, ahead, True, 0.0))
+
+    def _make(self, sid: str, n: int, tokens: tuple[int, ...], predrafted: bool, ms: float) -> DraftBlock:
+        base = self.prompt_len[sid] + n
+        return DraftBlock(sid, base, self.prefix[sid].hash_at(base), tokens, predrafted=predrafted, draft_ms=ms)
+
+    def _at(self, when: float, block: DraftBlock) -> None:
+        with self.wake:
+            self.seq += 1
+            heapq.heappush(self.due, (when, self.seq, block))
+            self.wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                while not self.due or self.due[0][0] > time.monotonic():
+                    self.wake.wait(None if not self.due else self.due[0][0] - time.monotonic())
+                _, _, block = heapq.heappop(self.due)
+            if self.deliver is not None:
+                self.deliver(block)
+
+
+def _model(seed: int) -> TargetModel:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return TargetModel(LlamaForCausalLM(cfg).eval())
+
+
+def _stops(p):
+    return StopChecker(frozenset(), p.stop, lambda ids: "")
+
+
+def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float]) -> EngineLoop:
+    model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=max(streams, 4), prefill_chunk=128))
+
+    def step_ms(works) -> float:
+        ms = profile.target_ms(sum(w.tokens for w in works), sum(len(w.payload.ids) for w in works))
+        busy.append(ms)
+        return ms
+
+    return EngineLoop(model, _stops, sources, budget=Budget(max_batch=64, max_batched_tokens=4096),
+                      block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None)
+
+
+def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int) -> dict[str, list[int]]:
+    loop = _loop(target, {}, None, len(prompts), [])
+    for sid, p in prompts.items():
+        loop.add(sid, p, EnginePlan(GenerationParams(max_tokens=tokens, num_draft_tokens=0, seed=1)))
+    loop.run_until_idle()
+    return {sid: loop.ended[sid].generated for sid in prompts}
+
+
+def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: float) -> dict:
+    busy: list[float] = []
+    drafts = SyntheticDrafts(refs, prompts, alpha, profile)
+    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy)
+    book: list[float] = []
+    step = loop.step
+
+    def timed_step():
+        r = step()
+        if r is not None:
+            book.append(r.bookkeeping_ms)
+        return r
+
+    loop.step = timed_step
+    k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.removeprefix("K="))
+    for sid, p in prompts.items():
+        loop.add(sid, p, EnginePlan(GenerationParams(max_tokens=tokens, num_draft_tokens=k, seed=1),
+                                    pool="syn" if k else None, workload_class="code", adaptive=arm == "adaptive"))
+    t = time.perf_counter()
+    loop.run_until_idle()
+    wall = time.perf_counter() - t
+    sessions = [loop.ended[s] for s in prompts]
+    assert all(s.generated == refs[s.id] for s in sessions), "the output must be the target's alone"
+    rounds = [r for s in sessions for r in s.rounds]
+    tpot = sorted(wall * 1e3 / len(s.generated) for s in sessions)  # all start together: wall per token
+    return {"arm": arm, "streams": len(prompts), "tok_s": len(prompts) * tokens / wall,
+            "tpot_ms_p50": statistics.median(tpot), "device_busy": sum(busy) / 1e3 / wall,
+            "bookkeeping_ms_p50": statistics.median(book), "bookkeeping_ms_p99": sorted(book)[int(0.99 * (len(book) - 1))],
+            "steps": len(book), "pushed_share": sum(r.predraft == "pushed" for r in rounds) / max(len(rounds), 1),
+            "late_share": sum(r.fallback_reason == "draft_late" for r in rounds) / max(len(rounds), 1),
+            "mean_k": statistics.mean(r.k for r in rounds), "estimates": loop.estimates.get(("code", "syn"), {})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profiles", default="seed,h100")
+    ap.add_argument("--streams", default="1,4,16,64")
+    ap.add_argument("--arms", default="plain,K=1,K=2,K=3,K=4,K=6,K=8,adaptive")
+    ap.add_argument("--alpha", type=float, default=0.7)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    target = _model(0)
+    streams = [int(s) for s in a.streams.split(",")]
+    all_prompts = {f"s{i}": [(31 * i + 7 * j) % VOCAB for j in range(PROMPT_LEN)] for i in range(max(streams))}
+    refs = references(target, all_prompts, a.tokens)
+    rows = []
+    for pname in a.profiles.split(","):
+        for n in streams:
+            prompts = dict(list(all_prompts.items())[:n])
+            for arm in a.arms.split(","):
+                r = {"profile": pname, **cell(target, prompts, refs, PROFILES[pname], arm, a.tokens, a.alpha)}
+                rows.append(r)
+                print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
+                      f"busy {r['device_busy']:.0%}  book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
+                      f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
+                      f"  K {r['mean_k']:.1f}", flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "rows": rows}, indent=1))
+    _plot(rows, out / "engine_loop.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({r["profile"] for r in rows})
+    fig, axes = plt.subplots(1, len(profiles), figsize=(6 * len(profiles), 4), squeeze=False)
+    for ax, pname in zip(axes[0], profiles, strict=True):
+        for arm in dict.fromkeys(r["arm"] for r in rows):
+            pts = [(r["streams"], r["tok_s"]) for r in rows if r["profile"] == pname and r["arm"] == arm]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=arm, lw=2.5 if arm in ("plain", "adaptive") else 1)
+        ax.set(xscale="log", yscale="log", xlabel="streams", ylabel="tok/s", title=f"engine loop, {pname} profile")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

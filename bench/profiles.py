@@ -1,0 +1,49 @@
+"""Simulated device profiles (ADR 0014): what a target step and a draft step cost on a GPU,
+as data, for benchmarks that run a small real model on this CPU and pad each step up to the
+profile's time.
+
+- `seed`: measured in the first wave with HF eager on an A10G. A Qwen3-4B target pass takes
+  30 ms and a Qwen3-0.6B draft token 22 ms, flat in the batch (HF eager is launch-bound at
+  these sizes).
+- `h100`: derived from public figures for an 8B-class bf16 target (Llama-3-8B shape: 32
+  layers, 8 KV heads × 128) on an H100-class GPU, assuming 75 % of 3.35 TB/s and 60 % of
+  990 dense TFLOPS are achieved:
+  - weights: 16 GB / 2.51 TB/s = 6.4 ms a pass;
+  - compute: 16 GFLOP a token / 594 TFLOPS = 0.027 ms a token in the batch;
+  - KV: 131 kB a cached token / 2.51 TB/s = 0.052 µs;
+  - launch and sampling: 0.3 ms.
+
+  The draft is a 0.6B-class model on an A10G-class GPU (600 GB/s, 75 %): 1.2 GB / 450 GB/s
+  = 2.7 ms a step, plus 0.02 ms a token in its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    weights_ms: float  # target: reading the weights, once a pass (memory-bound floor)
+    token_ms: float  # target: compute per token fed in the batch
+    kv_us: float  # target: reading one cached token's KV, per pass
+    fixed_ms: float  # target: launches, sampling, the host transfer
+    draft_step_ms: float  # draft: one autoregressive step of its batch
+    draft_token_ms: float  # draft: per row in that step
+
+    def target_ms(self, tokens: int, cached: int) -> float:
+        """One target step feeding `tokens` tokens over `cached` KV positions in all."""
+        return max(self.weights_ms, self.token_ms * tokens) + self.kv_us * cached / 1e3 + self.fixed_ms
+
+    def draft_ms(self, k: int, rows: int = 1) -> float:
+        """K draft steps for a batch of `rows` sessions."""
+        return k * (self.draft_step_ms + self.draft_token_ms * rows)
+
+
+PROFILES = {
+    "seed": Profile("seed", weights_ms=30.0, token_ms=0.0, kv_us=0.0, fixed_ms=0.0,
+                    draft_step_ms=22.0, draft_token_ms=0.0),
+    "h100": Profile("h100", weights_ms=6.4, token_ms=0.027, kv_us=0.052, fixed_ms=0.3,
+                    draft_step_ms=2.7, draft_token_ms=0.02),
+}
