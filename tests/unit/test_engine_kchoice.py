@@ -22,19 +22,19 @@ def test_expected_emitted_multiplies_the_rates_along_the_block():
 def test_one_stream_speculates_deep_when_acceptance_is_high():
     s = speedups([0.8], 8, _cost(1))
     assert s[4] == pytest.approx(3.3616 * 11 / 15)
-    assert choose_k([0.8], 8, _cost(1)) == 6
+    assert choose_k(speedups([0.8], 8, _cost(1))) == 6
 
 
 def test_under_load_long_blocks_stop_paying_and_k_shrinks():
-    assert choose_k([0.8], 8, _cost(16)) == 1
-    assert choose_k([0.8], 8, _cost(64)) == 0  # S(1) = 1.8 * 74 / 138 < 1: plain
+    assert choose_k(speedups([0.8], 8, _cost(16))) == 1
+    assert choose_k(speedups([0.8], 8, _cost(64))) == 0  # S(1) = 1.8 * 74 / 138 < 1: plain
 
 
 def test_low_acceptance_runs_plain_and_the_margin_is_respected():
-    assert choose_k([0.05], 8, _cost(1)) == 0
+    assert choose_k(speedups([0.05], 8, _cost(1))) == 0
     # S(1) = 1.3 * 11 / 12 = 1.19: above a 0.1 margin, below a 0.3 one
-    assert choose_k([0.3], 1, _cost(1), margin=0.1) == 1
-    assert choose_k([0.3], 1, _cost(1), margin=0.3) == 0
+    assert choose_k(speedups([0.3], 1, _cost(1)), margin=0.1) == 1
+    assert choose_k(speedups([0.3], 1, _cost(1)), margin=0.3) == 0
 
 
 def test_acceptance_is_learnt_per_position_from_rounds():

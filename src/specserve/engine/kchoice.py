@@ -56,11 +56,10 @@ def speedups(alphas: Sequence[float], k_max: int, cost: Callable[[int], float]) 
     return {k: expected_emitted(alphas, k) * plain / cost(k + 1) for k in range(k_max + 1)}
 
 
-def choose_k(alphas: Sequence[float], k_max: int, cost: Callable[[int], float], margin: float = 0.05) -> int:
-    """The K that maximises S, or 0 unless it beats plain by the margin."""
-    s = speedups(alphas, k_max, cost)
-    best = max(s, key=lambda k: (s[k], -k))
-    return best if best > 0 and s[best] > 1.0 + margin else 0
+def choose_k(estimates: dict[int, float], margin: float = 0.05) -> int:
+    """The K with the best S (`speedups`), or 0 unless it beats plain by the margin."""
+    best = max(estimates, key=lambda k: (estimates[k], -k))
+    return best if best > 0 and estimates[best] > 1.0 + margin else 0
 
 
 @dataclass

@@ -18,6 +18,7 @@ Example (in process, a local drafter):
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -100,9 +101,13 @@ class EngineLoop:
         self.cost = CostModel()  # step time by rows and tokens: prices K at the current load
         self.acceptance: dict[tuple[str, str], Acceptance] = {}  # per (class, pool)
         self.estimates: dict[tuple[str, str], dict[int, float]] = {}  # S(K) per (class, pool), last computed
+        # per pool: seconds from asking for a block to its arrival, per draft token (0 for one
+        # drafted ahead): what a round waits for its drafts, beside the verify
+        self.draft_latency: dict[str, float] = {}
         self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
         self.keep_ended = keep_ended
         self._wake_at: float | None = None
+        self._k_this_step: dict[tuple[str, str, int], int] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
         for source in self.sources.values():
@@ -168,6 +173,7 @@ class EngineLoop:
         self.step_ms += 0.2 * (forward_ms - self.step_ms)
         self.cost.observe(len(works), sum(w.tokens for w in works), forward_ms / 1e3)
         commits: list[CommitRecord] = []
+        self._k_this_step = {}  # K choices made in this step, per (class, pool, K bound)
         rounds = [self._settle(r, res, forward_ms, commits) for r, res in zip(plan.rows, results, strict=True)]
         if commits and self.committer is not None:
             self.committer.submit(commits)
@@ -196,8 +202,8 @@ class EngineLoop:
                 self._open(*payload)
             elif kind == "block":
                 s = self.sessions.get(payload.session_id)
-                if s is not None:
-                    s.offer(payload)  # a stale block (another prefix) is dropped here
+                if s is not None and s.offer(payload):  # a stale block (another prefix) is dropped here
+                    self._block_arrived(s, payload)
             elif kind == "cancel":
                 s = self.sessions.get(payload[0])
                 if s is not None and s.running:
@@ -220,6 +226,7 @@ class EngineLoop:
         self.sessions[session_id] = s
         source = self.sources.get(plan.pool or "")
         if source is not None and s.k_wanted > 0:
+            s.asked_at = self.clock()
             source.open(s)
         done.set_result(s)
 
@@ -253,34 +260,64 @@ class EngineLoop:
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
             self._acceptance(s).observe(k, verdict.num_accepted)
-        if s.plan.adaptive:
-            self._choose_k(s, len(self.sessions), forward_ms / 1e3)
         stats = RoundStats(
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
             verify_ms=forward_ms, fallback_reason="" if block else self._plain_reason(s, row, k_asked),
             rollback_tokens=block.rollback_tokens if block else 0, k_asked=k_asked,
             predraft="pushed" if block is not None and block.predrafted else "")
+        if s.plan.adaptive:  # after the record: its fallback reason is this round's, not the next's
+            self._choose_k(s, len(self.sessions), forward_ms / 1e3)
         s.block, s.waiting_since = None, None
         s.promote()  # a block drafted ahead for the prefix just committed is ready at once
         if settled.finish_reason is not None:
             self._end(s, Status.FINISHED, settled.finish_reason)
-        elif s.k_wanted > 0 and (source := self.sources.get(s.plan.pool or "")) is not None:
+        elif (source := self.sources.get(s.plan.pool or "")) is not None and (s.k_wanted > 0 or s.plan.adaptive):
+            s.asked_at = self.clock()
             source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), s.k_wanted))
         return s, stats
+
+    def _block_arrived(self, s: EngineSession, block: DraftBlock) -> None:
+        """The wait the session's round had for this block (none when it came ahead)."""
+        if s.asked_at is None or block.base_len != len(s.committed) or not block.tokens:
+            return
+        waited = 0.0 if block.predrafted else max(self.clock() - s.asked_at, 0.0)
+        pool = s.plan.pool or ""
+        per_token = waited / len(block.tokens)
+        self.draft_latency[pool] = self.draft_latency.get(pool, per_token) * 0.8 + per_token * 0.2
+        s.asked_at = None
 
     def _acceptance(self, s: EngineSession) -> Acceptance:
         return self.acceptance.setdefault((s.plan.workload_class, s.plan.pool or ""), Acceptance())
 
     def _choose_k(self, s: EngineSession, batch: int, step_s: float) -> None:
-        """The session's K for its next round, from its class's acceptance and the step cost
-        at this batch size (kchoice.py); a session held plain probes every PROBE_EVERY rounds."""
-        alphas = self._acceptance(s).alphas()
-        cost = prior_cost(step_s) if self.cost.coef is None else (lambda n: self.cost.row_cost(batch, n, step_s))
-        self.estimates[(s.plan.workload_class, s.plan.pool or "")] = speedups(alphas, s.plan.k, cost)
-        k = choose_k(alphas, s.plan.k, cost)
+        """The session's K for its next round; a session held plain probes every PROBE_EVERY
+        rounds."""
+        key = (s.plan.workload_class, s.plan.pool or "", s.plan.k)
+        k = self._k_this_step.get(key)
+        if k is None:  # every session of a (class, pool) shares its inputs: once per step
+            k = self._k_this_step[key] = self._best_k(s, batch, step_s)
         s.held_plain = s.held_plain + 1 if k == 0 else 0
         s.k_choice = min(2, s.plan.k) if k == 0 and s.held_plain % PROBE_EVERY == 0 else k
+
+    def _best_k(self, s: EngineSession, batch: int, step_s: float) -> int:
+        """K from the class's acceptance and the step cost at this batch size (kchoice.py)."""
+        alphas = self._acceptance(s).alphas()
+        step = prior_cost(step_s) if self.cost.coef is None else (lambda n: self.cost.row_cost(batch, n, step_s))
+        per_token = self.draft_latency.get(s.plan.pool or "", 0.0)
+
+        def cost(n: int) -> float:
+            """A round with n - 1 drafts: the wait for them, then the verify. Alone, the next
+            step starts when the block lands; among others, a row joins only at a step
+            boundary, so a block that lands mid-step costs the session whole steps."""
+            wait = per_token * (n - 1)
+            if batch > 1 and wait > 0:
+                wait = math.ceil(wait / step(n)) * step(n)
+            return step(n) + wait
+
+        estimates = speedups(alphas, s.plan.k, cost)
+        self.estimates[(s.plan.workload_class, s.plan.pool or "")] = estimates
+        return choose_k(estimates)
 
     def _can_draft(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")

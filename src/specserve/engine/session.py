@@ -126,6 +126,7 @@ class EngineSession:
     expected_emitted: float = 2.0  # tokens per verified round, recent average: what a block is worth
     k_choice: int | None = None  # the engine's K for the next round (adaptive plans); None: the plan's
     held_plain: int = 0  # rounds in a row the engine held it plain (it probes now and then)
+    asked_at: float | None = None  # when its draft source was last asked for a block (prices the wait)
 
     @classmethod
     def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,
