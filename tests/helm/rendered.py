@@ -12,8 +12,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "specserve"
 PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
-# CI clones the repository with shared/ beside it.
-SHARED = ROOT.parent / "shared"
+# the KubeRay CRD the chart's RayCluster is validated against (test data, source in its README)
+CRDS = Path(__file__).resolve().parent / "data"
 KUBE_VERSION = "1.31.0"
 NAMESPACE = "specserve"
 RELEASE = "spec"

@@ -1,6 +1,6 @@
 """The chart lints, renders with the default and the production-like values, and every object
 it renders is valid: core kinds against the Kubernetes schemas (kubernetes-validate, strict:
-unknown fields fail), ray.io/v1 kinds against the KubeRay CRDs in ../shared/k8s-schemas."""
+unknown fields fail), ray.io/v1 kinds against the KubeRay CRD kept in tests/helm/data."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from rendered import CHART, KUBE_VERSION, PRODUCTION_VALUES, SHARED, find, run_helm
+from rendered import CHART, CRDS, KUBE_VERSION, PRODUCTION_VALUES, find, run_helm
 
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml"}  # the chart renders no other ray.io kind
 # Prometheus Operator kinds: rendered only when observability.serviceMonitor.enabled; no schema
 # ships offline, test_helm_manifests checks their selectors instead.
 PROMETHEUS_KINDS = {"ServiceMonitor", "PodMonitor"}
@@ -88,9 +88,9 @@ def _strict(schema: Any) -> Any:
 
 @cache
 def crd_validator(kind: str, version: str) -> jsonschema.Draft7Validator:
-    path = SHARED / "k8s-schemas" / CRD_FILES[kind]
+    path = CRDS / CRD_FILES[kind]
     if not path.exists():
-        pytest.fail(f"KubeRay CRD {path} not found: CI clones shared/ beside the repository")
+        pytest.fail(f"KubeRay CRD {path} not found: it is test data of the repository")
     crd = yaml.safe_load(path.read_text())
     (schema,) = [v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"]
                  if v["name"] == version]
