@@ -17,7 +17,7 @@ there), the pre-draft hit rate (pushed + cached) and what a miss costs. Plus byt
 on each hop (our 4,096-token vocabulary, and a simulated 152k vocabulary at K=8) and the
 cost of a unary call vs a stream message.
 
-  python bench/bench_overlap.py --models models/default --out bench/results
+  python bench/bench_overlap.py --models models --out bench/results
 Writes <out>/overlap.json and <out>/overlap.png; prints markdown tables.
 """
 
@@ -345,7 +345,7 @@ def _print(result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models/default")
+    ap.add_argument("--models", default="models")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--prompts-per-class", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -356,8 +356,9 @@ def main() -> None:
     ap.add_argument("--predraft-branches", type=int, default=2)
     ap.add_argument("--settings", default="cpu,simulated")
     a = ap.parse_args()
-    pair = Path(a.models)
-    pair = (pair / "default" if not (pair / "target").exists() else pair).resolve()
+    from specserve.tooling.modelbuild.build import find_pair
+
+    pair = find_pair(a.models)
     run(pair, Path(a.out), a.prompts_per_class, a.max_tokens, a.k, a.repeats, a.pass_ms, a.draft_token_ms,
         a.predraft_branches, a.settings.split(","))
 

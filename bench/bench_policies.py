@@ -74,7 +74,7 @@ def rates(log: list, t_from: float, t_to: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models/default")
+    ap.add_argument("--models", default="models")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=48)

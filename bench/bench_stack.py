@@ -64,7 +64,7 @@ def in_process(engine: SpecEngine, prompt: str, k: int, max_tokens: int, banned:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models/default")
+    ap.add_argument("--models", default="models")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--prompts-per-class", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)

@@ -13,7 +13,7 @@ reference), incomplete ones (no finish within the client's attempts) and errors 
 cancelled requests (both must be 0), RSS growth of every process after warm-up (< 10 %), and the sessions'
 Redis keys back to baseline once their TTL (`--session-ttl-s`) has passed.
 
-  python bench/soak.py --models models --preset default --minutes 10 --streams 64 --out bench/results
+  python bench/soak.py --models models --minutes 10 --streams 64 --out bench/results
 Writes <out>/soak.json and <out>/soak.png (throughput and RSS over time).
 """
 
@@ -42,7 +42,6 @@ MAX_TOKENS = 32
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", type=Path, default=Path("models"))
-    ap.add_argument("--preset", default="default")
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--kill-every-s", type=float, default=60.0)
@@ -59,10 +58,10 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path, default=None, help="keep the services' logs here (default: a temp dir)")
     args = ap.parse_args()
 
-    from specserve.tooling.modelbuild.build import PRESETS, build_pair, load_eval_prompts
+    from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
-    pair = build_pair(PRESETS[args.preset], args.models, log=print)
+    pair = find_pair(args.models)
     prompts = [p["prompt"] for p in load_eval_prompts(pair)][:12]
     refs = references(pair, prompts)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:

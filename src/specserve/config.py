@@ -51,7 +51,7 @@ class DraftSettings(WorkerSettings):
 class TargetSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_TARGET_", frozen=True)
 
-    model: str = "models/default/target"
+    model: str = "models/specserve-demo-v1/target"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "specserve"
     name: str = "target-0"  # Ray actor name and registry entry
@@ -84,7 +84,7 @@ class RouterSettings(BaseSettings):
     metrics_port_file: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "specserve"
-    tokenizer: str = "models/default/target"  # directory with tokenizer.json
+    tokenizer: str = "models/specserve-demo-v1/target"  # directory with tokenizer.json
     # pool name -> draft replica addresses, e.g. {"small": ["127.0.0.1:7001"], "ngram": [...]}
     draft_pools: dict[str, list[str]] = Field(default_factory=dict)
     default_pool: str = "small"

@@ -9,13 +9,13 @@ from faultkit import DETACHED_IDLE_S, LEASE_S, PASS_MS
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_pair_dir, tmp_path_factory: pytest.TempPathFactory):
+def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory):
     from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     run_dir = tmp_path_factory.mktemp("faults")
     spec = StackSpec(
-        pair_dir=str(tiny_pair_dir), run_dir=str(run_dir),
+        pair_dir=str(demo_pair_dir), run_dir=str(run_dir),
         pools={"small": PoolSpec("draft", replicas=2)},
         target_threads=1, routers=2,
         router_env={"SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "1000", "SPECSERVE_ROUTER_TARGET_WAIT_S": "180",

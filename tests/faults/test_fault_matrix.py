@@ -72,11 +72,11 @@ def prompts(eval_prompts, greedy_reference):
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(tiny_pair, target_model):
+def greedy_reference(demo_pair, target_model):
     from specserve.drafters import NgramDrafter
     from specserve.models.engine import GenerationParams, SpecEngine
 
-    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), tiny_pair.tokenizer)
+    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     cache: dict[str, list[int]] = {}
 
     def ref(prompt: str) -> list[int]:

@@ -29,11 +29,11 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def small_stack(tiny_pair_dir, tmp_path_factory):
+def small_stack(demo_pair_dir, tmp_path_factory):
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     spec = StackSpec(
-        pair_dir=str(tiny_pair_dir), run_dir=str(tmp_path_factory.mktemp("admission")),
+        pair_dir=str(demo_pair_dir), run_dir=str(tmp_path_factory.mktemp("admission")),
         pools={"ngram": PoolSpec("ngram")}, target_threads=1, routers=2,
         # 2 sessions fit; a session keeps its slot while it has been used in the last minute
         env={"SPECSERVE_TARGET_MAX_SESSIONS": "2", "SPECSERVE_TARGET_KV_EVICT_IDLE_S": "60"},
@@ -57,10 +57,10 @@ def _refused(stack) -> float:
                if line.startswith("specserve_target_refused_sessions_total"))
 
 
-def test_no_kv_room_queues_then_serves_or_fails_with_an_actionable_message(small_stack, tiny_pair, target_model,
+def test_no_kv_room_queues_then_serves_or_fails_with_an_actionable_message(small_stack, demo_pair, target_model,
                                                                          eval_prompts):
     prompt = eval_prompts[0]["prompt"]
-    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), tiny_pair.tokenizer)
+    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     expected = engine.generate(prompt, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=0)).token_ids
     req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, draft_pool="ngram")
     with grpc.insecure_channel(small_stack.info.target["address"]) as tch, \

@@ -41,11 +41,11 @@ def prompt(eval_prompts) -> str:
     return next(p["prompt"] for p in eval_prompts if p["workload_class"] == "code")
 
 
-def _count(tiny_pair, text: str) -> int:
-    return len(tiny_pair.tokenizer.encode(text, add_special_tokens=False))
+def _count(demo_pair, text: str) -> int:
+    return len(demo_pair.tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_completion_equals_grpc_and_usage_adds_up(client, grpc_generate, prompt, tiny_pair):
+def test_completion_equals_grpc_and_usage_adds_up(client, grpc_generate, prompt, demo_pair):
     want = grpc_generate(prompt)
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                     extra_body={"draft_pool": "ngram", "num_draft_tokens": 4})
@@ -53,7 +53,7 @@ def test_completion_equals_grpc_and_usage_adds_up(client, grpc_generate, prompt,
     assert got.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
     u = got.usage
     assert u.completion_tokens == len(want.token_ids)
-    assert u.prompt_tokens == _count(tiny_pair, prompt)
+    assert u.prompt_tokens == _count(demo_pair, prompt)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert u.completion_tokens_details.accepted_prediction_tokens == 0  # no prediction sent
 
@@ -68,10 +68,10 @@ def test_streamed_completion_is_the_same_text(client, grpc_generate, prompt):
     assert events[-1].usage.completion_tokens == len(want.token_ids)
 
 
-def test_chat_equals_grpc_on_the_templated_prompt(client, grpc_generate, tiny_pair_dir):
+def test_chat_equals_grpc_on_the_templated_prompt(client, grpc_generate, demo_pair_dir):
     messages = [{"role": "system", "content": "You answer in Python."},
                 {"role": "user", "content": "Write a function that adds two numbers."}]
-    want = grpc_generate(ChatTemplate.for_model(str(tiny_pair_dir / "target")).render(messages))
+    want = grpc_generate(ChatTemplate.for_model(str(demo_pair_dir / "target")).render(messages))
     got = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=MAX_TOKENS,
                                          temperature=0, seed=3)
     assert got.choices[0].message.role == "assistant"
@@ -83,9 +83,9 @@ def test_chat_equals_grpc_on_the_templated_prompt(client, grpc_generate, tiny_pa
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_predicted_outputs_are_lossless_and_counted(client, grpc_generate, tiny_pair_dir):
+def test_predicted_outputs_are_lossless_and_counted(client, grpc_generate, demo_pair_dir):
     messages = [{"role": "user", "content": "Return this function unchanged."}]
-    templated = ChatTemplate.for_model(str(tiny_pair_dir / "target")).render(messages)
+    templated = ChatTemplate.for_model(str(demo_pair_dir / "target")).render(messages)
     plain = grpc_generate(templated, draft_pool="none")
     edited = plain.text[: len(plain.text) // 2] + " x = 1\n" + plain.text[len(plain.text) // 2 :]
     for prediction in (plain.text, edited):

@@ -44,8 +44,8 @@ def _spans(receiver, session_id: str, timeout_s: float = 20.0) -> list[dict]:
 
 
 def test_a_commit_refused_while_the_next_round_is_in_flight_ends_the_run(stack, otlp_receiver, eval_prompts,
-                                                                        tiny_pair):
-    eos = tiny_pair.tokenizer.eos_token_id
+                                                                        demo_pair):
+    eos = demo_pair.tokenizer.eos_token_id
     req = generation_pb2.GenerateRequest(
         prompt=eval_prompts[0]["prompt"], max_tokens=200, draft_pool="small", num_draft_tokens=3,
         banned_token_ids=[eos], request_id=uuid.uuid4().hex)  # no EOS: it cannot end before the fault

@@ -29,14 +29,14 @@ ENABLED, SHADOW, OFF = policy_pb2.POLICY_MODE_ENABLED, policy_pb2.POLICY_MODE_SH
 
 
 @pytest.fixture(scope="module")
-def pstack(tiny_pair_dir, tmp_path_factory):
+def pstack(demo_pair_dir, tmp_path_factory):
     from specserve.tooling.modelbuild.build import untrained_copy
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     run_dir = tmp_path_factory.mktemp("pstack")
-    poor = untrained_copy(tiny_pair_dir / "draft", run_dir / "poor-draft", seed=1)
+    poor = untrained_copy(demo_pair_dir / "draft", run_dir / "poor-draft", seed=1)
     spec = StackSpec(
-        pair_dir=str(tiny_pair_dir), run_dir=str(run_dir), routers=2, target_threads=1,
+        pair_dir=str(demo_pair_dir), run_dir=str(run_dir), routers=2, target_threads=1,
         pools={"small": PoolSpec("draft", env={"SPECSERVE_DRAFT_SIMULATED_TOKEN_MS": "5"}),
                "poor": PoolSpec(str(poor)),
                # the distilled draft again, on a faster simulated device (1 ms per token: S
@@ -73,16 +73,16 @@ def code_prompts(eval_prompts):
 
 
 @pytest.fixture(scope="module")
-def readable_code_prompts(eval_prompts, tiny_pair):
+def readable_code_prompts(eval_prompts, demo_pair):
     """Code prompts whose greedy 32-token target continuation does not loop (textquality). On
     a loop ("CPPPP…") even an untrained draft is accepted, since a random model with tied
     embeddings tends to repeat its input token: such a prompt would make the poor pool pay."""
     from specserve.tooling.textquality import is_degenerate
 
-    tok, keep = tiny_pair.tokenizer, []
+    tok, keep = demo_pair.tokenizer, []
     for p in (p for p in eval_prompts if p["workload_class"] == "code"):
         ids = tok(p["prompt"], return_tensors="pt").input_ids
-        out = tiny_pair.target.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+        out = demo_pair.target.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
         if not is_degenerate(out):
             keep.append(p["prompt"])
         if len(keep) == 4:

@@ -28,10 +28,10 @@ def stub(stack):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_pair, target_model):
+def reference(demo_pair, target_model):
     """Target-only greedy continuation, by the in-process engine (itself checked against
     transformers in tests/unit)."""
-    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), tiny_pair.tokenizer)
+    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     cache: dict[tuple[str, int], list[int]] = {}
 
     def ref(prompt: str, n: int = MAX_TOKENS) -> list[int]:
@@ -73,14 +73,14 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
 
 
 @pytest.mark.parametrize("pool", ["small", "ngram"])
-def test_seeded_sampling_through_router_equals_in_process_engine(stub, tiny_pair, target_model, eval_prompts, pool):
+def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair, target_model, eval_prompts, pool):
     """Randomness is keyed by (seed, position, purpose) on every side of the wire, so the
     distributed rounds reproduce the in-process engine's sampled tokens exactly."""
     from specserve.algorithm.sampling import SamplingParams
     from specserve.drafters import HFDrafter
 
-    drafter = HFDrafter(tiny_pair.draft) if pool == "small" else NgramDrafter(target_model.vocab_size)
-    engine = SpecEngine(target_model, drafter, tiny_pair.tokenizer)
+    drafter = HFDrafter(demo_pair.draft) if pool == "small" else NgramDrafter(target_model.vocab_size)
+    engine = SpecEngine(target_model, drafter, demo_pair.tokenizer)
     for item in _prompts(eval_prompts, 1):
         want = engine.generate(item["prompt"], GenerationParams(
             max_tokens=MAX_TOKENS, num_draft_tokens=3, seed=77,

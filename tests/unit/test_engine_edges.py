@@ -39,54 +39,54 @@ class ScriptedDrafter:
         pass
 
 
-def _greedy_reference(tiny_pair, ids, n):
+def _greedy_reference(demo_pair, ids, n):
     with torch.inference_mode():
-        out = tiny_pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = demo_pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                         max_new_tokens=n, do_sample=False)
     return out[0].tolist()
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(tiny_pair, eval_prompts):
-    return tiny_pair.tokenizer.encode(eval_prompts[12]["prompt"])
+def prompt_ids(demo_pair, eval_prompts):
+    return demo_pair.tokenizer.encode(eval_prompts[12]["prompt"])
 
 
-def test_all_accepted_plus_bonus_with_an_oracle_drafter(tiny_pair, target_model, prompt_ids):
-    full = _greedy_reference(tiny_pair, prompt_ids, 40)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+def test_all_accepted_plus_bonus_with_an_oracle_drafter(demo_pair, target_model, prompt_ids):
+    full = _greedy_reference(demo_pair, prompt_ids, 40)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=30, num_draft_tokens=4))
     assert res.token_ids == full[len(prompt_ids) : len(prompt_ids) + 30]
     full_rounds = [r for r in res.rounds if r.k == 4]
     assert full_rounds and all(r.accepted == 4 and r.rejected_position is None and r.emitted == 5 for r in full_rounds)
 
 
-def test_all_rejected_still_emits_one_token_per_round(tiny_pair, target_model, prompt_ids):
-    full = _greedy_reference(tiny_pair, prompt_ids, 12)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, None), tiny_pair.tokenizer)
+def test_all_rejected_still_emits_one_token_per_round(demo_pair, target_model, prompt_ids):
+    full = _greedy_reference(demo_pair, prompt_ids, 12)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, None), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=12, num_draft_tokens=3))
     assert res.token_ids == full[len(prompt_ids) :]
     assert all(r.emitted == 1 for r in res.rounds)
     assert sum(r.rejected_position == 0 for r in res.rounds) >= 10  # the odd lucky guess aside
 
 
-def test_eos_inside_the_block_ends_generation(tiny_pair, prompt_ids):
-    full = _greedy_reference(tiny_pair, prompt_ids, 40)
+def test_eos_inside_the_block_ends_generation(demo_pair, prompt_ids):
+    full = _greedy_reference(demo_pair, prompt_ids, 40)
     cont = full[len(prompt_ids) :]
     # pretend the token the target emits at position 2 is EOS (first occurrence)
     eos = cont[2]
     first = cont.index(eos)
-    target = TargetModel(tiny_pair.target)
+    target = TargetModel(demo_pair.target)
     target.eos_token_ids = frozenset([eos])
-    engine = SpecEngine(target, ScriptedDrafter(target.vocab_size, full), tiny_pair.tokenizer)
+    engine = SpecEngine(target, ScriptedDrafter(target.vocab_size, full), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=30, num_draft_tokens=6))
     assert res.finish_reason == "eos"
     assert res.token_ids == cont[: first + 1]
     assert res.rounds[-1].k > res.rounds[-1].emitted - 1  # the block went past EOS; its tail was dropped
 
 
-def test_max_tokens_inside_the_block_and_k_beyond_budget(tiny_pair, target_model, prompt_ids):
-    full = _greedy_reference(tiny_pair, prompt_ids, 10)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+def test_max_tokens_inside_the_block_and_k_beyond_budget(demo_pair, target_model, prompt_ids):
+    full = _greedy_reference(demo_pair, prompt_ids, 10)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=3, num_draft_tokens=8))
     assert res.token_ids == full[len(prompt_ids) : len(prompt_ids) + 3]
     assert res.finish_reason == "length"
@@ -95,20 +95,20 @@ def test_max_tokens_inside_the_block_and_k_beyond_budget(tiny_pair, target_model
     assert len(one.token_ids) == 1 and one.rounds[0].k == 0
 
 
-def test_max_tokens_cut_inside_a_sampled_block(tiny_pair, target_model, prompt_ids):
-    full = _greedy_reference(tiny_pair, prompt_ids, 10)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+def test_max_tokens_cut_inside_a_sampled_block(demo_pair, target_model, prompt_ids):
+    full = _greedy_reference(demo_pair, prompt_ids, 10)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     for n in range(1, 8):
         res = engine.generate(prompt_ids, GenerationParams(
             max_tokens=n, num_draft_tokens=5, sampling=SamplingParams(temperature=0.8), seed=n))
         assert len(res.token_ids) == n
 
 
-def test_stop_string_across_round_boundaries(tiny_pair, target_model, eval_prompts):
-    tok = tiny_pair.tokenizer
+def test_stop_string_across_round_boundaries(demo_pair, target_model, eval_prompts):
+    tok = demo_pair.tokenizer
     ids = tok.encode(eval_prompts[21]["prompt"])  # extraction: long, varied continuation
-    full = _greedy_reference(tiny_pair, ids, 40)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), tiny_pair.tokenizer)
+    full = _greedy_reference(demo_pair, ids, 40)
+    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     plain = engine.generate(ids, GenerationParams(max_tokens=40, num_draft_tokens=2))
     text = plain.text
     # a stop string that starts in one round's tokens and ends in a later round's
@@ -125,8 +125,8 @@ def test_stop_string_across_round_boundaries(tiny_pair, target_model, eval_promp
     assert stop in tok.decode(res.token_ids) and len(res.token_ids) < len(plain.token_ids)
 
 
-def test_empty_and_overlong_prompts_are_refused(tiny_pair, target_model):
-    engine = SpecEngine(target_model, None, tiny_pair.tokenizer)
+def test_empty_and_overlong_prompts_are_refused(demo_pair, target_model):
+    engine = SpecEngine(target_model, None, demo_pair.tokenizer)
     with pytest.raises(InvalidRequest, match="empty"):
         engine.generate("", GenerationParams())
     with pytest.raises(InvalidRequest, match="context length"):

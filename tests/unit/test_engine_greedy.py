@@ -11,12 +11,12 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def references(tiny_pair, eval_prompts):
+def references(demo_pair, eval_prompts):
     out = []
     for item in eval_prompts:
-        ids = tiny_pair.tokenizer.encode(item["prompt"])
+        ids = demo_pair.tokenizer.encode(item["prompt"])
         with torch.inference_mode():
-            gen = tiny_pair.target.generate(
+            gen = demo_pair.target.generate(
                 torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=MAX_TOKENS, do_sample=False,
             )
@@ -35,9 +35,9 @@ def test_enough_heldout_prompts(references):
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_name", ["small", "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_equals_target_only(tiny_pair, target_model, references, drafter_name, k):
-    drafter = HFDrafter(tiny_pair.draft) if drafter_name == "small" else NgramDrafter(target_model.vocab_size)
-    engine = SpecEngine(target_model, drafter, tiny_pair.tokenizer)
+def test_greedy_equals_target_only(demo_pair, target_model, references, drafter_name, k):
+    drafter = HFDrafter(demo_pair.draft) if drafter_name == "small" else NgramDrafter(target_model.vocab_size)
+    engine = SpecEngine(target_model, drafter, demo_pair.tokenizer)
     accepted = 0
     for item, ids, ref in references:
         res = engine.generate(ids, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=k))

@@ -9,14 +9,14 @@ from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.models.engine import GenerationParams, SpecEngine
 
 
-def _engine(tiny_pair, target_model, name):
-    drafter = HFDrafter(tiny_pair.draft) if name == "small" else NgramDrafter(target_model.vocab_size)
-    return SpecEngine(target_model, drafter, tiny_pair.tokenizer)
+def _engine(demo_pair, target_model, name):
+    drafter = HFDrafter(demo_pair.draft) if name == "small" else NgramDrafter(target_model.vocab_size)
+    return SpecEngine(target_model, drafter, demo_pair.tokenizer)
 
 
 @pytest.mark.parametrize("name", ["small", "ngram"])
-def test_same_seed_same_tokens_other_seed_other_tokens(tiny_pair, target_model, eval_prompts, name):
-    engine = _engine(tiny_pair, target_model, name)
+def test_same_seed_same_tokens_other_seed_other_tokens(demo_pair, target_model, eval_prompts, name):
+    engine = _engine(demo_pair, target_model, name)
     sp = SamplingParams(temperature=1.0, top_p=0.95)
     prompt = eval_prompts[0]["prompt"]
     a = engine.generate(prompt, GenerationParams(max_tokens=40, sampling=sp, num_draft_tokens=4, seed=11))
@@ -26,8 +26,8 @@ def test_same_seed_same_tokens_other_seed_other_tokens(tiny_pair, target_model, 
     assert a.token_ids != c.token_ids
 
 
-def test_unseeded_request_reports_its_seed(tiny_pair, target_model, eval_prompts):
-    engine = _engine(tiny_pair, target_model, "small")
+def test_unseeded_request_reports_its_seed(demo_pair, target_model, eval_prompts):
+    engine = _engine(demo_pair, target_model, "small")
     params = GenerationParams(max_tokens=20, sampling=SamplingParams(temperature=1.0), num_draft_tokens=3)
     first = engine.generate(eval_prompts[1]["prompt"], params)
     again = engine.generate(eval_prompts[1]["prompt"], GenerationParams(
@@ -36,8 +36,8 @@ def test_unseeded_request_reports_its_seed(tiny_pair, target_model, eval_prompts
 
 
 @pytest.mark.parametrize("name", ["small", "ngram"])
-def test_resume_from_committed_prefix_reproduces_continuation(tiny_pair, target_model, eval_prompts, name):
-    engine = _engine(tiny_pair, target_model, name)
+def test_resume_from_committed_prefix_reproduces_continuation(demo_pair, target_model, eval_prompts, name):
+    engine = _engine(demo_pair, target_model, name)
     params = GenerationParams(max_tokens=48, sampling=SamplingParams(temperature=0.9), num_draft_tokens=4, seed=5)
     resumed_at = 0
     for item in eval_prompts[::7]:

@@ -8,8 +8,8 @@ TEXT_A = ["def add(a, b):\n    return a + b\n"] * 50 + ["the quick brown fox jum
 TEXT_B = ["SELECT name FROM users WHERE id = 1;"] * 100
 
 
-def test_same_tokenizer_passes(tiny_pair):
-    check_pair(tiny_pair.tokenizer, tiny_pair.tokenizer, 1024, 1024)
+def test_same_tokenizer_passes(demo_pair):
+    check_pair(demo_pair.tokenizer, demo_pair.tokenizer, 1024, 1024)
 
 
 def test_different_vocabularies_name_the_first_mismatch():
@@ -22,15 +22,15 @@ def test_different_vocabularies_name_the_first_mismatch():
     assert f"token id {first}:" in msg and "target has" in msg and "draft has" in msg
 
 
-def test_different_output_sizes_are_refused(tiny_pair):
+def test_different_output_sizes_are_refused(demo_pair):
     with pytest.raises(IncompatiblePair, match="output sizes differ"):
-        check_pair(tiny_pair.tokenizer, tiny_pair.tokenizer, 1024, 2048)
+        check_pair(demo_pair.tokenizer, demo_pair.tokenizer, 1024, 2048)
 
 
-def test_engine_refuses_mismatched_drafter(tiny_pair, target_model):
+def test_engine_refuses_mismatched_drafter(demo_pair, target_model):
     from specserve.drafters import NgramDrafter
     from specserve.errors import InvalidRequest
     from specserve.models.engine import SpecEngine
 
     with pytest.raises(InvalidRequest, match="vocabulary size"):
-        SpecEngine(target_model, NgramDrafter(vocab_size=7), tiny_pair.tokenizer)
+        SpecEngine(target_model, NgramDrafter(vocab_size=7), demo_pair.tokenizer)

@@ -111,15 +111,15 @@ def _edited(ref: list[int], vocab: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_greedy_output_is_plain_greedy_whatever_the_prediction(tiny_pair, target_model, eval_prompts):
-    plain = SpecEngine(target_model, None, tiny_pair.tokenizer)
+def test_greedy_output_is_plain_greedy_whatever_the_prediction(demo_pair, target_model, eval_prompts):
+    plain = SpecEngine(target_model, None, demo_pair.tokenizer)
     accepted = rejected = 0
     for item in eval_prompts[:3]:
-        ids = tiny_pair.tokenizer.encode(item["prompt"])
+        ids = demo_pair.tokenizer.encode(item["prompt"])
         ref = plain.generate(ids, GenerationParams(max_tokens=MAX_TOKENS)).token_ids
         for prediction in (_edited(ref, target_model.vocab_size), ref[::-1]):
             engine = SpecEngine(target_model, PredictionDrafter(prediction, len(ids), target_model.vocab_size),
-                                tiny_pair.tokenizer)
+                                demo_pair.tokenizer)
             res = engine.generate(ids, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=8))
             assert res.token_ids == ref, item["prompt"][:60]
             accepted += sum(r.accepted for r in res.rounds)

@@ -56,8 +56,8 @@ def test_a_cache_hit_drops_blocks_for_prefixes_that_can_no_longer_come():
     assert cache.take(BlockKey(15, 105, 4, SamplingParams(temperature=0.5), 1)) is None  # other sampling
 
 
-def _drafter(tiny_pair, target_model, name):
-    return HFDrafter(tiny_pair.draft) if name == "small" else NgramDrafter(target_model.vocab_size)
+def _drafter(demo_pair, target_model, name):
+    return HFDrafter(demo_pair.draft) if name == "small" else NgramDrafter(target_model.vocab_size)
 
 
 async def _through_servicer(servicer: DraftServicer, target_model, prompt_ids, params, stops, branches):
@@ -99,18 +99,18 @@ async def _through_servicer(servicer: DraftServicer, target_model, prompt_ids, p
 
 @pytest.mark.parametrize("name", ["small", "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_seeded_output_with_predrafting_on_and_off_equals_the_engine(tiny_pair, target_model, eval_prompts, name,
+def test_seeded_output_with_predrafting_on_and_off_equals_the_engine(demo_pair, target_model, eval_prompts, name,
                                                                       temperature, run):
     sp = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
     params = GenerationParams(max_tokens=40, sampling=sp, num_draft_tokens=3, seed=17)
-    engine = SpecEngine(target_model, _drafter(tiny_pair, target_model, name), tiny_pair.tokenizer)
-    stops = StopChecker(target_model.eos_token_ids, (), lambda ids: tiny_pair.tokenizer.decode(list(ids)))
+    engine = SpecEngine(target_model, _drafter(demo_pair, target_model, name), demo_pair.tokenizer)
+    stops = StopChecker(target_model.eos_token_ids, (), lambda ids: demo_pair.tokenizer.decode(list(ids)))
     total_hits = 0
     for item in eval_prompts[::6]:
         expected = engine.generate(item["prompt"], params).token_ids
         prompt_ids = engine.encode_prompt(item["prompt"])
         for branches in (0, 2):
-            servicer = DraftServicer(_drafter(tiny_pair, target_model, name), max_sessions=4)
+            servicer = DraftServicer(_drafter(demo_pair, target_model, name), max_sessions=4)
             got, rounds, hits = run(_through_servicer(servicer, target_model, prompt_ids, params, stops, branches))
             assert got == expected, (branches, item["prompt"][:40])
             if branches == 0:

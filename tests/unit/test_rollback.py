@@ -15,8 +15,8 @@ def _fresh_logits(model, ids):
     return CachedLM(model).extend(ids)[-1]
 
 
-def test_target_rollback_matches_fresh_prefill(tiny_pair, target_model, eval_prompts):
-    ids = tiny_pair.tokenizer.encode(eval_prompts[3]["prompt"])
+def test_target_rollback_matches_fresh_prefill(demo_pair, target_model, eval_prompts):
+    ids = demo_pair.tokenizer.encode(eval_prompts[3]["prompt"])
     session = target_model.start()
     greedy = session.verify(ids, []).argmax(-1).tolist()
     # a block whose 2nd draft is wrong: keep [good], reject the rest
@@ -28,13 +28,13 @@ def test_target_rollback_matches_fresh_prefill(tiny_pair, target_model, eval_pro
     assert session.lm.length == len(ids) + 1 and session.rollback_tokens == 3
     nxt = int(logits[1].argmax())
     after = session.verify(ids + [good, nxt], [])[-1]
-    assert torch.allclose(after, _fresh_logits(tiny_pair.target, ids + [good, nxt]), atol=ATOL)
+    assert torch.allclose(after, _fresh_logits(demo_pair.target, ids + [good, nxt]), atol=ATOL)
 
 
-def test_draft_reconcile_after_rejection_matches_fresh_prefill(tiny_pair, eval_prompts):
-    drafter = HFDrafter(tiny_pair.draft)
+def test_draft_reconcile_after_rejection_matches_fresh_prefill(demo_pair, eval_prompts):
+    drafter = HFDrafter(demo_pair.draft)
     session = drafter.start()
-    ids = tiny_pair.tokenizer.encode(eval_prompts[15]["prompt"])
+    ids = demo_pair.tokenizer.encode(eval_prompts[15]["prompt"])
     sp = SamplingParams()
     first = session.propose(ids, 5, sp, seed=0)
     assert len(first.tokens) == 5 and session.lm.length == len(ids) + 4
@@ -47,12 +47,12 @@ def test_draft_reconcile_after_rejection_matches_fresh_prefill(tiny_pair, eval_p
     assert fresh.propose(committed, 3, sp, seed=0).tokens == second.tokens
     session.lm.crop(len(committed))
     cached = session.lm.extend([second.tokens[0]])[-1]
-    assert torch.allclose(cached, _fresh_logits(tiny_pair.draft, committed + [second.tokens[0]]), atol=ATOL)
+    assert torch.allclose(cached, _fresh_logits(demo_pair.draft, committed + [second.tokens[0]]), atol=ATOL)
 
 
-def test_crop_to_zero_and_regrow(tiny_pair):
-    lm = CachedLM(tiny_pair.target)
+def test_crop_to_zero_and_regrow(demo_pair):
+    lm = CachedLM(demo_pair.target)
     lm.extend([5, 6, 7])
     lm.crop(0)
     assert lm.length == 0
-    assert torch.allclose(lm.extend([8, 9])[-1], _fresh_logits(tiny_pair.target, [8, 9]), atol=ATOL)
+    assert torch.allclose(lm.extend([8, 9])[-1], _fresh_logits(demo_pair.target, [8, 9]), atol=ATOL)

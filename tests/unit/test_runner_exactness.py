@@ -1,6 +1,6 @@
 """The batched runner's logits equal HF's own forward on each sequence alone (fp32, atol 1e-4)
 for mixed batches -- prefill chunks, 1-token rows, K+1-token rows, after rollbacks, at
-different lengths -- for the tiny trained pair and random small Llama / Qwen2 / Qwen3
+different lengths -- for the demo pair and random small Llama / Qwen2 / Qwen3
 configs; and the fallback rule for what it does not support."""
 
 import logging
@@ -111,8 +111,8 @@ def run_scenario(model, tile, vocab, seed=0):
 
 
 @pytest.mark.parametrize("tile", [8, 5, None])
-def test_tiny_pair_matches_hf_per_sequence(tiny_pair, tile):
-    for model in (tiny_pair.target, tiny_pair.draft):
+def test_demo_pair_matches_hf_per_sequence(demo_pair, tile):
+    for model in (demo_pair.target, demo_pair.draft):
         run_scenario(model, tile, model.config.vocab_size)
 
 
@@ -124,20 +124,20 @@ def test_random_configs_match_hf_per_sequence(name, tile):
     run_scenario(model, tile, SMALL["vocab_size"], seed=1)
 
 
-def test_num_logits_selects_the_last_positions(tiny_pair):
-    runner = ModelRunner.from_hf(tiny_pair.target, max_sessions=2, max_len=64, fuse_upto=0)
+def test_num_logits_selects_the_last_positions(demo_pair):
+    runner = ModelRunner.from_hf(demo_pair.target, max_sessions=2, max_len=64, fuse_upto=0)
     runner.allocate(0)
     runner.allocate(1)
     ids = list(range(3, 23))
     out = runner.forward([Row(0, ids, num_logits=0), Row(1, ids, num_logits=3)])
     assert out[0].shape == (0, runner.vocab_size) and out[1].shape == (3, runner.vocab_size)
-    assert torch.allclose(out[1], hf_logits(tiny_pair.target, ids)[-3:], atol=ATOL)
+    assert torch.allclose(out[1], hf_logits(demo_pair.target, ids)[-3:], atol=ATOL)
     assert runner.length(0) == runner.length(1) == 20  # both cached all 20 positions
 
 
-def test_budget_exhausted_names_the_remedy(tiny_pair):
-    one = ModelRunner.from_hf(tiny_pair.target, max_sessions=1, max_len=64, fuse_upto=0).kv
-    runner = ModelRunner.from_hf(tiny_pair.target, kv_budget_bytes=3 * one.nbytes + 100, max_len=64,
+def test_budget_exhausted_names_the_remedy(demo_pair):
+    one = ModelRunner.from_hf(demo_pair.target, max_sessions=1, max_len=64, fuse_upto=0).kv
+    runner = ModelRunner.from_hf(demo_pair.target, kv_budget_bytes=3 * one.nbytes + 100, max_len=64,
                                  fuse_upto=0)
     assert runner.kv.num_slots == 3
     for s in range(3):
@@ -148,8 +148,8 @@ def test_budget_exhausted_names_the_remedy(tiny_pair):
     runner.allocate(3)  # a freed slot is reused
 
 
-def test_bad_rows_change_nothing(tiny_pair):
-    runner = ModelRunner.from_hf(tiny_pair.target, max_sessions=2, max_len=16, fuse_upto=0)
+def test_bad_rows_change_nothing(demo_pair):
+    runner = ModelRunner.from_hf(demo_pair.target, max_sessions=2, max_len=16, fuse_upto=0)
     runner.allocate("a")
     runner.allocate("b")
     runner.forward([Row("a", [5] * 10), Row("b", [6] * 3)])
@@ -194,11 +194,11 @@ def test_fallback_rule(build, expected, caplog):
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 0.1), (torch.float16, 0.02)])
-def test_half_precision_smoke_on_cpu(tiny_pair_dir, tiny_pair, dtype, atol):
+def test_half_precision_smoke_on_cpu(demo_pair_dir, demo_pair, dtype, atol):
     """The reduced-precision path (what CUDA runs with dtype=bf16/fp16): weights and KV in
     `dtype`, logits returned as float32, close to HF's forward in the same dtype (measured
     here: equal) and to the float32 argmax."""
-    model = load_model(str(tiny_pair_dir / "target"), dtype=dtype)
+    model = load_model(str(demo_pair_dir / "target"), dtype=dtype)
     runner = ModelRunner.from_hf(model, max_sessions=2, max_len=64, dtype=dtype, fuse_upto=0)
     assert runner.kv.keys[0].dtype == dtype and runner.w.embed.dtype == dtype
     runner.allocate(0)
@@ -206,5 +206,5 @@ def test_half_precision_smoke_on_cpu(tiny_pair_dir, tiny_pair, dtype, atol):
     out = torch.cat([runner.forward([Row(0, ids[:20])])[0], runner.forward([Row(0, ids[20:])])[0]])
     assert out.dtype == torch.float32 and out.shape == (27, runner.vocab_size)
     assert (out - hf_logits(model, ids)).abs().max() < atol
-    full = hf_logits(tiny_pair.target, ids)
+    full = hf_logits(demo_pair.target, ids)
     assert (out.argmax(-1) == full.argmax(-1)).float().mean() > 0.9

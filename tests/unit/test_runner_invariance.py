@@ -3,7 +3,7 @@ depend on who shares its batch or where its row sits in it.
 
 1. Bitwise: a probe session's logits through prefill chunks, decode, verify and rollback
    are identical alone and inside random batches (0-8 other rows of 1-33 tokens, the probe
-   at every offset modulo the tile), for the tiny pair and random Llama / Qwen3 configs, with
+   at every offset modulo the tile), for the demo pair and random Llama / Qwen3 configs, with
    tile-by-tile and with fused GEMM calls.
 2. Tokens: speculative decoding of the held-out prompts (draft runner proposes K tokens
    batched, target runner verifies, `rejection_sample` / `greedy_verify` judge [B, K+1, V]
@@ -86,13 +86,13 @@ def _run_probe(runner, steps, plan_rng, others_max, tile):
 
 
 @pytest.mark.parametrize(("model_name", "mode"), [
-    ("tiny-target", "tiles"), ("tiny-target", "fused"), ("tiny-draft", "fused"),
+    ("demo-target", "tiles"), ("demo-target", "fused"), ("demo-draft", "fused"),
     ("qwen3", "fused"), ("llama-odd", "tiles"), ("llama-odd", "fused"),
 ])
-def test_logits_are_bitwise_identical_in_any_batch(tiny_pair, model_name, mode):
+def test_logits_are_bitwise_identical_in_any_batch(demo_pair, model_name, mode):
     """mode "tiles": one GEMM call per tile; "fused": one call per run of tiles, which the
     runner allows only after checking at start-up that rows keep their bits."""
-    model = {"tiny-target": lambda: tiny_pair.target, "tiny-draft": lambda: tiny_pair.draft,
+    model = {"demo-target": lambda: demo_pair.target, "demo-draft": lambda: demo_pair.draft,
              "qwen3": lambda: _random_model("qwen3"), "llama-odd": lambda: _random_model("llama")}[model_name]()
     runner = ModelRunner.from_hf(model, max_sessions=40, max_len=128,
                                  fuse_upto=128 if mode == "fused" else 0)
@@ -106,11 +106,11 @@ def test_logits_are_bitwise_identical_in_any_batch(tiny_pair, model_name, mode):
             assert torch.equal(a, b), f"trial {trial}, step {i}: max diff {(a - b).abs().max()}"
 
 
-def test_fused_runs_give_the_bits_of_tile_by_tile(tiny_pair):
+def test_fused_runs_give_the_bits_of_tile_by_tile(demo_pair):
     """What the start-up check promises: the fused mode computes every row exactly as the
     tile-by-tile mode does, for a batch of 70 tokens (runs of 64 and 8 after padding)."""
-    tiles = ModelRunner.from_hf(tiny_pair.target, max_sessions=8, max_len=128, fuse_upto=0)
-    fused = ModelRunner.from_hf(tiny_pair.target, max_sessions=8, max_len=128, fuse_upto=64)
+    tiles = ModelRunner.from_hf(demo_pair.target, max_sessions=8, max_len=128, fuse_upto=0)
+    fused = ModelRunner.from_hf(demo_pair.target, max_sessions=8, max_len=128, fuse_upto=64)
     if not fused.fused_threads:
         pytest.skip("one GEMM over several tiles changes rows' bits on this platform")
     rng = random.Random(5)
@@ -238,22 +238,22 @@ def spec_generate(target, draft, prompts, ks, sp, groups, stagger, eos, max_new=
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_pair):
-    """One intra-op thread for the token-level tests: the tiny pair's ops are microseconds,
+def runners(demo_pair):
+    """One intra-op thread for the token-level tests: the demo pair's ops are small,
     and two threads on a shared 2-core machine stall on each other (measured: 0.6 s vs
     100 s for one pass over the prompts). The bitwise tests above run with the default."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield (ModelRunner.from_hf(tiny_pair.target, max_sessions=40, max_len=512),
-           ModelRunner.from_hf(tiny_pair.draft, max_sessions=40, max_len=512))
+    yield (ModelRunner.from_hf(demo_pair.target, max_sessions=40, max_len=512),
+           ModelRunner.from_hf(demo_pair.draft, max_sessions=40, max_len=512))
     torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
-def heldout(tiny_pair, eval_prompts):
-    prompts = [tiny_pair.tokenizer.encode(p["prompt"]) for p in eval_prompts]
+def heldout(demo_pair, eval_prompts):
+    prompts = [demo_pair.tokenizer.encode(p["prompt"]) for p in eval_prompts]
     ks = [(0, 1, 2, 4, 3)[i % 5] for i in range(len(prompts))]  # K = 0: plain decode rows
-    eos = frozenset([tiny_pair.target.generation_config.eos_token_id or 0])
+    eos = frozenset([demo_pair.target.generation_config.eos_token_id or 0])
     return prompts, ks, eos
 
 
@@ -288,13 +288,13 @@ def test_heldout_tokens_identical_alone_and_in_batches(runners, heldout, alone, 
 
 
 @pytest.mark.slow
-def test_greedy_through_the_runner_equals_hf_generate(tiny_pair, heldout, alone):
+def test_greedy_through_the_runner_equals_hf_generate(demo_pair, heldout, alone):
     """With the test above (alone == in any batch), this makes batched greedy output equal
     target-only greedy decoding: DESIGN §3 invariant 4 through the new path."""
     prompts, _, eos = heldout
     for i, ids in enumerate(prompts):
         with torch.inference_mode():
-            gen = tiny_pair.target.generate(
+            gen = demo_pair.target.generate(
                 torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=MAX_NEW, do_sample=False)
         ref = gen[0, len(ids):].tolist()

@@ -21,11 +21,14 @@ RUN_DIR = Path("run")
 
 @models_app.command("build")
 def models_build(
-    out: Path = typer.Option(Path("models"), help="Directory that holds built pairs."),
-    preset: str = typer.Option("default", help="default (make run / bench) or tiny (tests)."),
+    out: Path = typer.Option(Path(".cache/models"), help="Directory that holds built pairs."),
+    preset: str = typer.Option("demo", help="demo (the shipped pair's recipe), default, tiny or micro."),
     force: bool = typer.Option(False, help="Rebuild even if a cached pair matches the config."),
+    shipped: Path = typer.Option(Path("models") / "specserve-demo-v1", help="The committed pair to compare with."),
 ) -> None:
-    """Build the tokenizer, target and distilled draft offline (cached by config hash)."""
+    """Build the tokenizer, target and distilled draft offline (cached by config hash). The
+    demo preset is the recipe of the committed pair: the build says whether this machine
+    reproduced its weights exactly (same sha256) or not (another CPU type rounds differently)."""
     from specserve.tooling.modelbuild.build import PRESETS, build_pair
 
     if preset not in PRESETS:
@@ -34,13 +37,23 @@ def models_build(
     meta = json.loads((path / "build.json").read_text())
     typer.echo(f"pair ready: {path}")
     # equal digests mean identical weights and tokenizer: compare them before comparing benchmarks
-    typer.echo(f"weights sha256: {meta.get('weights_sha256', '(built before BUILD_VERSION 3: rebuild with --force)')}")
+    typer.echo(f"weights sha256: {meta['weights_sha256']}")
+    card = shipped / "build.json"
+    if preset == "demo" and card.exists():
+        committed = json.loads(card.read_text())
+        if committed["digest"] != meta["digest"]:
+            typer.echo(f"the committed pair was built from another config ({committed['digest']}): not comparable")
+        elif committed["weights_sha256"] == meta["weights_sha256"]:
+            typer.echo(f"identical to the committed pair ({shipped}): this machine reproduces it exactly")
+        else:
+            typer.echo(f"differs from the committed pair ({committed['weights_sha256'][:12]}...): same recipe, "
+                       "other rounding (bf16 autocast and thread splits differ by CPU type); every service "
+                       f"keeps serving the committed {shipped}")
 
 
 @app.command("demo")
 def demo(
-    models: Path = typer.Option(Path("models"), help="Directory that holds built pairs."),
-    preset: str = typer.Option("default", help="Which built pair to use."),
+    models: Path = typer.Option(Path("models"), help="The pair, or the directory holding specserve-demo-v1/."),
     max_tokens: int = typer.Option(48, help="Tokens per request."),
     k: int = typer.Option(4, "--k", help="Draft tokens per round (K)."),
     prompts_per_class: int = typer.Option(3, help="Held-out prompts per workload class."),
@@ -54,11 +67,11 @@ def demo(
     from rich.console import Console
     from rich.table import Table
 
-    from specserve.tooling.modelbuild.build import PRESETS, build_pair, load_eval_prompts
+    from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
     from specserve.tooling.modelbuild.evaluate import demo_choice
     from specserve.v1 import generation_pb2, generation_pb2_grpc
 
-    pair_path = build_pair(PRESETS[preset], models, log=typer.echo)
+    pair_path = find_pair(models)
     prompts = load_eval_prompts(pair_path)
     console = Console()
     _demo_notice(console, pair_path)
@@ -99,8 +112,7 @@ def demo(
         if router is None:  # the local stack: its HTTP API's address is in run/router.http
             code = demo_choice(prompts, "code", 1)[0]["prompt"]
             _demo_openai(console, run_dir, code, call(code, "code", "none")[0], max_tokens)
-        _demo_policies(console, channel, prompts, prompts_per_class, max_tokens,
-                       _admin_token(os.environ.get("SPECSERVE_ADMIN_TOKEN"), router, run_dir))
+        _demo_policies(console, channel, prompts, prompts_per_class, max_tokens)
 
 
 def _demo_openai(console, run_dir: Path, prompt: str, plain, max_tokens: int) -> None:
@@ -129,55 +141,44 @@ def _demo_openai(console, run_dir: Path, prompt: str, plain, max_tokens: int) ->
 
 
 def _demo_notice(console, pair_path: Path) -> None:
-    """Say what the pair is, before anyone reads its text as the system's quality."""
+    """Say what the pair is, before anyone reads its text as the system's quality, and which
+    weights these are (the sha256 of its model card)."""
     meta = json.loads((pair_path / "build.json").read_text())
     params = f"{meta['target_params'] / 1e6:.0f} M-parameter target, {meta['draft_params'] / 1e6:.1f} M draft"
     console.print(
-        f"[bold]A small offline demo pair[/bold] ({params}, trained in {meta['seconds'] / 60:.0f} min on this "
-        "machine from Python's own sources, docs and generated records): expect rough text. The prompts "
-        "below are held-out ones this pair continues without looping; `make bench` reports every prompt.\n"
+        f"[bold]The specserve demo pair[/bold] {pair_path.name} ({params}, trained once for "
+        f"{meta['seconds'] / 60:.0f} min on 2 CPU cores from Python's own sources, docs and generated records; "
+        f"weights sha256 {meta['weights_sha256']}, as in its MODEL_CARD.md): a small demo, expect rough text. "
+        "The prompts below are held-out ones it continues without looping; `make bench` reports every prompt.\n"
         "To serve a real Hugging Face pair that shares a tokenizer (e.g. Qwen/Qwen3-0.6B drafting for "
         "Qwen/Qwen3-8B): set SPECSERVE_TARGET_MODEL and SPECSERVE_DRAFT_MODEL to a directory or hub id "
         "(Helm: target.model and draft.pools[].model), or in-process: "
         "load_pair(\"Qwen/Qwen3-8B\", \"Qwen/Qwen3-0.6B\").", highlight=False)
 
 
-def _demo_policies(console, channel, prompts: list[dict], n: int, max_tokens: int, token: str) -> None:
-    """Unpinned requests: the router classifies each prompt and its class's policy and the
-    controller pick the arm; then the controller's view of each class (PolicyAdmin)."""
-    import grpc
+def _demo_policies(console, channel, prompts: list[dict], n: int, max_tokens: int) -> None:
+    """Unpinned requests: the router classifies each prompt, and its class's policy and the
+    controller pick the arm. Each row shows the arm, K and the decision with its reason as
+    they applied to that request (its plan, in the response), so they always agree."""
     from rich.table import Table
 
-    from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
+    from specserve.v1 import generation_pb2, generation_pb2_grpc
 
     stub = generation_pb2_grpc.GenerationStub(channel)
     table = Table(title="classified by the router, served under each class's policy and the controller")
-    for col in ("true class", "classified as", "arm (pool, K)", "decision", "expected S", "why"):
+    for col in ("true class", "classified as", "arm (pool, K)", "decision", "why"):
         table.add_column(col)
-    admin = policy_pb2_grpc.PolicyAdminStub(channel)
     for cls in ("code", "chat", "extraction"):
         for p in [p["prompt"] for p in prompts if p["workload_class"] == cls][:n]:
-            r = stub.Generate(generation_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens), timeout=600)
-            arm = f"{r.stats.draft_pool} K={r.stats.round[0].k}" if r.stats.draft_pool else "plain"
-            decision, speedup, why = "-", "-", "(no admin token)"
-            if token:
-                try:
-                    eff = admin.GetEffectivePolicy(policy_pb2.GetEffectivePolicyRequest(
-                        workload_class=r.stats.workload_class), metadata=[("authorization", f"Bearer {token}")],
-                        timeout=30)
-                    decision = eff.decision.decision
-                    speedup = f"{eff.decision.expected_speedup:.2f}" if eff.decision.expected_speedup else "-"
-                    why = eff.decision.reason.split(" (")[0]
-                except grpc.RpcError as err:
-                    why = f"{err.code().name}"
-            table.add_row(cls, r.stats.workload_class, arm, decision, speedup, why)
+            s = stub.Generate(generation_pb2.GenerateRequest(prompt=p, max_tokens=max_tokens), timeout=600).stats
+            arm = f"{s.draft_pool} K={s.k}" if s.draft_pool and s.k else "plain"
+            table.add_row(cls, s.workload_class, arm, s.decision or "-", s.decision_reason or "-")
     console.print(table)
 
 
 @app.command("demo-local")
 def demo_local(
-    models: Path = typer.Option(Path("models"), help="Directory that holds built pairs."),
-    preset: str = typer.Option("default", help="Which built pair to use."),
+    models: Path = typer.Option(Path("models"), help="The pair, or the directory holding specserve-demo-v1/."),
     max_tokens: int = typer.Option(48, help="Tokens per request."),
     k: int = typer.Option(4, "--k", help="Draft tokens per round (K)."),
 ) -> None:
@@ -192,11 +193,11 @@ def demo_local(
     from specserve.models.engine import GenerationParams, SpecEngine
     from specserve.models.loading import load_pair
     from specserve.models.verifier import TargetModel
-    from specserve.tooling.modelbuild.build import PRESETS, build_pair, load_eval_prompts
+    from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
     from specserve.tooling.modelbuild.evaluate import demo_choice
 
     torch.set_num_threads(2)
-    pair_path = build_pair(PRESETS[preset], models, log=typer.echo)
+    pair_path = find_pair(models)
     pair = load_pair(str(pair_path / "target"), str(pair_path / "draft"))
     target = TargetModel(pair.target)
     if pair.draft is None:
@@ -234,15 +235,15 @@ def demo_local(
 
 
 
-def _stack_spec(models: Path, preset: str, run_dir: Path, http_port: int = 8000):
+def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
     import json
     import secrets
 
     from specserve.tooling.files import write_private
-    from specserve.tooling.modelbuild.build import PRESETS, build_pair
+    from specserve.tooling.modelbuild.build import find_pair
     from specserve.tooling.stack import PoolSpec, StackSpec
 
-    pair = build_pair(PRESETS[preset], models, log=typer.echo)
+    pair = find_pair(models)
     # PolicyAdmin's token for this local stack: the environment's, or a fresh one kept in
     # run/admin.token (0600) where `specserve policy` finds it
     token = os.environ.get("SPECSERVE_ROUTER_ADMIN_TOKEN") or secrets.token_urlsafe(24)
@@ -262,8 +263,7 @@ def _stack_spec(models: Path, preset: str, run_dir: Path, http_port: int = 8000)
 
 @app.command("up")
 def up(
-    models: Path = typer.Option(Path("models"), help="Directory that holds built pairs."),
-    preset: str = typer.Option("default", help="Which built pair to serve."),
+    models: Path = typer.Option(Path("models"), help="The pair, or the directory holding specserve-demo-v1/."),
     run_dir: Path = typer.Option(RUN_DIR, help="Logs, ports and PIDs of the local stack."),
     tls: bool = typer.Option(False, "--tls", help="TLS on every hop (mTLS to workers), with a local CA in run/tls."),
     http_port: int = typer.Option(8000, "--http-port", help="The router's OpenAI-compatible HTTP API port "
@@ -276,7 +276,7 @@ def up(
     from specserve.tooling.stack import Stack, StackError, down_from
 
     down_from(str(run_dir))  # a stale stack from an earlier `up` is stopped first
-    spec = _stack_spec(models, preset, run_dir, http_port)
+    spec = _stack_spec(models, run_dir, http_port)
     (run_dir / "router.tls").unlink(missing_ok=True)
     if tls:
         spec.tls_dir = str(make_local_ca(run_dir.resolve() / "tls"))

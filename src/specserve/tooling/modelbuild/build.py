@@ -101,7 +101,16 @@ PRESETS: dict[str, PairConfig] = {
         n_extraction=3000, prompts_per_class=30, corpus_version=2, save_dtype="bfloat16",
         weights=(("code", 0.5), ("chat", 0.25), ("extraction", 0.25)),
     ),
-    # A quick pair for the test suite: trained enough to be non-trivial, built in ~1 min.
+    # The two-builds determinism test's pair: the whole recipe, built in seconds (not served).
+    "micro": PairConfig(
+        name="micro", vocab_size=512,
+        target=ModelShape(layers=1, hidden=64, heads=2, intermediate=128),
+        draft=ModelShape(layers=1, hidden=32, heads=2, intermediate=64),
+        max_positions=256, seq_len=64, batch=4, target_steps=40, target_lr=3e-3,
+        draft_steps=20, draft_lr=5e-3, code_bytes=200_000, prose_bytes=100_000,
+        n_extraction=60, prompts_per_class=3, corpus_version=2, save_dtype="bfloat16",
+    ),
+    # A quick pair: trained enough to be non-trivial, built in ~1 min.
     "tiny": PairConfig(
         name="tiny", vocab_size=1024,
         target=ModelShape(layers=2, hidden=128, heads=4, intermediate=352),
@@ -289,14 +298,20 @@ def _refresh_prompts(out: Path, cfg: PairConfig) -> None:
     _write_prompts(out, corpus.heldout, AutoTokenizer.from_pretrained(out / "target"), target, cfg)
 
 
+SHIPPED = "specserve-demo-v1"  # the committed demo pair's directory under models/
+
+
 def find_pair(path: str | Path) -> Path:
-    """A pair directory from what a user passes: the pair itself (target/ and draft/), or
-    the models directory holding `default/` (what `make models` writes)."""
+    """A pair directory from what a user passes: the pair itself (target/ and draft/), or a
+    models directory holding the shipped pair (`specserve-demo-v1/`) or a built `default/`."""
     p = Path(path)
-    if not (p / "target").is_dir() and (p / "default" / "target").is_dir():
-        p = p / "default"
     if not (p / "target").is_dir():
-        raise SystemExit(f"no model pair at {path}: expected target/ and draft/, or default/ (run `make models`)")
+        for name in (SHIPPED, "default"):
+            if (p / name / "target").is_dir():
+                p = p / name
+                break
+    if not (p / "target").is_dir():
+        raise SystemExit(f"no model pair at {path}: expected target/ and draft/, or {SHIPPED}/ in it")
     return p.resolve()
 
 
