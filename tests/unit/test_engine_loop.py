@@ -106,7 +106,7 @@ def test_sessions_of_every_kind_share_steps_and_each_gets_its_tokens_alone(pair,
 
 
 def test_greedy_equals_target_only_on_held_out_prompts(demo_pair, target_model, eval_prompts):
-    model = target_engine(target_model, Batching(kv_budget_mb=64, max_sessions=16, prefill_chunk=32, max_len=256))
+    model = target_engine(target_model, Batching(kv_budget_mb=96, max_sessions=16, prefill_chunk=32, max_len=256))
     eos = target_model.eos_token_ids
     loop = EngineLoop(model, lambda p: StopChecker(eos, p.stop, demo_pair.tokenizer.decode),
                       {"small": LocalDrafts(HFDrafter(demo_pair.draft))})
