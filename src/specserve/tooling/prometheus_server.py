@@ -112,3 +112,26 @@ def start_prometheus(workdir: Path, targets: dict[str, str], rules: dict | None 
         time.sleep(0.2)
     prom.stop()
     raise PrometheusUnavailable(f"prometheus not ready in {timeout_s} s: {log.read_text()[-2000:]}")
+
+
+def main() -> None:
+    """`python -m specserve.tooling.prometheus_server [RUN_DIR]`: a Prometheus on the stack that
+    `make run` started (its metrics ports are in RUN_DIR/stack.json), with the production rules
+    of deploy/prometheus/; Ctrl-C stops it."""
+    import sys
+
+    from specserve.tooling import promrules
+
+    run_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "run")
+    targets = json.loads((run_dir / "stack.json").read_text())["metrics"]
+    prom = start_prometheus(run_dir / "prometheus", targets, promrules.load(), interval_s=5.0)
+    print(f"Prometheus on {prom.url} scraping {', '.join(f'{n}={a}' for n, a in targets.items())}; "
+          f"Ctrl-C stops it")
+    try:
+        prom.proc.wait()
+    except KeyboardInterrupt:
+        prom.stop()
+
+
+if __name__ == "__main__":
+    main()
