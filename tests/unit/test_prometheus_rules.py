@@ -99,7 +99,7 @@ def test_every_alert_has_a_summary_and_a_runbook_entry():
 
 def test_the_chart_ships_the_same_rules():
     assert CHART_COPY.read_bytes() == promrules.RULES.read_bytes(), \
-        "copy deploy/prometheus/specserve-rules.yaml to helm/specserve/files/prometheus/"
+        "helm/specserve/files/prometheus/specserve-rules.yaml must link to deploy/prometheus/"
 
 
 def test_shorten_divides_every_window_and_for():
