@@ -172,7 +172,7 @@ def test_every_panel_and_rule_answers_from_a_real_scrape(prometheus, load):
 def test_acceptance_drop_goes_pending_then_firing(prom_stack, prometheus, load):
     from specserve.v1 import policy_pb2, policy_pb2_grpc
 
-    baseline = 'workload_class_draft_pool:specserve_acceptance_length_vllm:mean1h{workload_class="code"}'
+    baseline = 'workload_class:specserve_acceptance_length_vllm:mean1h{workload_class="code"}'
     _wait_for(prometheus, baseline + " > 1.5", 180)  # the healthy pool's baseline is built
     assert not [a for a in prometheus.alerts() if a["labels"]["alertname"] == "SpecserveAcceptanceDrop"]
 

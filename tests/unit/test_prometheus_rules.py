@@ -52,10 +52,10 @@ def test_rule_unit_tests_catch_a_weakened_alert(promtool, tmp_path):
     """The same tests against rules whose acceptance-drop threshold is 0.1 instead of 0.7 (a drop
     would have to be 90% to page): they must fail, or they test nothing."""
     text = promrules.RULES.read_text()
-    assert "< 0.7 * workload_class_draft_pool" in text
+    assert "(0.7 * workload_class:specserve" in text
     (tmp_path / "tests").mkdir()
-    (tmp_path / "specserve-rules.yaml").write_text(text.replace("< 0.7 * workload_class_draft_pool",
-                                                                "< 0.1 * workload_class_draft_pool"))
+    weakened = text.replace("(0.7 * workload_class:specserve", "(0.1 * workload_class:specserve")
+    (tmp_path / "specserve-rules.yaml").write_text(weakened)
     for t in RULE_TESTS:
         (tmp_path / "tests" / t.name).write_text(t.read_text())
     out = _promtool(promtool, "test", "rules", *(t.name for t in RULE_TESTS), cwd=tmp_path / "tests")
