@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -61,6 +62,9 @@ def poor_draft(tiny_pair_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prom_stack(tiny_pair_dir, poor_draft, tmp_path_factory):
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+
+    if shutil.which("prometheus") is None:  # before paying for a stack
+        pytest.skip("real-scrape test skipped: no prometheus binary (`make prometheus-tools` installs it)")
 
     policy = {"mode": "enabled", "draft_pool": "small", "k": 4}
     spec = StackSpec(
@@ -145,18 +149,21 @@ def _wait_for(prom: LocalPrometheus, expr: str, timeout_s: float) -> None:
 def test_every_panel_and_rule_answers_from_a_real_scrape(prometheus, load):
     targets = prometheus.api("targets")["activeTargets"]
     _wait_for(prometheus, 'sum(rate(specserve_acceptance_length_count{workload_class="code"}[30s])) > 0', 180)
-    assert {t["labels"]["instance"] for t in targets} >= {"router-0", "target", "draft-small-0", "draft-poor-0"}
+    assert {t["labels"]["instance"] for t in targets} >= {"router", "target", "draft-small-0", "draft-poor-0"}
     time.sleep(40)  # a rate window's worth of load behind every panel
     assert all(t["health"] == "up" for t in prometheus.api("targets")["activeTargets"])
 
     queries = _panel_queries()
     assert len(queries) >= 45  # the dashboard has 37 Prometheus panels, some with 2-3 queries
-    empty = []
+    empty, excused = [], []
     for title, expr in queries:
         result = prometheus.query(expr)  # a wrong query raises QueryError here
-        if not _has_data(result) and not any(k in expr for k in NEEDS_AN_EVENT):
-            empty.append(f"{title}: {expr}")
+        if not _has_data(result):
+            (excused if any(k in expr for k in NEEDS_AN_EVENT) else empty).append(f"{title}: {expr}")
     assert empty == [], "panels without data:\n" + "\n".join(empty)
+    titles = {t for t, _ in queries}
+    print(f"{len(queries) - len(excused)}/{len(queries)} queries of {len(titles)} panels returned data; "
+          f"allow-listed and empty: {excused}")
 
     records, _ = promrules.names(promrules.load())
     silent = [r for r in sorted(records) if r not in RULES_NEED_AN_EVENT and not _has_data(prometheus.query(r))]
