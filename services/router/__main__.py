@@ -177,6 +177,9 @@ async def main(settings: RouterSettings) -> None:
                 serving = up
             await asyncio.gather(*(p.check_health() for p in pools.values()), targets.refresh(),
                                  return_exceptions=True)
+            metrics.serving.set(int(serving))
+            for name, pool in pools.items():  # the alert on a pool with no replica left reads this
+                metrics.pool_healthy.labels(name).set(sum(r.healthy for r in pool.replicas.values()))
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     reaper = asyncio.create_task(sessions.reap_forever())

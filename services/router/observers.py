@@ -68,6 +68,8 @@ class MetricsObserver:
             return
         m.draft_latency.labels(*labels).observe(r.draft_wall_ms / 1e3)
         m.acceptance_length.labels(*labels).observe(r.accepted)
+        if r.predraft:
+            m.predraft_rounds.labels(*labels, r.predraft).inc()
         for i in range(r.k):
             m.proposed.labels(*labels, str(i)).inc()
             if i < r.accepted:

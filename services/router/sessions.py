@@ -92,6 +92,7 @@ class Sessions:
             return None
         generated = await self.store.committed_tokens(session_id)
         log.info("adopted session %s at epoch %d after %d tokens", session_id, epoch, len(generated))
+        self.metrics.takeovers.inc()
         run = self.run_for(session_id, epoch, sess.prompt_ids, SessionPlan.decode(sess.params), generated)
         return run, self.start(run)
 

@@ -362,7 +362,8 @@ def test_redis_auth_and_tls(default_manifests, production_manifests):
 
 def test_observability_config_maps_ship_the_deploy_files(default_manifests):
     files = {"spec-specserve-otel-collector": ("collector.yaml", "deploy/otel-collector.yaml"),
-             "spec-specserve-grafana-dashboard": ("specserve.json", "deploy/grafana/specserve.json")}
+             "spec-specserve-grafana-dashboard": ("specserve.json", "deploy/grafana/specserve.json"),
+             "spec-specserve-prometheus-rules": ("specserve-rules.yaml", "deploy/prometheus/specserve-rules.yaml")}
     for name, (key, path) in files.items():
         (cm,) = find(default_manifests, "ConfigMap", name)
         shipped = cm["data"][key]
@@ -373,6 +374,17 @@ def test_observability_config_maps_ship_the_deploy_files(default_manifests):
     assert "otlp" in yaml.safe_load(find(default_manifests, "ConfigMap",
                                          "spec-specserve-otel-collector")[0]["data"]["collector.yaml"])[
         "receivers"]
+    (rules,) = find(default_manifests, "ConfigMap", "spec-specserve-prometheus-rules")
+    groups = yaml.safe_load(rules["data"]["specserve-rules.yaml"])["groups"]
+    assert any(r.get("alert") == "SpecserveAcceptanceDrop" for g in groups for r in g["rules"])
+
+
+def test_prometheus_rules_are_optional_and_labelled(render):
+    labelled = render(sets=("observability.prometheusRules.labels.prometheus_rule=specserve",))
+    (rules,) = find(labelled, "ConfigMap", "spec-specserve-prometheus-rules")
+    assert rules["metadata"]["labels"]["prometheus_rule"] == "specserve"
+    assert not find(render(sets=("observability.prometheusRules.enabled=false",)), "ConfigMap",
+                    "spec-specserve-prometheus-rules")
 
 
 def test_monitors_select_metrics_ports(production_manifests):

@@ -43,7 +43,8 @@ def test_default_install_has_every_component(default_manifests):
                      ("StatefulSet", "spec-specserve-redis"), ("Secret", "spec-specserve-redis"),
                      ("Service", "spec-specserve-redis"),
                      ("ConfigMap", "spec-specserve-otel-collector"),
-                     ("ConfigMap", "spec-specserve-grafana-dashboard")]:
+                     ("ConfigMap", "spec-specserve-grafana-dashboard"),
+                     ("ConfigMap", "spec-specserve-prometheus-rules")]:
         assert expected in kinds, f"{expected} missing from the default install"
     assert not find(default_manifests, "ServiceMonitor"), "ServiceMonitor is opt-in"
 

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 from specserve.serving.metrics import RouterMetrics, WorkerMetrics
-from specserve.tooling import waterfall
+from specserve.tooling import promrules, waterfall
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "specserve.json"
 COLLECTOR = ROOT / "deploy" / "otel-collector.yaml"
 
-NAME = re.compile(r"specserve_[a-z0-9_]+")
+# a recorded series (deploy/prometheus/, `level:metric:operation`) is not an exported name
+RECORDED = re.compile(r"[a-z_]+:specserve_[a-z0-9_]+:[a-z0-9_]+")
+NAME = re.compile(r"(?<![:\w])specserve_[a-z0-9_]+(?!:)")
 SUFFIX = re.compile(r"_(bucket|sum|count|total|created)$")
 _EXPOSED = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
             "gauge": ("",)}
@@ -73,6 +75,13 @@ def test_dashboard_queries_only_exported_metric_families(exprs):
     queried = {SUFFIX.sub("", n) for e in exprs for n in NAME.findall(e)}
     assert queried, "no specserve_ metric found in any expr"
     assert queried <= set(families), f"not exported by any service: {sorted(queried - set(families))}"
+
+
+def test_dashboard_reads_only_recorded_series_the_rules_record(exprs):
+    used = {n for e in exprs for n in RECORDED.findall(e)}
+    assert "workload_class_draft_pool:specserve_acceptance_length_vllm:mean5m" in used
+    records, _ = promrules.names(promrules.load())
+    assert used <= records, f"not recorded by deploy/prometheus/specserve-rules.yaml: {sorted(used - records)}"
 
 
 def test_dashboard_uses_exposed_sample_names(dashboard):

@@ -46,6 +46,18 @@ class RouterMetrics:
                                      registry=r)
         self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
                                 registry=r)
+        # alerting signals (deploy/prometheus): drafting-ahead hits and session takeovers
+        self.predraft_rounds = Counter(
+            "specserve_predraft_rounds", "Speculative rounds whose block was drafted ahead (source: pushed|cached).",
+            (*LABELS, "source"), registry=r)
+        self.takeovers = Counter("specserve_session_takeovers",
+                                 "Sessions this router adopted after their owner's lease lapsed (ADR 0011).",
+                                 registry=r)
+        self.serving = Gauge("specserve_router_serving", "1 while the router's health is SERVING (Redis answers).",
+                             registry=r)
+        self.pool_healthy = Gauge("specserve_draft_pool_healthy_replicas",
+                                  "Draft replicas answering SERVING to the router's health check.",
+                                  ("draft_pool",), registry=r)
         self.api_requests = Counter("specserve_api_requests", "Client requests by API (grpc|http), route and status.",
                                     ("api", "route", "status"), registry=r)
         # classification, policies, the controller, shadow mode (DESIGN §4)
