@@ -50,14 +50,14 @@ RULES_NEED_AN_EVENT: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
-def poor_draft(tiny_pair_dir, tmp_path_factory) -> Path:
+def poor_draft(demo_pair_dir, tmp_path_factory) -> Path:
     from specserve.tooling.modelbuild.build import untrained_copy
 
-    return untrained_copy(tiny_pair_dir / "draft", tmp_path_factory.mktemp("poor") / "draft", seed=1)
+    return untrained_copy(demo_pair_dir / "draft", tmp_path_factory.mktemp("poor") / "draft", seed=1)
 
 
 @pytest.fixture(scope="module")
-def prom_stack(tiny_pair_dir, poor_draft, tmp_path_factory):
+def prom_stack(demo_pair_dir, poor_draft, tmp_path_factory):
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
     if shutil.which("prometheus") is None:  # before paying for a stack
@@ -65,7 +65,7 @@ def prom_stack(tiny_pair_dir, poor_draft, tmp_path_factory):
 
     policy = {"mode": "enabled", "draft_pool": "small", "k": 4}
     spec = StackSpec(
-        pair_dir=str(tiny_pair_dir), run_dir=str(tmp_path_factory.mktemp("prom-stack")), target_threads=1,
+        pair_dir=str(demo_pair_dir), run_dir=str(tmp_path_factory.mktemp("prom-stack")), target_threads=1,
         pools={"small": PoolSpec("draft"), "poor": PoolSpec(str(poor_draft))},
         router_env={"SPECSERVE_ROUTER_ADMIN_TOKENS": json.dumps({"ops": TOKEN}),
                     "SPECSERVE_ROUTER_POLICIES": json.dumps({
@@ -89,13 +89,13 @@ def prometheus(prom_stack, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def load(prom_stack, tiny_pair_dir):
+def load(prom_stack, demo_pair_dir):
     """Two clients cycling through the eval prompts of code, extraction and chat, until the
     module ends."""
     from specserve.tooling.modelbuild.build import load_eval_prompts
     from specserve.v1 import generation_pb2, generation_pb2_grpc
 
-    prompts = [(p["workload_class"], p["prompt"]) for p in load_eval_prompts(tiny_pair_dir)
+    prompts = [(p["workload_class"], p["prompt"]) for p in load_eval_prompts(demo_pair_dir)
                if p["workload_class"] in ("code", "extraction", "chat")][:24]
     stop, errors = threading.Event(), []
 
