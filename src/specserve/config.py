@@ -22,6 +22,10 @@ class WorkerSettings(BaseSettings):
     max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
     prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
     kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
+    # where the batched runner's weights, KV slots and RoPE tables live (models/device.py):
+    # auto = CUDA when torch sees one, else the CPU; dtype auto = bf16 on CUDA, fp32 on the CPU
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16)$")
 
 
 class DraftSettings(WorkerSettings):

@@ -103,17 +103,20 @@ class Weights:
         return int(self.lm_head.shape[0])
 
 
-def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config, max_positions: int,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin' [max_positions, D] float32 as HF's rotary embedding computes them, with the
-    first half of sin negated for `rotate`."""
+    first half of sin negated for `rotate`; computed on `device` (no host tensor is copied)."""
     rope = dict(config.rope_parameters)
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if rope.get("rope_type", "default") == "default":
-        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        exponents = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
+        inv_freq = 1.0 / (rope["rope_theta"] ** exponents)
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
-    freqs = torch.arange(max_positions).float()[:, None] * inv_freq.float()[None, :]  # [P, D/2]
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device(device))
+    positions = torch.arange(max_positions, device=device).float()
+    freqs = positions[:, None] * inv_freq.float()[None, :]  # [P, D/2]
     cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
     return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
@@ -146,7 +149,7 @@ def load_weights(config, state: Mapping[str, torch.Tensor], device: torch.device
     embed = get("model.embed_tokens.weight")
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state
     max_positions = int(config.max_position_embeddings)
-    cos, sin = rope_tables(config, max_positions)
+    cos, sin = rope_tables(config, max_positions, device)
     return Weights(
         embed=embed, layers=layers, norm=get("model.norm.weight"),
         lm_head=embed if tied else get("lm_head.weight"),

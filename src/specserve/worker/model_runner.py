@@ -29,6 +29,7 @@ from specserve.algorithm.rejection import QProbs, Verdict
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import DraftStep, HFDrafter, bonus_guess, draft_step, make_proposal
+from specserve.models.device import resolve_device, resolve_dtype, to_host
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import ModelRunner, Row, choose_path
 from specserve.models.verifier import JudgeRow, TargetModel, judge_rows, verify_block
@@ -46,12 +47,14 @@ class Batching:
     prefill_chunk: int = 128
     tile: int = 4  # ADR 0008
     fuse_upto: int = 128
+    device: str = "auto"  # models/device.py: auto, cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16, fp16
 
     @classmethod
     def from_settings(cls, s) -> Batching:
         """From DraftSettings or TargetSettings (same field names)."""
         return cls(enabled=s.batching, kv_budget_mb=s.kv_budget_mb, max_sessions=s.max_sessions, max_len=s.max_len,
-                   prefill_chunk=s.prefill_chunk)
+                   prefill_chunk=s.prefill_chunk, device=s.device, dtype=s.dtype)
 
 
 @dataclass
@@ -86,8 +89,10 @@ _handles = itertools.count()
 
 
 def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
+    device = resolve_device(b.device)
     return ModelRunner.from_hf(model, kv_budget_bytes=int(b.kv_budget_mb * 2**20), max_sessions=b.max_sessions,
-                               max_len=b.max_len or None, tile=b.tile, fuse_upto=b.fuse_upto)
+                               max_len=b.max_len or None, device=device, dtype=resolve_dtype(b.dtype, device),
+                               tile=b.tile, fuse_upto=b.fuse_upto)
 
 
 class _RunnerSessions:
@@ -146,7 +151,7 @@ class BatchedTarget(_RunnerSessions):
             rows.append(Row(job.handle, feed, num_logits=len(job.drafts) + 1 if verify else 0))
             w.tokens = len(feed)
             live.append((i, job, last, dropped))
-        logits = self.runner.forward(rows)
+        logits = to_host(self.runner.forward(rows))
         judged = []
         for (i, job, last, dropped), lg in zip(live, logits, strict=True):
             if not last:
@@ -193,7 +198,7 @@ class BatchedDraft(_RunnerSessions):
                 live.append((i, job, k, dropped, []))
             else:
                 results[i] = AGAIN
-        logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
+        logits = dict(zip((r.session for r in rows), to_host(self.runner.forward(rows)), strict=True))
         while live:
             rows, still = [], []
             for i, job, k, dropped, steps in live:
@@ -208,7 +213,7 @@ class BatchedDraft(_RunnerSessions):
                 rows.append(Row(job.handle, [steps[-1].token], num_logits=1))
                 batch[i].tokens += 1
                 still.append((i, job, k, dropped, steps))
-            logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
+            logits = dict(zip((r.session for r in rows), to_host(self.runner.forward(rows)), strict=True))
             live = still
         return results
 

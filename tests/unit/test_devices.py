@@ -1,0 +1,92 @@
+"""The device and dtype settings (models/device.py): how they resolve, that the worker
+settings carry them into the runner, and that a runner built in bf16 keeps its weights, KV
+slots and RoPE tables in bf16 and still returns float32 logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve.config import DraftSettings, TargetSettings
+from specserve.models.device import resolve_device, resolve_dtype, to_host
+from specserve.models.runner import Row
+from specserve.worker.model_runner import Batching, make_runner
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("cpu", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda:1")])
+def test_explicit_devices_resolve_to_themselves(setting, expected):
+    assert resolve_device(setting) == torch.device(expected)
+
+
+def test_auto_device_is_cuda_only_when_torch_sees_one():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:", "mps", "CUDA:0", ""])
+def test_unknown_devices_are_refused(bad):
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device(bad)
+    with pytest.raises(ValidationError):
+        TargetSettings(device=bad)
+
+
+@pytest.mark.parametrize(("setting", "device", "expected"), [
+    ("auto", "cpu", torch.float32), ("auto", "cuda", torch.bfloat16),
+    ("bf16", "cpu", torch.bfloat16), ("fp16", "cuda", torch.float16), ("fp32", "cuda", torch.float32),
+])
+def test_dtypes_resolve_per_device(setting, device, expected):
+    assert resolve_dtype(setting, torch.device(device)) is expected
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("float8", torch.device("cpu"))
+    with pytest.raises(ValidationError):
+        DraftSettings(dtype="float8")
+
+
+def test_settings_reach_batching():
+    b = Batching.from_settings(DraftSettings(device="cpu", dtype="bf16"))
+    assert (b.device, b.dtype) == ("cpu", "bf16")
+    assert (Batching().device, Batching().dtype) == ("auto", "auto")
+
+
+def _tiny_llama():
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_a_bf16_runner_holds_everything_in_bf16_and_returns_float32_logits():
+    model = _tiny_llama()
+    runner = make_runner(model, Batching(kv_budget_mb=1, max_sessions=2, device="cpu", dtype="bf16"))
+    w = runner.w
+    assert {w.embed.dtype, w.cos.dtype, w.sin.dtype, w.layers[0].wqkv.dtype, w.layers[1].w_down.dtype} == {torch.bfloat16}
+    assert runner.kv.keys[0].dtype is torch.bfloat16 and runner.kv.values[1].dtype is torch.bfloat16
+    runner.allocate("a")
+    prompt = [3, 14, 15, 9, 26, 5]
+    (logits,) = runner.forward([Row("a", prompt, num_logits=2)])
+    assert logits.dtype is torch.float32 and logits.shape == (2, 61)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, -2:].float()
+    # bf16 keeps 8 mantissa bits: logits of a random model (|x| < 1) agree with fp32 to ~1e-2
+    assert torch.allclose(logits, ref, atol=5e-2), (logits - ref).abs().max()
+
+
+def test_to_host_keeps_rows_and_host_rows_pass_through():
+    rows = [torch.arange(6.0).view(2, 3), torch.ones(1, 3)]
+    assert to_host(rows) is rows  # already on the host: no copy
+    assert to_host([]) == []
+
+
+def test_to_host_copies_device_rows_to_the_host_with_their_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # fake CUDA tensors on a CPU-only build: shapes and devices only
+        rows = [torch.empty(2, 5, device="cuda:0"), torch.empty(3, 5, device="cuda:0")]
+        out = to_host(rows)
+    assert [(o.device.type, tuple(o.shape)) for o in out] == [("cpu", (2, 5)), ("cpu", (3, 5))]
