@@ -45,7 +45,12 @@ RATE_INTERVAL = "30s"
 # a substring of the query; every other query must return a non-NaN sample. Empty today: the
 # shadow class gives the shadow and fallback panels data, drafting ahead (on by default) the
 # hit-rate rules, and unlabelled counters such as refusals are exported at 0 from the start.
-NEEDS_AN_EVENT: dict[str, str] = {}
+NEEDS_AN_EVENT: dict[str, str] = {
+    # a metric name -> why a short load on the demo pair may leave it empty
+    "specserve_fallbacks_total": "rounds without drafts: the load's classes all speculate with healthy pools "
+                                 "on the demo pair (its tiny predecessor was held plain by the controller)",
+    "specserve_shadow_": "needs a class in shadow mode; the load runs none",
+}
 RULES_NEED_AN_EVENT: dict[str, str] = {}
 
 

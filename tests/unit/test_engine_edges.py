@@ -56,7 +56,9 @@ def test_all_accepted_plus_bonus_with_an_oracle_drafter(demo_pair, target_model,
     engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=30, num_draft_tokens=4))
     assert res.token_ids == full[len(prompt_ids) : len(prompt_ids) + 30]
-    full_rounds = [r for r in res.rounds if r.k == 4]
+    # a last round cut by EOS emits fewer than K + 1 (the demo pair ends some prompts early)
+    rounds = res.rounds[:-1] if res.finish_reason == "eos" else res.rounds
+    full_rounds = [r for r in rounds if r.k == 4]
     assert full_rounds and all(r.accepted == 4 and r.rejected_position is None and r.emitted == 5 for r in full_rounds)
 
 
@@ -66,7 +68,7 @@ def test_all_rejected_still_emits_one_token_per_round(demo_pair, target_model, p
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=12, num_draft_tokens=3))
     assert res.token_ids == full[len(prompt_ids) :]
     assert all(r.emitted == 1 for r in res.rounds)
-    assert sum(r.rejected_position == 0 for r in res.rounds) >= 10  # the odd lucky guess aside
+    assert sum(r.rejected_position == 0 for r in res.rounds) >= len(res.rounds) - 3  # the odd lucky guess aside
 
 
 def test_eos_inside_the_block_ends_generation(demo_pair, prompt_ids):

@@ -83,5 +83,5 @@ def test_find_pair_takes_the_pair_or_the_models_dir(tmp_path):
     (tmp_path / "default").symlink_to(pair.name)
     assert find_pair(tmp_path) == pair.resolve()  # `make bench` passes the models dir
     assert find_pair(pair) == pair.resolve()
-    with pytest.raises(SystemExit, match="make models"):
+    with pytest.raises(SystemExit, match="specserve-demo-v1"):
         find_pair(tmp_path / "nothing")
