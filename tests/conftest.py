@@ -50,3 +50,20 @@ def target_model(demo_pair):
     from specserve.models.verifier import TargetModel
 
     return TargetModel(demo_pair.target)
+
+
+@pytest.fixture(scope="session")
+def micro_llama():
+    """A builder of randomly initialised micro Llamas (no EOS; near-uniform logits, the hardest
+    case for batch invariance): micro_llama(layers, hidden, seed, vocab=96, positions=256)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build(layers: int, hidden: int, seed: int, vocab: int = 96, positions: int = 256):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=positions, eos_token_id=None, bos_token_id=None,
+                          pad_token_id=None)
+        return LlamaForCausalLM(cfg).eval()
+
+    return build

@@ -10,8 +10,6 @@ import threading
 
 import grpc
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.draft.server import DraftServicer
 from specserve.algorithm.stops import StopChecker
@@ -29,19 +27,13 @@ VOCAB = 96
 PROMPTS = [[(5 * i + 3 * j) % VOCAB for j in range(4 + 6 * i)] for i in range(4)]
 
 
-def _llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(micro_llama):
     """The draft is the target's twin: two unrelated random models almost never agree at
     greedy, and this test is about the stream (acceptance, bonus, blocks drafted ahead)."""
-    return _llama(2, 64, 0), _llama(2, 64, 0)
+    return micro_llama(2, 64, 0), micro_llama(2, 64, 0)
 
 
 def _stops(p):

@@ -9,8 +9,6 @@ import asyncio
 import threading
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
@@ -26,17 +24,11 @@ from specserve.worker.model_runner import Batching, target_engine
 VOCAB = 96
 
 
-def _llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return TargetModel(_llama(2, 64, 0)), HFDrafter(_llama(1, 32, 1))
+def pair(micro_llama):
+    return TargetModel(micro_llama(2, 64, 0)), HFDrafter(micro_llama(1, 32, 1))
 
 
 def _decode(ids) -> str:

@@ -10,8 +10,6 @@ import asyncio
 
 import grpc
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.router.plan import SessionPlan
 from services.target.engine_host import EngineHost
@@ -32,22 +30,16 @@ VOCAB = 96
 PROMPT = [(7 * j + 3) % VOCAB for j in range(9)]
 
 
-def _llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
-def target():
-    return TargetModel(_llama(2, 64, 0))
+def target(micro_llama):
+    return TargetModel(micro_llama(2, 64, 0))
 
 
 @pytest.fixture(scope="module")
-def drafter():
-    return HFDrafter(_llama(2, 64, 0))  # the target's twin: blocks are accepted
+def drafter(micro_llama):
+    return HFDrafter(micro_llama(2, 64, 0))  # the target's twin: blocks are accepted
 
 
 def _decode(ids) -> str:
