@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
@@ -29,17 +28,11 @@ VOCAB = 96
 PROMPTS = [[(7 * i + j * 3) % VOCAB for j in range(3 + 7 * i)] for i in range(6)]  # 3..38 tokens
 
 
-def _llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return TargetModel(_llama(2, 64, 0)), HFDrafter(_llama(1, 32, 1))
+def pair(micro_llama):
+    return TargetModel(micro_llama(2, 64, 0, positions=160)), HFDrafter(micro_llama(1, 32, 1, positions=160))
 
 
 def _stops(params: GenerationParams) -> StopChecker:
