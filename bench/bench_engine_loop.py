@@ -163,15 +163,8 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     waves = {f"{w}{sid}": (sid, p) for w in ("warm-", "") for sid, p in prompts.items()}
     drafts = SyntheticDrafts({wid: refs[sid] for wid, (sid, _) in waves.items()},
                              {wid: p for wid, (_, p) in waves.items()}, alpha, profile)
-    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy)
     book: list[float] = []
-    step = loop.step
-
-    def timed_step():
-        r = step()
-        if r is not None:
-            book.append(r.bookkeeping_ms)
-        return r
+    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy)
 
     k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.removeprefix("K="))
 
@@ -186,7 +179,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
 
     run_wave("warm-")
     busy.clear()
-    loop.step = timed_step
+    loop.on_step = lambda r: book.append(r.bookkeeping_ms)
     wall = run_wave("")
     sessions = [loop.ended[s] for s in prompts]
     assert all(s.generated == refs[s.id] for s in sessions), "the output must be the target's alone"

@@ -74,8 +74,7 @@ class EngineHost:
 
     async def close(self) -> None:
         self._stop.set()
-        with self.engine._wake:
-            self.engine._wake.notify()
+        self.engine.wake()
         await asyncio.to_thread(self._thread.join, 10)
         await self.committer.stop()
 

@@ -79,17 +79,8 @@ def test_sessions_of_every_kind_share_steps_and_each_gets_its_tokens_alone(pair,
     alone = {}
     for i, (prompt, plan) in enumerate(zip(PROMPTS, plans, strict=True)):
         alone.update(_run(_loop(pair), [(f"s{i}", prompt, plan)]))
-    loop = _loop(pair)
-    widest = []
-    step = loop.step
-
-    def counting_step():
-        report = step()
-        if report is not None:
-            widest.append(report.rows)
-        return report
-
-    loop.step = counting_step
+    widest: list[int] = []
+    loop = _loop(pair, on_step=lambda report: widest.append(report.rows))
     together = _run(loop, [(f"s{i}", p, plan) for i, (p, plan) in enumerate(zip(PROMPTS, plans, strict=True))])
     assert together == alone
     assert max(widest) >= 5  # prefill chunks, plain and verify rows really shared steps

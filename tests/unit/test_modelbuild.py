@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import time
 
@@ -31,7 +32,8 @@ def test_the_committed_demo_pair_is_what_its_card_says(demo_pair_dir):
     in bf16 and loaded exactly (the fp32 upcast of bf16 is lossless), within 64 MB."""
     meta = json.loads((demo_pair_dir / "build.json").read_text())
     assert meta["weights_sha256"] == weights_digest(demo_pair_dir)
-    assert meta["digest"] == PRESETS["demo"].digest() or meta["config"]["name"] == "demo"
+    # the recipe itself (the digest also encodes this CPU's bf16 support, so it is per machine type)
+    assert meta["config"] == json.loads(json.dumps(dataclasses.asdict(PRESETS["demo"])))
     assert meta["weights_sha256"] in (demo_pair_dir / "MODEL_CARD.md").read_text()
     size = sum(f.stat().st_size for f in demo_pair_dir.rglob("*") if f.is_file())
     assert size <= 64 * 2**20, f"{size / 2**20:.1f} MB"

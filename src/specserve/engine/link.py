@@ -26,6 +26,7 @@ from specserve.engine.session import DraftBlock, EngineSession, Outcome
 from specserve.serving.wire import sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specserve.worker.qcodec import q_from_proto
 
 log = logging.getLogger("specserve.engine")
 
@@ -177,8 +178,6 @@ class RemoteDrafts:
         b = reply.block
         if self.deliver is None or b.session_id not in self.sessions:
             return
-        from specserve.worker.qcodec import q_from_proto  # torch: only where a block arrives
-
         tokens = tuple(int(t) for t in b.block.tokens)
         self.deliver(DraftBlock(b.session_id, b.prefix_len, b.prefix_hash, tokens,
                                 q_from_proto(b.block.q, len(tokens), self.vocab_size),

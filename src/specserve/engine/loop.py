@@ -42,6 +42,7 @@ from specserve.engine.session import (
 )
 from specserve.params import GenerationParams
 from specserve.worker.cost import CostModel
+from specserve.worker.model_runner import VerifyJob
 from specserve.worker.scheduler import AGAIN, Work
 
 NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
@@ -82,7 +83,8 @@ class EngineLoop:
                  observers: Sequence[EngineObserver] = (), budget: Budget | None = None,
                  block_wait_max_s: float = 0.005, wait_factor: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, keep_ended: int = 1024,
-                 simulated_step_ms: Callable[[list[Work]], float] | None = None) -> None:
+                 simulated_step_ms: Callable[[list[Work]], float] | None = None,
+                 on_step: Callable[[StepReport], None] | None = None) -> None:
         self.model = model
         self.stops_for = stops_for
         self.sources = dict(sources or {})
@@ -95,6 +97,7 @@ class EngineLoop:
         # a simulated device (benchmarks, tests): a step takes this long, the real forward of a
         # small model padded up to it (ADR 0014's device profiles)
         self.simulated_step_ms = simulated_step_ms
+        self.on_step = on_step  # each step's report (benchmarks, metrics)
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
         self.last: StepReport | None = None
@@ -127,6 +130,11 @@ class EngineLoop:
 
     def cancel(self, session_id: str, reason: str = "cancelled") -> None:
         self._post("cancel", (session_id, reason))
+
+    def wake(self) -> None:
+        """Wake a sleeping loop (to see a stop request)."""
+        with self._wake:
+            self._wake.notify()
 
     def _post(self, kind: str, payload: Any) -> None:
         with self._wake:
@@ -186,6 +194,8 @@ class EngineLoop:
                 for o in self.observers:
                     o.round(s, stats_final)
         self.last = StepReport(len(plan.rows), sum(w.tokens for w in works), forward_ms, bookkeeping_ms)
+        if self.on_step is not None:
+            self.on_step(self.last)
         return self.last
 
     def block_wait_s(self, s: EngineSession) -> float:
@@ -231,8 +241,6 @@ class EngineLoop:
         done.set_result(s)
 
     def _work(self, row: Row) -> Work:
-        from specserve.worker.model_runner import VerifyJob  # the torch side, imported where used
-
         s = row.session
         p = s.plan.params
         drafts, q = clip(row.block, s.k_wanted, row.offset) if row.block is not None else ([], None)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from specserve.algorithm.round import RoundStats, draft_budget
 from specserve.algorithm.stops import IncrementalText, StopChecker
+from specserve.control.arms import Fallback
 from specserve.params import GenerationParams, SamplingParams
 from specserve.state.prefix import CommittedPrefix
 
@@ -30,7 +31,7 @@ class EnginePlan:
     params: GenerationParams
     pool: str | None = None
     workload_class: str = ""
-    plain_reason: str = "speculation_off"  # a plain session's rounds' fallback_reason
+    plain_reason: str = Fallback.SPECULATION_OFF.value  # a plain session's rounds' fallback_reason
     adaptive: bool = False  # the engine picks K in 0..k every round (kchoice.py); else K is fixed
 
     @classmethod
@@ -41,7 +42,7 @@ class EnginePlan:
         params = GenerationParams(max_tokens=int(d["max_tokens"]), sampling=sampling, num_draft_tokens=int(d["k"]),
                                   stop=tuple(d["stop"]), seed=int(d["seed"]))
         return cls(params, d.get("pool") or None, d.get("workload_class", ""),
-                   d.get("plain_reason") or "speculation_off")
+                   d.get("plain_reason") or Fallback.SPECULATION_OFF.value)
 
     @property
     def seed(self) -> int:
