@@ -7,8 +7,7 @@ ms/token and speedup over plain *through the same path*, and the per-round overh
 model time (router wall time of a round minus the draft worker's and the target's own
 reported compute: gRPC, serialisation, Redis commit) as p50/p99. Speedup and acceptance are
 also given on the prompts whose plain greedy output is not degenerate (textquality).
-Writes <out>/stack.json and <out>/stack_overhead.png. With --overlap: the network-hiding
-comparison of bench_overlap.py instead (overlap.json, overlap.png).
+Writes <out>/stack.json and <out>/stack_overhead.png.
 """
 
 from __future__ import annotations
@@ -70,17 +69,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--overlap", action="store_true",
-                    help="instead: the overlap off vs on, CPU and simulated devices (bench_overlap.py, ADR 0010)")
     a = ap.parse_args()
     pair = find_pair(a.models)
-    if a.overlap:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from bench_overlap import run as run_overlap
-
-        run_overlap(pair, Path(a.out), a.prompts_per_class, a.max_tokens, a.k, 1, pass_ms=30.0, token_ms=3.0,
-                    branches=2, settings=["cpu", "simulated"])
-        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = {c: [p["prompt"] for p in load_eval_prompts(pair) if p["workload_class"] == c][: a.prompts_per_class]

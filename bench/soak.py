@@ -67,10 +67,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         spec = StackSpec(pair_dir=str(pair), run_dir=str(args.run_dir or tmp), pools={"small": PoolSpec("draft", replicas=2)},
                          routers=2, target_threads=1,
-                         env={"SPECSERVE_TARGET_MAX_LEN": str(args.max_len), "SPECSERVE_DRAFT_MAX_LEN": str(args.max_len)},
-                         router_env={"SPECSERVE_ROUTER_SESSION_TTL_S": str(args.session_ttl_s),
-                                     "SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "1000",
-                                     "SPECSERVE_ROUTER_DETACHED_IDLE_S": "20"})
+                         env={"SPECSERVE_TARGET_MAX_LEN": str(args.max_len), "SPECSERVE_DRAFT_MAX_LEN": str(args.max_len),
+                              "SPECSERVE_TARGET_SESSION_TTL_S": str(args.session_ttl_s),
+                              "SPECSERVE_TARGET_DETACHED_IDLE_S": "20"},
+                         router_env={"SPECSERVE_ROUTER_SESSION_TTL_S": str(args.session_ttl_s)})
         with Stack(spec).running() as stack:
             result = soak(stack, args, prompts, refs)
     args.out.mkdir(parents=True, exist_ok=True)

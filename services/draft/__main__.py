@@ -37,11 +37,11 @@ def load_drafter(settings: DraftSettings):
 
 
 async def warm_up(servicer: DraftServicer) -> None:
-    """One Propose through the whole path (scheduler, engine), then forget the session."""
+    """One block through the whole path (scheduler, engine), then forget the session."""
     from specserve.v1 import common_pb2
 
     req = draft_pb2.ProposeRequest(session_id="\0warm-up", prefix=common_pb2.Prefix(tokens=[0, 1, 2, 1]), k=2)
-    await servicer.Propose(req, None)
+    await servicer.propose(req)
     servicer.sessions.release(req.session_id)
 
 

@@ -22,7 +22,7 @@ import grpc
 
 from specserve.errors import NeedsFullPrefix, SessionNotFound, SpecserveError
 from specserve.serving.server import status_for
-from specserve.serving.telemetry import attach_carrier
+from specserve.serving.telemetry import attach_carrier, tracer
 from specserve.serving.wire import prefix_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, draft_pb2
@@ -39,6 +39,7 @@ class _Linked:
     held: int = 0  # prefix length the worker's session table holds (the incremental base)
     latest: int = 0  # committed length of the newest outcome received
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    carrier: dict[str, str] = field(default_factory=dict)  # the session's trace (from its open)
 
 
 class Link:
@@ -79,7 +80,8 @@ class Link:
         if kind == "open":
             o = msg.open
             self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
-                                                  o.predraft_branches, latest=len(o.committed))
+                                                  o.predraft_branches, latest=len(o.committed),
+                                                  carrier=dict(msg.trace_context))
             sid, k, update = o.session_id, o.k, None
         elif kind == "outcome":
             linked_or_none = self.sessions.get(msg.outcome.session_id)
@@ -105,13 +107,16 @@ class Link:
                     return  # a newer outcome is queued behind: this block would be stale
             if k <= 0 or sid not in self.sessions:
                 return
-            attach_carrier(carrier)
+            attach_carrier(carrier or linked.carrier)  # each block is a span of the session's trace
             n = len(linked.prefix)
             request = draft_pb2.ProposeRequest(session_id=sid, prefix=prefix_to_proto(linked.prefix, linked.held),
                                                k=k, sampling=linked.sampling, seed=linked.seed,
                                                predraft_branches=linked.branches)
             try:
-                block = await self._propose(request, linked)
+                with tracer().start_as_current_span("specserve.draft.block") as span:
+                    span.set_attributes({"specserve.session_id": sid, "specserve.k": k,
+                                         "specserve.prefix_len": n})
+                    block = await self._propose(request, linked)
             except SpecserveError as exc:  # bad parameters, no KV room: the target runs it plain
                 self.out.put_nowait(draft_pb2.LinkOut(failed_session=sid, error_code=status_for(exc).value[0],
                                                       error=str(exc)))
@@ -123,19 +128,19 @@ class Link:
         """Propose from what the worker holds; the whole prefix when it holds too little (an
         eviction, a release)."""
         try:
-            return await self.servicer.Propose(request, None, self._push)
+            return await self.servicer.propose(request, self._push)
         except (NeedsFullPrefix, SessionNotFound):
             if linked.held == 0:
                 raise
             linked.held = 0
             request.prefix.CopyFrom(prefix_to_proto(linked.prefix, 0))
-            return await self.servicer.Propose(request, None, self._push)
+            return await self.servicer.propose(request, self._push)
 
     def _send(self, sid: str, n: int, prefix_hash: int, k: int, block: draft_pb2.ProposeResponse) -> None:
         self.out.put_nowait(draft_pb2.LinkOut(block=draft_pb2.Predraft(
             session_id=sid, prefix_len=n, prefix_hash=prefix_hash, k=k, block=block)))
 
-    def _push(self, reply: draft_pb2.ProposeReply) -> None:
-        """A block drafted ahead (Propose's push): on the stream as it is."""
-        if reply.predraft.session_id in self.sessions:
-            self.out.put_nowait(draft_pb2.LinkOut(block=reply.predraft))
+    def _push(self, block: draft_pb2.Predraft) -> None:
+        """A block drafted ahead (propose's push): on the stream as it is."""
+        if block.session_id in self.sessions:
+            self.out.put_nowait(draft_pb2.LinkOut(block=block))

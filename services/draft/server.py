@@ -1,34 +1,37 @@
-"""Draft servicer: a thin layer over the worker skeleton (specserve.worker). Propose
-reconciles the session to the caller's committed prefix (FAILED_PRECONDITION when it needs
-the full prefix) and queues one item: the queued sessions' K draft steps run batched
-(ADR 0013); the n-gram drafter keeps its per-session path.
+"""Draft servicer: a thin layer over the worker skeleton (specserve.worker). Its one RPC is
+`Link`, the target's stream (services/draft/link.py, ADR 0014); the link drafts each block
+through `propose`, which reconciles the session to the committed prefix (NeedsFullPrefix
+when it holds too little) and queues one item: the queued sessions' K draft steps run
+batched (ADR 0013); the n-gram drafter keeps its per-session path.
 
 While the target verifies, the worker drafts ahead for the prefixes the next round is likely
 to start from (ADR 0010), at background priority: the scheduler runs those items only when
-no Propose is queued, so a Propose never waits behind more than the one background batch
-already running. A prepared block is kept per session and pushed to the router on the
-stream; it is used only for exactly the prefix it assumed."""
+no foreground block is queued, so a block never waits behind more than the one background
+batch already running. A prepared block is kept per session and pushed to the target on the
+link; it is used only for exactly the prefix it assumed."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import Drafter, DraftProposal
 from specserve.errors import SessionNotFound
 from specserve.serving.metrics import WorkerMetrics
-from specserve.serving.streams import Push, serve_calls
 from specserve.serving.telemetry import tracer
 from specserve.serving.wire import check_k, check_token_ids, sampling_from_proto
 from specserve.state.prefix import chain
-from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.worker.core import WorkerCore
 from specserve.worker.model_runner import Batching, DraftJob, draft_engine
 from specserve.worker.qcodec import q_to_proto
 from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Work
 from specserve.worker.sequence import Sequence
 from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
+
+Push = Callable[[draft_pb2.Predraft], None]  # a block drafted ahead, on its way to the target
 
 
 @dataclass
@@ -72,8 +75,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             seq.extra = _Ahead()
         return seq
 
-    async def Propose(self, request: draft_pb2.ProposeRequest, context,
-                      push: Push | None = None) -> draft_pb2.ProposeResponse:
+    async def propose(self, request: draft_pb2.ProposeRequest, push: Push | None = None) -> draft_pb2.ProposeResponse:
         k = check_k(request.k)
         sampling = sampling_from_proto(request.sampling)
         sampling.check_vocab(self.drafter.vocab_size)
@@ -136,10 +138,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 prefix_hash = chain(base, prefix[len(ids):])
                 seq.extra.cache.put(BlockKey(len(prefix), prefix_hash, k, sampling, seed), (block, elapsed + guess_s))
                 self.metrics.predrafts.inc()
+                # the waterfall matches a round to the pre-drafted block it verified by this
+                span.add_event("specserve.predrafted", {"specserve.prefix_len": len(prefix), "specserve.k": k})
                 if push is not None:
-                    push(draft_pb2.ProposeReply(call_id=0, predraft=draft_pb2.Predraft(
-                        session_id=session_id, prefix_len=len(prefix), prefix_hash=prefix_hash, k=k,
-                        block=self._response(block, 0.0, True, elapsed + guess_s))))
+                    push(draft_pb2.Predraft(session_id=session_id, prefix_len=len(prefix), prefix_hash=prefix_hash,
+                                            k=k, block=self._response(block, 0.0, True, elapsed + guess_s)))
                 prepared += 1
         except asyncio.CancelledError:
             pass  # the next round arrived: what it needs was cached or is drafted afresh
@@ -149,16 +152,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             span.set_attribute("specserve.predrafted_blocks", prepared)
             span.end()
 
-    async def ProposeStream(self, request_iterator, context):
-        async for reply in serve_calls(request_iterator, lambda r, push: self.Propose(r, context, push),
-                                       draft_pb2.ProposeReply, "specserve.v1.Draft/Propose"):
-            yield reply
-
     async def Link(self, request_iterator, context):
         from services.draft.link import Link
 
         async for reply in Link(self).serve(request_iterator):
             yield reply
-
-    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseResponse:
-        return common_pb2.ReleaseResponse(released=self.sessions.release(request.session_id))

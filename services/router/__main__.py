@@ -16,19 +16,16 @@ import redis.asyncio as aioredis
 from services.router.admin import PolicyAdminServicer
 from services.router.classifier import Classifier, Rule
 from services.router.model_info import ModelInfo
-from services.router.observers import ControllerFeed, MetricsObserver, RoundObserver, SpanObserver
 from services.router.openai_api import OpenAIApp, start_http
 from services.router.planner import Planner
-from services.router.pools import DraftPool, TargetDirectory
-from services.router.rounds import RoundLoop
-from services.router.service import GenerationServicer
+from services.router.pools import DraftPool
+from services.router.service import GenerationService, GenerationServicer
 from services.router.sessions import Ownership, Sessions
-from specserve.algorithm.stops import StopChecker
+from services.router.targets import TargetDirectory
 from specserve.config import RouterSettings
 from specserve.control.controller import Controller, ShadowLog
 from specserve.control.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
 from specserve.errors import InvalidRequest
-from specserve.params import GenerationParams
 from specserve.serving.chat import ChatTemplate
 from specserve.serving.metrics import RouterMetrics
 from specserve.serving.server import GrpcServer, ServerLimits
@@ -105,11 +102,8 @@ async def main(settings: RouterSettings) -> None:
     redis = connect(settings.redis_url)
     store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s, lease_s=settings.lease_s)
     tls = load_tls(settings.tls_dir, settings.tls_server_name)
-    pools = {name: DraftPool(name, addrs, settings.draft_timeout_ms / 1000, settings.worker_streams,
-                             settings.predraft_branches, tls=tls)
-             for name, addrs in settings.draft_pools.items()}
-    targets = TargetDirectory(redis, settings.key_prefix, settings.verify_timeout_ms / 1000, settings.target_wait_s,
-                              settings.worker_streams, settings.admission_wait_s, tls=tls)
+    pools = {name: DraftPool(name, addrs, tls=tls) for name, addrs in settings.draft_pools.items()}
+    targets = TargetDirectory(redis, settings.key_prefix, settings.target_wait_s, settings.admission_wait_s, tls=tls)
     metrics = RouterMetrics()
     policy_store = PolicyStore(redis, settings.key_prefix)
     policies = PolicyCache(policy_store, builtin_policy(settings), settings.policy_reload_s)
@@ -117,19 +111,11 @@ async def main(settings: RouterSettings) -> None:
                             settings.controller_min_rounds, settings.stats_ttl_s)
     shadow_log = ShadowLog(redis, settings.key_prefix, settings.stats_ttl_s)
 
-    def stops_for(params: GenerationParams) -> StopChecker:
-        return StopChecker(model.eos_token_ids, params.stop, model.decode)
-
-    observers: list[RoundObserver] = [MetricsObserver(metrics, model.kv_bytes_per_token), ControllerFeed(controller),
-                                      SpanObserver()]
-    rounds = RoundLoop(store, targets, stops_for, observers, settings.pipeline_commits, settings.redis_outage_s)
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-    ownership = Ownership(heartbeat_s=settings.heartbeat_s, detached_idle_s=settings.detached_idle_s,
-                          run_limit_s=float(settings.session_ttl_s), reap_s=settings.reap_s)
-    sessions = Sessions(store, rounds, pools, targets, stops_for, owner, shadow_log, metrics,
-                        settings.shadow_timeout_s, ownership)
+    sessions = Sessions(store, targets, owner, metrics, Ownership(reap_s=settings.reap_s))
     planner = Planner(policies, controller, pools, metrics)
-    servicer = GenerationServicer(settings, model, classifier, planner, sessions, store)
+    service = GenerationService(settings, model, classifier, planner, sessions, store)
+    servicer = GenerationServicer(service)
     tokens = {name: tok.get_secret_value() for name, tok in settings.admin_tokens.items()}
     if settings.admin_token.get_secret_value():
         tokens.setdefault("admin", settings.admin_token.get_secret_value())
@@ -149,7 +135,7 @@ async def main(settings: RouterSettings) -> None:
     serving = False
     http = None
     if settings.http_port >= 0:
-        api = OpenAIApp(servicer, settings.model_name, ChatTemplate.for_model(settings.tokenizer),
+        api = OpenAIApp(service, settings.model_name, ChatTemplate.for_model(settings.tokenizer),
                         {k.get_secret_value() for k in settings.api_keys}, settings.http_max_in_flight,
                         lambda: serving, metrics)
         http = await start_http(api.app, settings.host, settings.http_port)
@@ -179,7 +165,7 @@ async def main(settings: RouterSettings) -> None:
                                  return_exceptions=True)
             metrics.serving.set(int(serving))
             for name, pool in pools.items():  # the alert on a pool with no replica left reads this
-                metrics.pool_healthy.labels(name).set(sum(r.healthy for r in pool.replicas.values()))
+                metrics.pool_healthy.labels(name).set(pool.healthy)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     reaper = asyncio.create_task(sessions.reap_forever())

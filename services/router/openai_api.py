@@ -2,7 +2,7 @@
 event loop): /v1/completions, /v1/chat/completions (SSE when stream), /v1/models, /health.
 
 A request is validated by the pydantic bodies of `openai_schema`, converted to the same
-GenerateRequest a gRPC client sends, and served by the same GenerationServicer methods, in
+GenerateRequest a gRPC client sends, and served by the same GenerationService (service.py), in
 process: sessions, rounds, Redis, traces and metrics are the gRPC path's. Errors are OpenAI
 error objects with the status codes its SDK maps to exceptions (ADR 0012)."""
 
@@ -33,7 +33,7 @@ from services.router.openai_schema import (
     Usage,
     now,
 )
-from services.router.service import GenerationServicer
+from services.router.service import GenerationService
 from specserve.errors import (
     InvalidRequest,
     ResourceExhausted,
@@ -93,11 +93,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 class OpenAIApp:
-    """The routes over one GenerationServicer; `ready()` says whether the router serves."""
+    """The routes over one GenerationService; `ready()` says whether the router serves."""
 
-    def __init__(self, servicer: GenerationServicer, model_id: str, chat: ChatTemplate, api_keys: set[str],
+    def __init__(self, service: GenerationService, model_id: str, chat: ChatTemplate, api_keys: set[str],
                  max_in_flight: int, ready: Callable[[], bool], metrics: RouterMetrics | None = None) -> None:
-        self.servicer = servicer
+        self.service = service
         self.model_id = model_id
         self.chat = chat
         self.api_keys = api_keys
@@ -150,7 +150,7 @@ class OpenAIApp:
         return await self._serve(req, body, request, "text_completion", "cmpl")
 
     async def chat_completions(self, body: ChatRequest, request: Request):
-        req = self._generate_request(body, request, self.servicer.settings.max_tokens_limit)
+        req = self._generate_request(body, request, self.service.settings.max_tokens_limit)
         try:
             messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in body.messages]
@@ -203,7 +203,7 @@ class OpenAIApp:
                 stream = await self._stream(req, body, kind, prefix, span)
                 done = False  # the stream ends the span
             else:
-                resp = await self.servicer.Generate(req, None)
+                resp = await self.service.generate(req)
             self._count(request, 200)
             return stream if body.stream else self._response(resp, body, kind, prefix, self._prompt_tokens(req))
         except Exception as exc:
@@ -224,7 +224,7 @@ class OpenAIApp:
     def _prompt_tokens(self, req: generation_pb2.GenerateRequest) -> int:
         if req.WhichOneof("input") == "prompt_ids":
             return len(req.prompt_ids.ids)
-        return len(self.servicer.model.encode(req.prompt))
+        return len(self.service.model.encode(req.prompt))
 
     def _response(self, resp: generation_pb2.GenerateResponse, body, kind: str, prefix: str,
                   prompt_tokens: int) -> dict:
@@ -239,7 +239,7 @@ class OpenAIApp:
 
     async def _stream(self, req, body, kind: str, prefix: str, span: trace.Span) -> StreamingResponse:
         """Open the stream before answering: a refused request is an HTTP error, not an event."""
-        chunks = aiter(self.servicer.GenerateStream(req, None))
+        chunks = aiter(self.service.generate_stream(req))
         first = await anext(chunks, None)
         if first is None:
             raise APIError(500, "the generation ended without a result", "server_error")

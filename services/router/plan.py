@@ -1,20 +1,15 @@
 """One typed record per request: the `SessionPlan`, decided once when the request arrives and
-stored with the session (so a router that takes the session over continues it exactly), and
-the `Run`: the plan plus what this router has done of it so far."""
+stored with the session; the target's engine drives the session by it (its part is
+`specserve.engine.session.EnginePlan.from_stored`), and a target that adopts the session
+continues it exactly."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from services.router.pools import DraftPool
-from services.router.prediction import PredictionPool
-from specserve.algorithm.round import RoundStats
-from specserve.algorithm.stops import IncrementalText
 from specserve.control.arms import Choice, Decision, Fallback
 from specserve.params import GenerationParams, SamplingParams
-from specserve.state.prefix import CommittedPrefix
 
 
 @dataclass(frozen=True)
@@ -29,6 +24,10 @@ class SessionPlan:
     policy_source: str = ""
     decision_reason: str = ""  # the controller's reason, when it decided
     prediction: tuple[int, ...] = ()  # Predicted Outputs: the request's expected output (tokens)
+    seeded: bool = False  # the client chose the seed (its sampled output must reproduce)
+    # adaptive K (the policy's adaptive_k, a speculate decision): the engine picks each round's
+    # K in [k_min, k_max] or plain, from its measured step cost (ADR 0014); choice.k starts it
+    k_bounds: tuple[int, int] | None = None
 
     @property
     def seed(self) -> int:
@@ -54,7 +53,8 @@ class SessionPlan:
                 "decision": c.decision.value, "plain_reason": c.reason.value, "probe": c.probe,
                 "policy_class": self.policy_class, "policy_version": self.policy_version,
                 "policy_source": self.policy_source, "decision_reason": self.decision_reason,
-                "prediction": list(self.prediction)}
+                "prediction": list(self.prediction), "seeded": self.seeded,
+                **({"adaptive": True, "k_min": self.k_bounds[0], "k_max": self.k_bounds[1]} if self.k_bounds else {})}
 
     @classmethod
     def decode(cls, d: dict[str, Any]) -> SessionPlan:
@@ -66,7 +66,8 @@ class SessionPlan:
                         bool(d.get("probe")))
         return cls(params, d["workload_class"], d.get("class_reason", ""), d.get("stats_class", ""), choice,
                    d.get("policy_class", ""), int(d.get("policy_version", 0)), d.get("policy_source", ""),
-                   d.get("decision_reason", ""), tuple(d.get("prediction") or ()))
+                   d.get("decision_reason", ""), tuple(d.get("prediction") or ()), bool(d.get("seeded")),
+                   (int(d["k_min"]), int(d["k_max"])) if d.get("adaptive") else None)
 
     def span_attributes(self) -> dict[str, Any]:
         return {"specserve.workload_class": self.workload_class, "specserve.class_reason": self.class_reason,
@@ -74,47 +75,3 @@ class SessionPlan:
                 "specserve.decision": self.choice.decision.value, "specserve.decision_reason": self.decision_reason,
                 "specserve.draft_pool": self.pool or "none", "specserve.shadow_pool": self.shadow_pool or "",
                 "specserve.k": self.params.num_draft_tokens, "specserve.seed": str(self.seed)}
-
-
-@dataclass
-class Run:
-    """A session as this router drives it: the plan plus progress."""
-
-    session_id: str
-    epoch: int
-    plan: SessionPlan
-    prompt_len: int
-    committed: CommittedPrefix  # prompt + committed generated tokens
-    text: IncrementalText
-    deadline: float  # event-loop time
-    pool: DraftPool | PredictionPool | None  # the plan's pool, resolved on this router
-    shadow: bool = False  # a shadow run: speculates beside a plain run, commits nothing
-    draft_held: dict[str, int] = field(default_factory=dict)  # replica -> committed len it holds
-    target_held: dict[str, int] = field(default_factory=dict)
-    rounds: list[RoundStats] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
-    first_commit: float | None = None
-    finished: float | None = None
-    finish_reason: str = ""
-
-    @property
-    def params(self) -> GenerationParams:
-        return self.plan.params
-
-    @property
-    def labels(self) -> tuple[str, str]:
-        return self.plan.workload_class, self.pool.name if self.pool else "none"
-
-    @property
-    def stats_labels(self) -> tuple[str, str | None]:
-        """(class, pool) the controller's statistics count this run's rounds under."""
-        return self.plan.stats_class or self.plan.workload_class, self.pool.name if self.pool else None
-
-    @property
-    def plain_reason(self) -> str:
-        """Why a run without a pool runs plain (its rounds' fallback_reason)."""
-        return self.plan.choice.reason.value or Fallback.SPECULATION_OFF.value
-
-    @property
-    def generated(self) -> list[int]:
-        return self.committed.ids[self.prompt_len :]

@@ -60,9 +60,14 @@ class Planner:
         self.metrics.classified.labels(stats_class, req.class_reason.split(":")[0]).inc()
         self.metrics.decisions.labels(stats_class, choice.pool or "none", choice.decision.value, choice.arm).inc()
         self.metrics.policy_version.labels(stats_class).set(policy.version)
+        # the engine picks K where the policy lets it (not for a pinned K, a probe, or a seeded
+        # sampled request, whose rounds must reproduce)
+        adaptive = policy.adaptive_k and choice.decision is Decision.SPECULATE and not choice.probe \
+            and not choice.shadow and not (req.params.seed is not None and req.params.sampling.temperature > 0)
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
                            policy.version, source, assessment.reason if assessment else "",
-                           req.prediction_ids if choice.pool == PREDICTION_POOL else ())
+                           req.prediction_ids if choice.pool == PREDICTION_POOL else (),
+                           seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None)
 
     async def effective(self, workload_class: str) -> tuple[Policy, str, str, Assessment]:
         """(policy, source, stats class, the controller's assessment from fresh statistics)."""

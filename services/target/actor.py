@@ -24,6 +24,7 @@ class TargetWorker:
     """Plain class (Ray wraps it with `ray.remote` in the launcher, options from settings)."""
 
     def __init__(self, settings_json: str, trace_carrier: dict[str, str] | None = None) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.settings = TargetSettings.model_validate_json(settings_json)
         self._carrier = trace_carrier or {}  # the launcher's span: context crosses into Ray explicitly
         self.metrics_port = -1
@@ -57,6 +58,7 @@ class TargetWorker:
         from services.target.server import TargetServicer
         from specserve.models.loading import load_model
         from specserve.models.verifier import TargetModel
+        from specserve.serving.metrics import WorkerMetrics
         from specserve.serving.server import GrpcServer
         from specserve.serving.telemetry import (
             TracingServerInterceptor,
@@ -66,40 +68,83 @@ class TargetWorker:
             tracer,
         )
         from specserve.serving.tls import load as load_tls
-        from specserve.state.store import connect
+        from specserve.state.store import SessionStore, connect
         from specserve.v1 import target_pb2, target_pb2_grpc
-        from specserve.worker.model_runner import Batching
+        from specserve.worker.model_runner import Batching, target_engine, warm_up
 
         s = self.settings
         setup_tracing("specserve-target")
         attach_carrier(self._carrier)
+        redis = connect(s.redis_url)  # the registry heartbeat and the commits ride a Redis restart
+        tls = load_tls(s.tls_dir, s.tls_server_name)
         with tracer().start_as_current_span("specserve.target.start") as span:
             span.set_attribute("specserve.target", s.name)
             torch.set_num_threads(s.torch_threads)
             target = TargetModel(load_model(s.model))
-            servicer = TargetServicer(target, s.max_sessions, simulated_pass_ms=s.simulated_pass_ms,
-                                      batching=Batching.from_settings(s), max_batch=s.max_batch,
-                                      max_wait_ms=s.max_wait_ms, evict_idle_s=s.kv_evict_idle_s)
+            engine = target_engine(target, Batching.from_settings(s))
+            warm_up(engine)  # the batched step once, before the engine loop owns the model
+            metrics = WorkerMetrics("target")
+            store = SessionStore(redis, prefix=s.key_prefix, ttl_s=s.session_ttl_s, lease_s=s.lease_s)
+            host = self.host = engine_host(s, engine, metrics, target, store, tls)
+            servicer = TargetServicer(host)
             server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host, s.port,
                                 s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv),
                                 interceptors=[TracingServerInterceptor()],
-                                credentials=tls.server(require_client_cert=True) if (tls := load_tls(s.tls_dir))
-                                else None)
+                                credentials=tls.server(require_client_cert=True) if tls else None)
             await server.start()
-            await servicer.warm_up()
+            host.start_loop()
             await server.set_serving()
-            self.metrics_port = start_metrics_server(servicer.metrics.registry, s.metrics_port, s.host)
+            self.metrics_port = start_metrics_server(metrics.registry, s.metrics_port, s.host)
         self.address = f"{s.host}:{server.port}"
-        redis = connect(s.redis_url)  # the registry heartbeat rides a Redis restart
-        entry = json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name,
-                            "metrics_port": self.metrics_port})
         key = registry_key(s.key_prefix, s.name)
-        await redis.set(key, entry, px=int(s.registry_ttl_s * 1000))
+
+        def entry() -> str:
+            return json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name,
+                               "metrics_port": self.metrics_port, "incarnation": host.incarnation,
+                               "sessions": host.load})
+
+        await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
         log.info("target %s serving on %s (pid %d)", s.name, self.address, os.getpid())
         self._ready.set()
+        try:  # a restarted incarnation drives its sessions on (they were in its index)
+            await host.adopt_mine()
+        except Exception:
+            log.exception("adopting this target's sessions")
         while True:  # heartbeat: the entry expires registry_ttl_s after this process dies
             await asyncio.sleep(s.heartbeat_s)
             try:
-                await redis.set(key, entry, px=int(s.registry_ttl_s * 1000))
+                await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
             except Exception:  # Redis blips must not kill the worker; the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
+
+
+def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
+    """The engine beside the target: one remote draft source per configured pool."""
+    from services.router.model_info import ModelInfo
+    from services.target.engine_host import EngineHost
+    from specserve.algorithm.stops import StopChecker
+    from specserve.control.controller import Controller, ShadowLog
+    from specserve.engine.link import RemoteDrafts
+    from specserve.engine.scheduler import Budget
+    from specserve.serving.metrics import RoundMetrics
+
+    loop = asyncio.get_running_loop()
+    info = ModelInfo(s.model)  # the tokenizer: stop strings and EOS are settled here now
+
+    def stops_for(params):
+        return StopChecker(info.eos_token_ids, params.stop, info.decode)
+
+    sources = {name: RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches,
+                                  tls=tls).start()
+               for name, addrs in s.draft_pools.items()}
+    controller = Controller(store.client, s.key_prefix, s.controller_half_life_s, ttl_s=s.stats_ttl_s)
+    loop.create_task(controller.start())
+    return EngineHost(engine, stops_for, store, s.name, sources, loop,
+                      budget=Budget(max_batch=s.max_batch, max_batched_tokens=s.max_batched_tokens,
+                                    prefill_chunk=s.prefill_chunk),
+                      block_wait_max_s=s.block_wait_ms / 1e3, redis_outage_s=s.redis_outage_s,
+                      simulated_step_ms=s.simulated_pass_ms, metrics=RoundMetrics(metrics.registry),
+                      controller=controller, shadow_log=ShadowLog(store.client, s.key_prefix, s.stats_ttl_s),
+                      kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
+                      detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
+                      worker_metrics=metrics)

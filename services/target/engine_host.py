@@ -7,27 +7,53 @@ session after its committed tokens. The session joins this target's index in Red
 (`{p}:target:{name}:sessions`). After a restart, the new incarnation adopts every running
 session in its index the same way (`adopt_mine`): a kill costs a re-prefill, never wrong
 output, because randomness is keyed by (seed, position, purpose).
+
+Beside the loop, on the event loop:
+- a heartbeat renews the driver's lease of every session it drives (one pipeline), so a
+  router re-places a session whose target died for good; it stops a session that was
+  closed or taken over, and cancels one nobody has read for `detached_idle_s`;
+- each step's rounds feed the Prometheus metrics, the controller's statistics and one
+  `specserve.round` span each (children of the session's `specserve.engine.session` span,
+  itself a child of the router's Start call: one request is one trace);
+- shadow mode: a plain session whose plan names a shadow pool gets a speculative twin that
+  commits nothing; when both ended, their agreement is recorded (ADR 0006).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from specserve.algorithm.round import RoundStats
 from specserve.algorithm.stops import StopChecker
+from specserve.control.controller import Controller, ShadowLog
+from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.engine.committer import RedisCommitter
-from specserve.engine.drafting import DraftSource
-from specserve.engine.loop import EngineLoop, ModelStep
+from specserve.engine.drafting import DraftSource, PredictionDrafts
+from specserve.engine.loop import EngineLoop, ModelStep, StepReport
 from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan, EngineSession, Status
-from specserve.errors import SessionClosed, SessionNotFound
+from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
 from specserve.params import GenerationParams
-from specserve.state.store import SessionStatus, SessionStore
+from specserve.serving.metrics import RoundMetrics, WorkerMetrics
+from specserve.serving.telemetry import tracer
+from specserve.state.store import REDIS_DOWN, SessionStatus, SessionStore
 
 log = logging.getLogger("specserve.target")
+
+SHADOW_SUFFIX = "-shadow"
 
 
 class SessionIndex:
@@ -49,37 +75,97 @@ class SessionIndex:
         return sorted(m if isinstance(m, str) else m.decode() for m in await self.redis.smembers(self.key))
 
 
+@dataclass
+class _Driven:
+    """A session as the event loop side knows it."""
+
+    epoch: int
+    plan: EnginePlan
+    span: Any  # the session's `specserve.engine.session` span
+    started: float  # perf_counter at Start
+    first_round: float | None = None
+    resumed_after: int = 0  # committed tokens it continued after
+    shadow_of: str | None = None  # a twin: the served session's id
+    ended: EngineSession | None = None  # the engine's session, once it ended
+    ended_at: float = 0.0
+
+
 class EngineHost:
     def __init__(self, model: ModelStep, stops_for: Callable[[GenerationParams], StopChecker], store: SessionStore,
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
                  budget: Budget | None = None, block_wait_max_s: float = 0.005, redis_outage_s: float = 30.0,
-                 simulated_step_ms: float = 0.0) -> None:
+                 simulated_step_ms: float = 0.0, metrics: RoundMetrics | None = None,
+                 controller: Controller | None = None, shadow_log: ShadowLog | None = None,
+                 kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
+                 on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None) -> None:
         self.store = store
+        self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
         self.name = name
         self.incarnation = f"{name}:{uuid.uuid4().hex[:12]}"  # one life of this process
         self.index = SessionIndex(store, name)
         self.loop = loop
+        self.metrics = metrics or RoundMetrics()
+        self.controller = controller
+        self.shadow_log = shadow_log
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.heartbeat_s = heartbeat_s
+        self.detached_idle_s = detached_idle_s
+        self.on_no_room = on_no_room  # a Start refused for want of KV room (the refused-sessions counter)
         self.committer = RedisCommitter(store, loop, self._refused, redis_outage_s)
+        sources = {PREDICTION_POOL: PredictionDrafts(), **sources}
+        self.carriers: dict[str, dict[str, str]] = {}  # session -> its span's context, for the draft links
+        for source in sources.values():
+            if hasattr(source, "carrier_for"):
+                source.carrier_for = lambda sid: self.carriers.get(sid, {})
         self.engine = EngineLoop(model, stops_for, sources, self.committer, observers=[self], budget=budget,
                                  block_wait_max_s=block_wait_max_s,
-                                 simulated_step_ms=(lambda works: simulated_step_ms) if simulated_step_ms else None)
+                                 simulated_step_ms=(lambda works: simulated_step_ms) if simulated_step_ms else None,
+                                 on_step=self._on_step, summarize=self._summary)
+        self.driving: dict[str, _Driven] = {}  # event-loop side: the sessions this incarnation drives
+        self._starting: dict[str, asyncio.Lock] = {}
+        self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.engine.run_forever, args=(self._stop,), name="engine",
                                         daemon=True)
+        self._tasks: list[asyncio.Task] = []
 
     def start_loop(self) -> EngineHost:
         self.committer.start()
         self._thread.start()
+        self._tasks.append(self.loop.create_task(self._heartbeat_forever()))
         return self
+
+    @property
+    def started(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def load(self) -> int:
+        """Sessions driven here now (the registry publishes it: routers place by it)."""
+        return sum(1 for d in self.driving.values() if d.ended is None and d.shadow_of is None)
 
     async def close(self) -> None:
         self._stop.set()
         self.engine.wake()
+        for t in self._tasks:
+            t.cancel()
         await asyncio.to_thread(self._thread.join, 10)
         await self.committer.stop()
 
     async def start(self, session_id: str) -> tuple[int, int]:
-        """Drive the session from its committed tokens: (epoch, committed generated tokens)."""
+        """Drive the session from its committed tokens: (epoch, committed generated tokens).
+        A session this incarnation drives already is left as it is."""
+        lock = self._starting.setdefault(session_id, asyncio.Lock())
+        try:
+            async with lock:  # one start at a time per session (adopt_mine and a router's Start race)
+                return await self._start(session_id)
+        finally:
+            if not lock.locked():
+                self._starting.pop(session_id, None)
+
+    async def _start(self, session_id: str) -> tuple[int, int]:
+        if (d := self.driving.get(session_id)) is not None and d.ended is None:
+            return d.epoch, d.resumed_after
         info = await self.store.get(session_id)
         if info is None:
             raise SessionNotFound(f"session {session_id} does not exist or expired")
@@ -89,15 +175,51 @@ class EngineHost:
         epoch = await self.store.take_over(session_id, self.incarnation)
         generated = await self.store.committed_tokens(session_id)
         await self.index.add(session_id)
+        span = tracer().start_span("specserve.engine.session", context=otel_context.get_current())
+        span.set_attributes({"specserve.session_id": session_id, "specserve.target": self.incarnation,
+                             "specserve.workload_class": plan.workload_class,
+                             "specserve.draft_pool": plan.labels[1], "specserve.epoch": epoch,
+                             "specserve.resumed_after": len(generated)})
+        self.driving[session_id] = _Driven(epoch, plan, span, time.perf_counter(), resumed_after=len(generated))
+        self.carriers[session_id] = _carrier_of(span)
         try:
-            await asyncio.wrap_future(self.engine.add(session_id, info.prompt_ids, plan, generated, epoch))
-        except BaseException:
+            with trace.use_span(span, end_on_exit=False):  # the draft links' opens join this trace
+                await asyncio.wrap_future(self.engine.add(session_id, info.prompt_ids, plan, generated, epoch))
+        except BaseException as exc:
+            self.driving.pop(session_id, None)
+            self.carriers.pop(session_id, None)
+            span.record_exception(exc)
+            span.end()
             await self.index.remove(session_id)
+            if isinstance(exc, ResourceExhausted):
+                self.on_no_room()
             raise
+        self.metrics.sessions_active.labels(*plan.labels).inc()
+        if plan.shadow_pool and not generated:  # the twin, once: not again after an adoption
+            await self._start_shadow(session_id, info.prompt_ids, plan, epoch, span)
         return epoch, len(generated)
 
+    async def _start_shadow(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, epoch: int,
+                            parent: Any) -> None:
+        twin_id = session_id + SHADOW_SUFFIX
+        twin = replace(plan, pool=plan.shadow_pool, shadow=True, shadow_pool=None)
+        span = tracer().start_span("specserve.shadow", context=trace.set_span_in_context(parent))
+        span.set_attributes({"specserve.session_id": twin_id, "specserve.workload_class": plan.workload_class,
+                             "specserve.draft_pool": twin.labels[1], "specserve.k": twin.k})
+        self.driving[twin_id] = _Driven(epoch, twin, span, time.perf_counter(), shadow_of=session_id)
+        self.carriers[twin_id] = _carrier_of(span)
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                await asyncio.wrap_future(self.engine.add(twin_id, prompt_ids, twin, (), epoch))
+        except Exception as exc:  # never the served session's problem
+            log.warning("shadow twin of %s did not start: %s", session_id, exc)
+            self.driving.pop(twin_id, None)
+            span.end()
+            return
+        self.metrics.shadow_active.labels(*twin.labels).inc()
+
     def stop(self, session_id: str) -> bool:
-        driving = session_id in self.engine.sessions
+        driving = session_id in self.driving
         self.engine.cancel(session_id)
         return driving
 
@@ -114,16 +236,229 @@ class EngineHost:
             log.info("%s adopted %d sessions", self.incarnation, len(adopted))
         return adopted
 
-    # ---- engine observer (loop thread) and committer callback (event loop) ----
-    def round(self, session: EngineSession, stats) -> None:
-        pass
+    # ---- the loop thread: observer, step hook, summary, and the committer's refusals ----
+    def round(self, session: EngineSession, stats: RoundStats) -> None:
+        self._rounds.append((session, stats, time.perf_counter(), len(session.committed) - stats.emitted))
 
     def finished(self, session: EngineSession) -> None:
-        # Only an end of its own leaves the index: a session refused because another
-        # incarnation claimed it stays there for that one (a stale entry is dropped by
-        # adopt_mine, which finds it no longer running).
-        if session.status in (Status.FINISHED, Status.FAILED):
-            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.index.remove(session.id)))
+        self.loop.call_soon_threadsafe(self._ended, session, time.perf_counter())
+
+    def _on_step(self, report: StepReport) -> None:
+        m = self.worker_metrics
+        if m is not None and report.rows:
+            m.batch_size.observe(report.rows)
+            m.call_latency.labels("step").observe(report.forward_ms / 1e3)
+            slots = getattr(self.engine.model, "slots", None)  # the batched runner's KV (not the HF path)
+            if slots is not None:
+                used, free = slots
+                m.kv_slots.labels("used").set(used)
+                m.kv_slots.labels("free").set(free)
+        self.loop.call_soon_threadsafe(self._drain_rounds)
+
+    def _summary(self, session: EngineSession) -> str:
+        """The run's statistics, stored with its last commit (the router's GenerationStats)."""
+        return json.dumps({"target": self.incarnation, "rounds": [
+            [r.k, r.accepted, r.emitted, -1 if r.rejected_position is None else r.rejected_position,
+             round(r.draft_ms, 3), round(r.verify_ms, 3), round(r.overhead_ms, 3), r.fallback_reason, r.predraft,
+             r.k_asked] for r in session.rounds]}, separators=(",", ":"))
 
     def _refused(self, session_id: str, why: str) -> None:
         self.engine.cancel(session_id, why)
+
+    # ---- the event loop ----
+    def _drain_rounds(self) -> None:
+        for (cls, pool), estimates in list(self.engine.estimates.items()):  # written by the engine thread
+            for k, s in list(estimates.items()):
+                self.metrics.arm_estimate.labels(cls, pool or "none", str(k)).set(s)
+        while self._rounds:
+            session, stats, at, prefix_len = self._rounds.popleft()
+            d = self.driving.get(session.id)
+            if d is None:
+                continue
+            if d.first_round is None:
+                d.first_round = at
+            if not session.plan.shadow:
+                self._count(session.plan, stats)
+            self._feed_controller(session.plan, stats)
+            self._round_span(d, session, stats, at, prefix_len)
+
+    def _count(self, plan: EnginePlan, r: RoundStats) -> None:
+        m, labels = self.metrics, plan.labels
+        m.target_passes.labels(*labels).inc()
+        m.output_tokens.labels(*labels).inc(r.emitted)
+        m.verify_latency.labels(*labels).observe(r.verify_ms / 1e3)
+        m.round_overhead.labels(*labels).observe(r.overhead_ms / 1e3)
+        if r.fallback_reason:
+            m.fallbacks.labels(*labels, r.fallback_reason).inc()
+        if r.k == 0:
+            return
+        m.draft_latency.labels(*labels).observe(r.draft_ms / 1e3)
+        m.acceptance_length.labels(*labels).observe(r.accepted)
+        if r.predraft:
+            m.predraft_rounds.labels(*labels, r.predraft).inc()
+        for i in range(r.k):
+            m.proposed.labels(*labels, str(i)).inc()
+            if i < r.accepted:
+                m.accepted.labels(*labels, str(i)).inc()
+        if r.rejected:
+            m.rollback_tokens.labels(*labels).inc(r.rejected)
+            m.rejected_kv_bytes.labels(*labels).inc(r.rejected * self.kv_bytes_per_token)
+
+    def _feed_controller(self, plan: EnginePlan, r: RoundStats) -> None:
+        """What the round cost, for the controller's per (class, pool) statistics: the step
+        it ran in (the batch cost at this load), its draft compute and the engine's own
+        Python. A round that asked for drafts and got none counts with 0 accepted."""
+        if self.controller is None or plan.pool == PREDICTION_POOL:
+            return  # a request's own prediction says nothing about the class's pools
+        if plan.pool and r.k_asked == 0:
+            return  # held plain by the engine, or the budget's last token: nothing about the pool
+        drafted = bool(plan.pool) and not r.fallback_reason
+        self.controller.record(plan.stats_class or plan.workload_class, plan.pool, r.k_asked if plan.pool else 0,
+                               r.accepted if drafted else 0, r.draft_ms, r.verify_ms, r.overhead_ms)
+
+    @staticmethod
+    def _round_span(d: _Driven, session: EngineSession, r: RoundStats, at: float, prefix_len: int) -> None:
+        if not d.span.is_recording():
+            return
+        end = time.time_ns() - int((time.perf_counter() - at) * 1e9)
+        start = end - int((r.verify_ms + r.overhead_ms) * 1e6)
+        span = tracer().start_span("specserve.round", context=trace.set_span_in_context(d.span), start_time=start)
+        span.set_attributes({
+            "specserve.workload_class": session.plan.workload_class, "specserve.draft_pool": session.plan.labels[1],
+            "specserve.k": r.k, "specserve.num_accepted": r.accepted, "specserve.emitted": r.emitted,
+            "specserve.rejected_position": -1 if r.rejected_position is None else r.rejected_position,
+            "specserve.fallback_reason": r.fallback_reason, "specserve.draft_ms": r.draft_ms,
+            "specserve.verify_ms": r.verify_ms, "specserve.predraft": r.predraft,
+            "specserve.overhead_ms": r.overhead_ms, "specserve.prefix_len": prefix_len})
+        span.end(end_time=end)
+
+    def _ended(self, session: EngineSession, at: float) -> None:
+        self._drain_rounds()  # its last rounds first
+        d = self.driving.get(session.id)
+        if d is None or d.ended is not None or d.epoch != session.epoch:
+            return  # not this run's (a run superseded by a newer start of the session)
+        d.ended, d.ended_at = session, at
+        self.carriers.pop(session.id, None)
+        plan = session.plan
+        d.span.set_attributes({"specserve.finish_reason": session.finish_reason or "",
+                               "specserve.rounds": len(session.rounds),
+                               "specserve.num_accepted": sum(r.accepted for r in session.rounds),
+                               "specserve.emitted": len(session.generated)})
+        if session.error:
+            d.span.set_status(trace.Status(trace.StatusCode.ERROR, session.error))
+        d.span.end()
+        if plan.shadow:
+            self.metrics.shadow_active.labels(*plan.labels).dec()
+        else:
+            self.metrics.sessions_active.labels(*plan.labels).dec()
+            if session.status is Status.FINISHED:
+                self._count_request(d, session)
+            if session.status is Status.FAILED:
+                asyncio.ensure_future(self._fail(session.id, d.epoch, session.error))
+        # Only an end of its own leaves the index: a session refused because another
+        # incarnation claimed it stays there for that one (a stale entry is dropped by
+        # adopt_mine, which finds it no longer running).
+        if session.status in (Status.FINISHED, Status.FAILED) and not plan.shadow:
+            asyncio.ensure_future(self._unindex(session.id))
+        served_id = d.shadow_of or session.id
+        twin_id = served_id + SHADOW_SUFFIX
+        served, twin = self.driving.get(served_id), self.driving.get(twin_id)
+        if twin is None:
+            self.driving.pop(session.id, None)
+            return
+        if session.id == served_id and session.status is not Status.FINISHED and twin.ended is None:
+            self.engine.cancel(twin_id, "served_session_ended")  # nothing left to compare with
+        if served is None or served.ended is None or twin.ended is None:
+            return  # the other one is still running
+        self.driving.pop(served_id, None)
+        self.driving.pop(twin_id, None)
+        asyncio.ensure_future(self._record_shadow(served, twin))
+
+    def _count_request(self, d: _Driven, s: EngineSession) -> None:
+        m, labels, n = self.metrics, s.plan.labels, len(s.generated)
+        m.requests.labels(*labels, s.finish_reason or "").inc()
+        if d.first_round is not None:
+            m.ttft.labels(*labels).observe(d.first_round - d.started)
+            if n > 1:
+                m.tpot.labels(*labels).observe((d.ended_at - d.first_round) / (n - 1))
+        if n:
+            m.passes_per_token.labels(*labels).observe(len(s.rounds) / n)
+
+    async def _fail(self, session_id: str, epoch: int, error: str) -> None:
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.store.fail(session_id, epoch, error or "the engine failed")
+
+    async def _unindex(self, session_id: str) -> None:
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.index.remove(session_id)
+
+    async def _record_shadow(self, served: _Driven, twin: _Driven) -> None:
+        run, shadow = served.ended, twin.ended
+        assert run is not None and shadow is not None
+        greedy = run.plan.params.sampling.temperature == 0
+        a, b = run.generated, shadow.generated
+        if run.status is not Status.FINISHED or shadow.status is not Status.FINISHED:
+            outcome = "failed"
+        elif greedy:
+            outcome = "agree" if a == b and run.finish_reason == shadow.finish_reason else "disagree"
+        else:
+            outcome = "sampled"
+        divergence = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                          None if len(a) == len(b) else min(len(a), len(b)))
+        plain_s, shadow_s = served.ended_at - served.started, twin.ended_at - twin.started
+        drafted, accepted = sum(r.k for r in shadow.rounds), sum(r.accepted for r in shadow.rounds)
+        record: dict[str, Any] = {
+            "outcome": outcome, "greedy": greedy, "pool": shadow.plan.pool, "k": shadow.plan.k,
+            "served_tokens": len(a), "shadow_tokens": len(b), "first_divergence": divergence,
+            "rounds": len(shadow.rounds), "drafted": drafted, "accepted": accepted,
+            "acceptance_rate": accepted / max(drafted, 1), "plain_seconds": plain_s, "shadow_seconds": shadow_s,
+            "would_be_speedup": plain_s / shadow_s if shadow_s > 0 and plain_s > 0 else 0.0}
+        labels = (shadow.plan.stats_class or shadow.plan.workload_class, shadow.plan.pool or "none")
+        self.metrics.shadow_requests.labels(*labels, outcome).inc()
+        if record["would_be_speedup"]:
+            self.metrics.shadow_speedup.labels(*labels).observe(record["would_be_speedup"])
+        if outcome == "disagree":
+            log.error("shadow twin of %s disagrees with the served output at token %s", run.id, divergence)
+        try:
+            await self.store.annotate(run.id, {"shadow": json.dumps(record)})
+            if self.shadow_log is not None:
+                await self.shadow_log.add(*labels, {
+                    "requests": 1, {"agree": "agreed", "disagree": "disagreed"}.get(outcome, outcome): 1,
+                    "rounds": record["rounds"], "drafted": drafted, "accepted": accepted, "tokens": len(b),
+                    "plain_seconds": plain_s, "shadow_seconds": shadow_s})
+        except Exception as exc:
+            log.warning("could not record the shadow outcome of %s: %s", run.id, exc)
+
+    async def _heartbeat_forever(self) -> None:
+        """Renew the lease of every session driven here; stop those closed or taken over,
+        cancel those nobody has read for `detached_idle_s`."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self._heartbeat()
+            except REDIS_DOWN:
+                continue  # commits ride the outage; the lease lapses if it stays away
+            except Exception:
+                log.exception("engine heartbeat")
+
+    async def _heartbeat(self) -> None:
+        live = [(sid, d.epoch) for sid, d in self.driving.items() if d.ended is None and d.shadow_of is None]
+        if not live:
+            return
+        replies = await self.store.heartbeats(live)
+        for (sid, epoch), (status, unread) in zip(live, replies, strict=True):
+            if status == "ok" and unread > self.detached_idle_s:
+                log.info("session %s unread for %.0f s: cancelled", sid, unread)
+                await self.store.abandon(sid, epoch, f"nobody read it for {self.detached_idle_s:.0f} s")
+                status = "abandoned"
+            if status != "ok":
+                self.engine.cancel(sid, status)
+                self.engine.cancel(sid + SHADOW_SUFFIX, status)
+
+
+def _carrier_of(span: Any) -> dict[str, str]:
+    from opentelemetry import propagate
+
+    out: dict[str, str] = {}
+    propagate.inject(out, context=trace.set_span_in_context(span))
+    return out

@@ -7,6 +7,14 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+def pools_have_replicas(v: dict[str, list[str]]) -> dict[str, list[str]]:
+    """draft_pools (router and target): every pool names at least one replica."""
+    for name, addrs in v.items():
+        if not addrs:
+            raise ValueError(f"draft pool {name!r} has no replica addresses")
+    return v
+
+
 class WorkerSettings(BaseSettings):
     """What the draft and the target workers share: TLS and continuous batching."""
 
@@ -17,21 +25,28 @@ class WorkerSettings(BaseSettings):
     # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
     batching: bool = True
     max_batch: int = Field(32, ge=1)  # work items per batch
-    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
     kv_budget_mb: float = Field(256.0, gt=0)  # KV slots allocated at start (at most max_sessions)
     max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
     prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
-    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     # where the batched runner's weights, KV slots and RoPE tables live (models/device.py):
     # auto = CUDA when torch sees one, else the CPU; dtype auto = bf16 on CUDA, fp32 on the CPU
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16)$")
+    # invariant: every row's bits are the same in any batch (tiled GEMMs, ADR 0008), so greedy
+    # output never depends on who shares a step; fast: one plain batched forward, cheaper for a
+    # lone row (a 1-token decode row is not padded to a tile) but a row's logits may move in
+    # the last bits with the batch, and greedy near-ties with them (ADR 0016)
+    exact_batching: str = Field("invariant", pattern=r"^(invariant|fast)$")
 
 
 class DraftSettings(WorkerSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFT_", frozen=True)
 
     pool: str = "small"  # the pool name policies refer to
+    # the draft's scheduler batches the calls of one instant (ADR 0013); the target's engine
+    # loop builds its own steps and has neither setting
+    max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
+    kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     model: str = "ngram"  # "ngram", or a Hugging Face model directory / hub id
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port (written to port_file)
@@ -76,6 +91,36 @@ class TargetSettings(WorkerSettings):
     # benchmarks/tests on CPU: extra time per forward pass, flat in K, as a large target on a
     # GPU takes (memory-bound decode); 0 = off
     simulated_pass_ms: float = Field(0.0, ge=0)
+    # The engine (ADR 0014): it drives its sessions' rounds. Pool name -> draft replica
+    # addresses (one Draft.Link stream per replica); the router's pools by the same names.
+    draft_pools: dict[str, list[str]] = Field(default_factory=dict)
+    predraft_branches: int = Field(2, ge=0, le=8)  # likely outcomes a replica drafts ahead
+    # the longest a row waits for a late block, then runs plain (below it, the engine waits only
+    # as long as the block is worth: E - 1 plain steps for a block expected to emit E tokens)
+    block_wait_ms: float = Field(50.0, ge=0)
+    max_batched_tokens: int = Field(2048, ge=1)  # tokens fed per engine step (verify rows + prefill chunks)
+    redis_outage_s: float = Field(30.0, ge=0)  # commits ride a Redis outage this long
+    session_ttl_s: int = Field(3600, ge=1)  # as the router's: the sessions' keys live this long
+    lease_s: float = Field(5.0, gt=0)  # the driver's lease, renewed every heartbeat_s
+    detached_idle_s: float = Field(60.0, gt=0)  # a session nobody reads for this long is cancelled
+    # the controller's statistics the engine feeds (the router reads them; ADR 0006)
+    controller_half_life_s: float = Field(30.0, gt=0)
+    stats_ttl_s: int = Field(7 * 86400, ge=60)
+    # the name the draft replicas' certificates are checked against; empty = the address
+    tls_server_name: str = ""
+
+    @field_validator("lease_s")
+    @classmethod
+    def _lease_outlives_heartbeats(cls, v: float, info) -> float:
+        beat = info.data.get("heartbeat_s", 1.0)
+        if v < 2 * beat:
+            raise ValueError(f"lease_s ({v}) must be at least two heartbeats ({2 * beat})")
+        return v
+
+    @field_validator("draft_pools")
+    @classmethod
+    def _pools_have_replicas(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        return pools_have_replicas(v)
 
 
 class RouterSettings(BaseSettings):
@@ -95,29 +140,16 @@ class RouterSettings(BaseSettings):
     default_k: int = Field(4, ge=0, le=32)
     max_tokens_limit: int = Field(1024, ge=1)
     max_prompt_tokens: int = Field(768, ge=1)
-    draft_timeout_ms: float = Field(250.0, gt=0)  # per Propose call; then retry/fall back
-    # per-round calls on one long-lived stream per (router, worker); false = one unary call each
-    worker_streams: bool = True
-    # round n+1 drafts and verifies while round n's commit is in flight (ADR 0010); false =
-    # each round waits for its commit (benchmarks compare the two)
-    pipeline_commits: bool = True
-    # draft workers draft ahead, while the target verifies, for this many likely next prefixes
-    # (all accepted + the bonus guess, then a rejection at each position); 0 = off (ADR 0010)
-    predraft_branches: int = Field(2, ge=0, le=8)
-    verify_timeout_ms: float = Field(10_000.0, gt=0)
     target_wait_s: float = Field(30.0, ge=0)  # how long a round waits for a target to appear
     # a target with no KV room answers RESOURCE_EXHAUSTED: the round retries for this long,
     # then the request fails with RESOURCE_EXHAUSTED (ADR 0013)
     admission_wait_s: float = Field(10.0, ge=0)
     session_ttl_s: int = Field(3600, ge=1)
     grace_s: float = Field(10.0, ge=0)
-    # session ownership (ADR 0011): the owner renews its lease every heartbeat_s; a follower
-    # or a reaper takes a running session over once lease_s passes without a renewal
-    heartbeat_s: float = Field(1.0, gt=0)
+    # the driver's lease (ADR 0014): a session whose target stops renewing it for lease_s is
+    # re-placed by a router's reaper (every reap_s); the target's lease_s must be the same
     lease_s: float = Field(5.0, gt=0)
-    reap_s: float = Field(2.0, gt=0)  # how often each router looks for orphaned sessions
-    # a session runs on after its client goes away; nobody reading it for this long cancels it
-    detached_idle_s: float = Field(60.0, gt=0)
+    reap_s: float = Field(2.0, gt=0)
     # TLS (ADR 0011): tls.crt/tls.key/ca.crt; clients get server TLS, workers are called with
     # this certificate as the client certificate (mTLS). Empty = plaintext.
     tls_dir: str = ""
@@ -141,7 +173,6 @@ class RouterSettings(BaseSettings):
     controller_refresh_s: float = Field(0.5, gt=0)
     controller_min_rounds: float = Field(8.0, ge=0)
     stats_ttl_s: int = Field(7 * 86400, ge=60)
-    shadow_timeout_s: float = Field(120.0, gt=0)
     # classifier rules [{"workload_class", "pattern", "weight", "name"}]; null = built-in rules
     classifier_rules: list[dict] | None = None
     classifier_fallback: str = "chat"
@@ -153,18 +184,7 @@ class RouterSettings(BaseSettings):
     api_keys: list[SecretStr] = Field(default_factory=list)
     http_max_in_flight: int = Field(256, ge=1)  # HTTP requests served at once; beyond: 429
 
-    @field_validator("lease_s")
-    @classmethod
-    def _lease_outlives_heartbeats(cls, v: float, info) -> float:
-        beat = info.data.get("heartbeat_s", 1.0)
-        if v < 2 * beat:
-            raise ValueError(f"lease_s ({v}) must be at least two heartbeats ({2 * beat})")
-        return v
-
     @field_validator("draft_pools")
     @classmethod
     def _pools_have_replicas(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
-        for name, addrs in v.items():
-            if not addrs:
-                raise ValueError(f"draft pool {name!r} has no replica addresses")
-        return v
+        return pools_have_replicas(v)

@@ -45,3 +45,7 @@ class SessionNotFound(SpecserveError, LookupError):
 
 class RequestIdConflict(InvalidRequest):
     """A request_id was reused for a different prompt: a retry must resend the same request."""
+
+
+class Internal(SpecserveError):
+    """The session failed inside a worker (gRPC INTERNAL); its committed tokens are kept."""

@@ -292,6 +292,7 @@ def test_network_policies_allow_only_the_documented_paths(default_manifests):
     assert allowed(m, router, draft_w, 50061)          # router -> draft
     assert allowed(m, router, worker_w, 50071)         # router -> target actor
     assert allowed(m, router, redis_w, 6379)           # router -> Redis
+    assert allowed(m, worker, draft_w, 50061)          # target engine -> draft (ADR 0014)
     assert allowed(m, worker, redis_w, 6379)           # target heartbeat -> Redis
     assert allowed(m, worker, head_w, 6379)            # Ray inside the RayCluster
     assert allowed(m, head, worker_w, 12345)
@@ -328,6 +329,20 @@ def test_router_http_api_port_and_keys(default_manifests, production_manifests):
     (dep,) = find(production_manifests, "Deployment", "spec-specserve-router")
     keys = env_of(dep["spec"]["template"]["spec"]["containers"][0])["SPECSERVE_ROUTER_API_KEYS"]
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "specserve-api-keys", "key": "api-keys"}
+
+
+def test_target_links_to_the_router_s_draft_pools(default_manifests):
+    """The engine drives the rounds (ADR 0014): every target worker gets the same pool ->
+    replica addresses as the router, so a policy's pool name means the same replicas to both."""
+    (dep,) = find(default_manifests, "Deployment", "spec-specserve-router")
+    router_pools = json.loads(env_of(dep["spec"]["template"]["spec"]["containers"][0])
+                              ["SPECSERVE_ROUTER_DRAFT_POOLS"]["value"])
+    assert set(router_pools) == {"small", "ngram"}
+    targets = [c for where, _, c in specserve_containers(default_manifests) if "target" in where
+               and "SPECSERVE_TARGET_MODEL" in env_of(c)]
+    assert targets
+    for c in targets:
+        assert json.loads(env_of(c)["SPECSERVE_TARGET_DRAFT_POOLS"]["value"]) == router_pools
 
 
 def test_tracing_env_only_when_enabled(default_manifests, production_manifests):
@@ -448,7 +463,7 @@ def test_egress_is_allow_listed(default_manifests):
         return any({"port": 53, "protocol": "UDP"} in rule.get("ports", []) for rule in spec["egress"])
 
     assert components(egress["router-egress"]) == {"draft", "target", "redis"}
-    assert components(egress["target-egress"]) == {"target", "redis"}
+    assert components(egress["target-egress"]) == {"target", "draft", "redis"}
     assert components(egress["draft-egress"]) == set()
     assert all(dns(egress[n]) for n in ("router-egress", "draft-egress", "target-egress"))
     assert egress["redis-egress"]["egress"] == []

@@ -23,7 +23,8 @@ CHART_WIRED = {
                "tls_dir", "tls_server_name"},  # from values.tls
     "draft": {"pool", "model", "host", "port", "port_file", "metrics_port", "metrics_port_file", "tls_dir"},
     "target": {"model", "redis_url", "key_prefix", "name", "host", "port", "metrics_port",
-               "num_gpus", "tls_dir"},
+               "num_gpus", "tls_dir",
+               "draft_pools", "tls_server_name"},  # the engine's links to the draft pools (ADR 0014)
 }
 CLASSES = {"router": RouterSettings, "draft": DraftSettings, "target": TargetSettings}
 CONSTRAINTS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -161,3 +162,5 @@ def test_tls_mounts_the_secret_everywhere_and_probes_by_tcp(render):
                     assert not any("grpc" in c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert {"router", "target-launcher"} <= set(wired) and any(n.startswith("draft") for n in wired), wired
     assert wired["router"]["SPECSERVE_ROUTER_TLS_SERVER_NAME"] == "specserve-workers"
+    # the engine dials the draft replicas too (ADR 0014): their certificates, the same name
+    assert wired["target-launcher"]["SPECSERVE_TARGET_TLS_SERVER_NAME"] == "specserve-workers"

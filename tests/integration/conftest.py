@@ -73,7 +73,7 @@ def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
         pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1)},
         target_threads=1,
         # tests kill workers on purpose: fail over fast, and wait long enough for Ray's restart
-        router_env={"SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "2000", "SPECSERVE_ROUTER_TARGET_WAIT_S": "180",
+        router_env={"SPECSERVE_ROUTER_TARGET_WAIT_S": "180",
                     "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "256"},
         env={"SPECSERVE_TRACING": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
              "OTEL_TRACES_SAMPLER": "always_on"},

@@ -11,6 +11,7 @@ are sleeps, so timings here are far steadier than compute-bound ones.
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import threading
@@ -45,8 +46,9 @@ def pstack(demo_pair_dir, tmp_path_factory):
                "spare": PoolSpec("draft", env={"SPECSERVE_DRAFT_SIMULATED_TOKEN_MS": "1"})},
         router_env={"SPECSERVE_ROUTER_ADMIN_TOKENS": json.dumps({"ops": TOKEN}),
                     "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "256", "SPECSERVE_ROUTER_TARGET_WAIT_S": "120",
-                    "SPECSERVE_ROUTER_CONTROLLER_HALF_LIFE_S": "60", "SPECSERVE_ROUTER_DRAFT_TIMEOUT_MS": "2000"},
-        env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": "30"},
+                    "SPECSERVE_ROUTER_CONTROLLER_HALF_LIFE_S": "60"},
+        # the engine feeds the statistics the router reads: the same half-life on both sides
+        env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": "30", "SPECSERVE_TARGET_CONTROLLER_HALF_LIFE_S": "60"},
     )
     with Stack(spec).running(timeout_s=480) as s:
         yield s
@@ -88,6 +90,13 @@ def readable_code_prompts(eval_prompts, demo_pair):
         if len(keep) == 4:
             return keep
     pytest.fail(f"only {len(keep)} readable code prompts among the held-out ones")
+
+
+@pytest.fixture(scope="module")
+def extraction_prompts(eval_prompts):
+    """Where the distilled draft is strong (MODEL_CARD.md: 2.75 of 4 drafts accepted per round
+    held out, against 0.79 on code), so a pool's worth is clear from a few requests."""
+    return [p["prompt"] for p in eval_prompts if p["workload_class"] == "extraction"][:4]
 
 
 def _cls(name: str) -> str:
@@ -143,7 +152,13 @@ def test_in_flight_requests_keep_the_policy_they_started_with(routers, code_prom
     stats = chunks[-1].stats
     assert stats.draft_pool == "small", "it changed policy mid-flight"
     assert not any(r.fallback_reason == "policy_off" for r in stats.round), "it changed policy mid-flight"
-    assert sum(r.k > 0 for r in stats.round) >= len(stats.round) / 2  # (a slow draft call may fall back)
+    # it kept speculating after the change: verify rounds in the second half of the run, and
+    # every round without drafts is one the engine ran plain for a draft reason (a block not
+    # worth waiting for, ADR 0014), or the budget's last token - never the policy
+    late = stats.round[len(stats.round) // 2:]
+    assert sum(r.k > 0 for r in late) >= 3, [(r.k, r.fallback_reason) for r in stats.round]
+    assert {r.fallback_reason for r in stats.round if r.k == 0} <= {"draft_late", ""}, \
+        [(r.k, r.fallback_reason) for r in stats.round]
     after = _gen(gen1, code_prompts[0], cls, max_tokens=8, draft_pool="small")
     assert after.stats.draft_pool == "" and after.stats.round[0].fallback_reason == "policy_off"
 
@@ -196,21 +211,21 @@ def test_a_poor_draft_pool_is_switched_to_plain_and_throughput_recovers(routers,
 
 
 def test_a_class_with_two_pools_ends_on_the_good_one_and_leaves_it_when_it_degrades(pstack, routers,
-                                                                                  readable_code_prompts):
+                                                                                  extraction_prompts):
     """The policy prefers `poor` but allows `spare` (the distilled draft): the controller
     measures plain and both pools, then runs the class on `spare`. When `spare` degrades (its
-    only replica is killed: every Propose fails, 0 accepted for the time it wasted), the
+    only replica is killed: its link breaks, its rounds run plain, 0 accepted), the
     class leaves it, and it does not go to `poor`, which does not pay either."""
     import os
     import signal
 
     (gen0, admin0), (gen1, _) = routers
-    code_prompts = readable_code_prompts
+    prompts = extraction_prompts
     cls = _cls("twopools")
     _set(admin0, cls, draft_pool="poor", draft_pools=["spare"], k=4, probe_fraction=0.05)
     history: list[str] = []
     for i in range(16):
-        r = _gen((gen0, gen1)[i % 2], code_prompts[i % len(code_prompts)], cls)
+        r = _gen((gen0, gen1)[i % 2], prompts[i % len(prompts)], cls)
         history.append(r.stats.draft_pool or "plain")
         d = _effective(admin0, cls).decision
         if d.decision == "speculate":
@@ -220,11 +235,18 @@ def test_a_class_with_two_pools_ends_on_the_good_one_and_leaves_it_when_it_degra
     assert (d.decision, d.draft_pool) == ("speculate", "spare"), (d.reason, history)
     assert d.speedup_by_pool["spare"] > 1.1 > d.speedup_by_pool["poor"]
     settled_after = i + 1
-    on_spare = sum(_gen(gen0, code_prompts[j % len(code_prompts)], cls).stats.draft_pool == "spare" for j in range(8))
-    assert on_spare >= 6  # 5 % probes: P(binomial(8, 0.05) > 2) < 0.006
+    placed = []
+    for j in range(8):
+        r = _gen(gen0, prompts[j % len(prompts)], cls)
+        placed.append((r.stats.draft_pool or "plain", r.stats.decision, r.stats.decision_reason))
+    on_spare = sum(pool == "spare" for pool, _, _ in placed)
+    assert on_spare >= 6, placed  # 5 % probes: P(binomial(8, 0.05) > 2) < 0.006
     os.kill(pstack.info.pids["draft-spare-0"], signal.SIGKILL)
-    for j in range(40):
-        r = _gen((gen0, gen1)[j % 2], code_prompts[j % len(code_prompts)], cls)
+    # a dead pool's rounds run plain at once (no wait for a block) and cost what a plain step
+    # costs, so S falls only as its first position's acceptance decays toward 0 (hyperbolically,
+    # against the mass of the rounds before the kill): measured at 1.11 after 40 requests once
+    for j in range(80):
+        r = _gen((gen0, gen1)[j % 2], prompts[j % len(prompts)], cls)
         assert len(r.token_ids) == 32  # a dead pool never fails a request
         d = _effective(admin0, cls).decision
         if d.draft_pool != "spare" or d.decision != "speculate":
@@ -241,11 +263,16 @@ def _sweep_rate(responses, k: int) -> float:
     median round time. Medians, because a 2-core CI machine stalls now and then (CPU steal)
     and one stall would otherwise decide the sweep."""
     rounds = [r for resp in responses for r in resp.stats.round if r.k == k and not r.fallback_reason]
+    if not rounds:  # its blocks were always late: the engine ran its rounds plain (ADR 0014)
+        return 0.0
     per_round = statistics.mean(r.emitted for r in rounds)
     return per_round / (statistics.median(r.draft_ms + r.verify_ms + r.overhead_ms for r in rounds) / 1e3)
 
 
-def test_adaptive_k_settles_within_one_step_of_the_sweeps_best(routers, code_prompts):
+def test_adaptive_k_settles_within_one_step_of_the_sweeps_best(routers, extraction_prompts):
+    # extraction: where the demo draft's acceptance makes K matter (on code its first draft
+    # is accepted 20-40 % of the time, S sits at 1 and the controller rightly runs plain)
+    prompts = extraction_prompts
     (gen0, admin0), (gen1, _) = routers
     # the sweep: each K pinned, under a class of its own; the K values interleaved (a slow
     # spell of the machine then hits all of them alike), every prompt twice per K
@@ -254,7 +281,7 @@ def test_adaptive_k_settles_within_one_step_of_the_sweeps_best(routers, code_pro
     ks = list(range(1, 7))
     responses: dict[int, list] = {k: [] for k in ks}
     for rep in range(2):
-        for i, prompt in enumerate(code_prompts):
+        for i, prompt in enumerate(prompts):
             order = ks[(i + rep) % len(ks):] + ks[:(i + rep) % len(ks)]
             for k in order:
                 responses[k].append(_gen(gen0, prompt, sweep_cls, num_draft_tokens=k))
@@ -263,23 +290,28 @@ def test_adaptive_k_settles_within_one_step_of_the_sweeps_best(routers, code_pro
     # K values within 5 % of the best are ties: the curve is flat near its top (E(K) saturates
     # while T(K) grows), and two calm sweeps on this machine differed by up to 4 % at one K
     best = {k for k, v in rate.items() if v >= 0.95 * top}
-    # adaptive K under a fresh class: it has to find K on its own
+    # adaptive K under a fresh class: the controller decides to speculate, and the engine
+    # picks each round's K in [k_min, k_max] from its measured step cost (ADR 0014)
     cls = _cls("adaptive")
     _set(admin0, cls, adaptive_k=True, k_min=1, k_max=6, safety_margin=0.0, probe_fraction=0.1)
-    used = []
+    ks_of: list[list[int]] = []
     for i in range(36):
-        r = _gen((gen0, gen1)[i % 2], code_prompts[i % len(code_prompts)], cls)
-        used.append(r.stats.round[0].k if r.stats.draft_pool else 0)
+        r = _gen((gen0, gen1)[i % 2], prompts[i % len(prompts)], cls)
+        ks_of.append([x.k for x in r.stats.round if x.k > 0] if r.stats.draft_pool else [])
     d = _effective(admin0, cls).decision
+    settled = [k for ks in ks_of[-10:] for k in ks]  # the engine's Ks in the last 10 requests
+    engine_k = collections.Counter(settled).most_common(1)[0][0] if settled else 0
     print(f"sweep tokens/s { {k: round(v, 1) for k, v in rate.items()} }; best K {sorted(best)}; "
-          f"controller K={d.k} ({d.decision}): {d.reason}; last Ks {used[-10:]}")
+          f"controller: {d.decision}: {d.reason}; the engine's Ks in the last 10 requests "
+          f"{dict(sorted(collections.Counter(settled).items()))}")
     assert d.decision == "speculate", d.reason
 
     def near(k: int) -> bool:
         return min(abs(k - b) for b in best) <= 1
 
-    assert near(d.k)
-    settled = [k for k in used[-10:] if k]  # probes (10 %) may try a neighbour or plain
+    # the K it runs most is within one of the sweep's best; a K the engine verifies fewer
+    # drafts of (a block whose first drafts a plain round committed) counts as smaller
+    assert near(engine_k), engine_k
     assert sum(near(k) for k in settled) >= 0.6 * len(settled)
 
 

@@ -203,12 +203,20 @@ def test_acceptance_drop_goes_pending_then_firing(prom_stack, prometheus, load):
         metadata=AUTH, timeout=10)
     switched = time.monotonic()
     seen: dict[str, float] = {}
+    others: dict[tuple[str, str], set[str]] = {}
     while "firing" not in seen and time.monotonic() - switched < 120:
         for a in prometheus.alerts():
             if a["labels"]["alertname"] == "SpecserveAcceptanceDrop":
-                assert (a["labels"]["workload_class"], a["labels"]["draft_pool"]) == ("code", "poor")
-                seen.setdefault(a["state"], round(time.monotonic() - switched, 1))
+                labels = (a["labels"]["workload_class"], a["labels"]["draft_pool"])
+                if labels == ("code", "poor"):
+                    seen.setdefault(a["state"], round(time.monotonic() - switched, 1))
+                else:
+                    others.setdefault(labels, set()).add(a["state"])
         time.sleep(0.5)
+    # Another pair may go *pending*: shortened 60x, the rule's 5m window holds ~5 s of rounds,
+    # and the last rounds of small's in-flight requests after the switch are few and noisy
+    # (in production the window holds hundreds of rounds). None may fire.
+    assert not [p for p, states in others.items() if "firing" in states], others
     print(f"SpecserveAcceptanceDrop after the switch (code's baseline {before:.2f} tokens/round): "
           f"inactive at 0 s, {seen}")
     inputs = {q: prometheus.query(q) for q in (

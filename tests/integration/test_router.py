@@ -198,7 +198,7 @@ def test_every_service_has_health_and_reflection(stack):
 def test_kill_a_draft_replica_mid_request(stub, stack, reference, eval_prompts):
     """The session's replica dies mid-request: the pool fails over (or falls back to plain
     steps) and the complete greedy output is still exactly the reference."""
-    from services.router.pools import HashRing
+    from specserve.engine.link import replica_for
 
     prompt = eval_prompts[1]["prompt"]
     want = reference(prompt, 60)
@@ -206,7 +206,7 @@ def test_kill_a_draft_replica_mid_request(stub, stack, reference, eval_prompts):
     first = next(stream)
     r = redis.Redis.from_url(stack.info.redis_url)
     assert r.hget(f"specserve:sess:{first.session_id}", "status") == b"running"  # mid-generation
-    replica = HashRing(stack.info.pools["small"]).order(first.session_id)[0]  # the session's replica
+    replica = replica_for(first.session_id, stack.info.pools["small"])  # the session's replica
     name = f"draft-small-{stack.info.pools['small'].index(replica)}"
     os.kill(stack.info.pids[name], signal.SIGKILL)
     chunks = [first, *stream]
@@ -223,8 +223,8 @@ def _contiguous(chunks) -> None:
 
 
 def test_kill_the_target_actor_process(stub, stack, reference, eval_prompts):
-    """Ray restarts the killed actor and the router re-prefills it from Redis: the request
-    completes, exactly (an UNAVAILABLE here would be a failed recovery, not an outcome)."""
+    """Ray restarts the killed actor and its new incarnation adopts the session from Redis
+    and re-prefills it: the request completes, exactly (an UNAVAILABLE here would be a failed recovery, not an outcome)."""
     r = redis.Redis.from_url(stack.info.redis_url)
     before = json.loads(r.get("specserve:target:target-0"))
     prompt = eval_prompts[11]["prompt"]

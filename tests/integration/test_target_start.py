@@ -90,7 +90,7 @@ def test_start_over_grpc_drives_the_session_and_redis_gets_every_round(target, d
 
     async def go():
         host = _host(target, drafter, store)
-        server, stub, channel = await _serve(TargetServicer(target, 4, host=host))
+        server, stub, channel = await _serve(TargetServicer(host))
         handle = await store.create_or_join(None, plan.encode(), PROMPT, owner="router-0")
         reply = await stub.Start(target_pb2.StartRequest(session_id=handle.session_id))
         chunks = await asyncio.wait_for(_all_chunks(store, handle.session_id), 60)
@@ -139,7 +139,7 @@ def test_a_restarted_incarnation_adopts_its_sessions_and_finishes_them_exactly(t
 def test_bad_starts_are_refused_with_a_status_a_caller_can_act_on(target, drafter, store, run):
     async def go():
         host = _host(target, drafter, store)
-        server, stub, channel = await _serve(TargetServicer(target, 4, host=host))
+        server, stub, channel = await _serve(TargetServicer(host))
         codes = []
         handle = await store.create_or_join(None, _plan(4, None).encode(), PROMPT, owner="router-0")
         await store.cancel(handle.session_id)

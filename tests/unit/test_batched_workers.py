@@ -1,6 +1,8 @@
-"""The draft and target servicers batch their calls (ADR 0013) and a session's tokens do not
-depend on who shares its batches: sessions run alone, then all at once through the same
-servicers, give identical tokens at T = 0 and seeded at T > 0, with pre-drafting on.
+"""The draft servicer batches its calls (ADR 0013) and a session's tokens do not depend on who
+shares its batches: sessions run alone, then all at once through the same draft servicer and
+target engine (each verify a row of the target's batched step, as the engine loop makes it),
+give identical tokens at T = 0 and seeded at T > 0, with pre-drafting on. (The target's side
+of batch invariance, many rows in one step, is tests/unit/test_engine_loop.py's.)
 
 The models are randomly initialised small Llamas built here (no training, no download): their
 near-uniform logits are full of near-ties, the hardest case for batch invariance. A model the
@@ -17,7 +19,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from services.draft.server import DraftServicer
-from services.target.server import TargetServicer
 from specserve.algorithm.round import draft_budget, settle
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
@@ -26,14 +27,19 @@ from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.models.verifier import TargetModel
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
-from specserve.v1 import draft_pb2, target_pb2
+from specserve.v1 import draft_pb2
 from specserve.worker.model_runner import (
     BatchedDraft,
     BatchedTarget,
     Batching,
     SessionDraft,
     SessionTarget,
+    VerifyJob,
+    VerifyResult,
+    target_engine,
 )
+from specserve.worker.qcodec import q_from_proto
+from specserve.worker.scheduler import AGAIN, Work
 
 VOCAB = 96
 
@@ -54,36 +60,60 @@ def pair():
 BATCHING = Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=8)
 
 
-def _servicers(pair, batching=BATCHING):
+class _Target:
+    """The target's batched engine, one row per call, as the engine loop feeds it (prefill
+    chunks come back AGAIN until the prompt is in)."""
+
+    def __init__(self, target, batching=BATCHING) -> None:
+        self.engine = target_engine(TargetModel(target), batching)
+        self.handles: dict[str, object] = {}
+        self.steps = 0
+
+    def verify(self, sid: str, ids: list[int], drafts: list[int], q, sampling: SamplingParams,
+               seed: int) -> VerifyResult:
+        handle = self.handles.get(sid) or self.handles.setdefault(sid, self.engine.open(sid))
+        while True:
+            self.steps += 1
+            [res] = self.engine.step([Work(sid, VerifyJob(handle, ids, drafts, q, sampling, seed), len(drafts) + 1)])
+            if res is not AGAIN:
+                break
+        if isinstance(res, Exception):
+            raise res
+        return res
+
+    def release(self, sid: str) -> None:
+        self.engine.close(self.handles.pop(sid))
+
+
+def _workers(pair, batching=BATCHING):
     target, draft = pair
-    return (TargetServicer(TargetModel(target), 8, batching=batching),
-            DraftServicer(HFDrafter(draft), 8, batching=batching))
+    return _Target(target, batching), DraftServicer(HFDrafter(draft), 8, batching=batching)
 
 
-async def _generate(ts: TargetServicer, ds: DraftServicer, sid: str, prompt: list[int], params: GenerationParams,
+async def _generate(ts: _Target, ds: DraftServicer, sid: str, prompt: list[int], params: GenerationParams,
                     branches: int = 2) -> tuple[list[int], int]:
-    """The router's round loop against both servicers; (tokens, positions the target rolled back)."""
+    """A session's rounds against the draft servicer and the target engine; (tokens,
+    positions the target rolled back)."""
     committed = CommittedPrefix(prompt)
     stops = StopChecker(frozenset(), (), lambda ids: "")
     sampling = sampling_to_proto(params.sampling)
     generated: list[int] = []
-    held_d = held_t = rolled = 0
+    held_d = rolled = 0
     reason = None
     while reason is None:
         k = draft_budget(params.num_draft_tokens, len(generated), params.max_tokens)
         n = len(committed)
         block = None
         if k:
-            block = await ds.Propose(draft_pb2.ProposeRequest(
+            block = await ds.propose(draft_pb2.ProposeRequest(
                 session_id=sid, prefix=prefix_to_proto(committed, held_d), k=k, sampling=sampling,
-                seed=params.seed, predraft_branches=branches), None)
+                seed=params.seed, predraft_branches=branches))
             held_d = n
-        verdict = await ts.Verify(target_pb2.VerifyRequest(
-            session_id=sid, prefix=prefix_to_proto(committed, held_t), draft_tokens=block.tokens if block else [],
-            q=block.q if block else None, sampling=sampling, seed=params.seed), None)
-        held_t = n
-        rolled += verdict.rollback_tokens
-        settled = settle(generated, list(verdict.tokens), stops, params.max_tokens)
+        drafts = list(block.tokens) if block else []
+        q = q_from_proto(block.q, len(drafts), VOCAB) if block else None
+        result = ts.verify(sid, committed.ids, drafts, q, params.sampling, params.seed)
+        rolled += result.rolled_back
+        settled = settle(generated, list(result.verdict.tokens), stops, params.max_tokens)
         generated += settled.tokens
         committed.extend(settled.tokens)
         reason = settled.finish_reason
@@ -94,24 +124,24 @@ PROMPTS = [[(7 * i + j * 3) % VOCAB for j in range(3 + 5 * i)] for i in range(6)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_tokens_are_identical_alone_and_batched_through_the_servicers(pair, temperature):
+def test_tokens_are_identical_alone_and_batched_through_the_draft_servicer(pair, temperature):
     sp = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
     params = [GenerationParams(max_tokens=12, sampling=sp, num_draft_tokens=1 + i % 4, seed=100 + i)
               for i in range(len(PROMPTS))]
 
     async def go():
-        ts, ds = _servicers(pair)
+        ts, ds = _workers(pair)
         assert isinstance(ts.engine, BatchedTarget) and isinstance(ds.engine, BatchedDraft)
         alone = [await _generate(ts, ds, f"alone-{i}", p, params[i]) for i, p in enumerate(PROMPTS)]
         for i in range(len(PROMPTS)):
-            ts.sessions.release(f"alone-{i}"), ds.sessions.release(f"alone-{i}")
-        before = ts.core.scheduler.stats.max_size
+            ts.release(f"alone-{i}"), ds.sessions.release(f"alone-{i}")
+        before = ds.core.scheduler.stats.max_size
         together = await asyncio.gather(*(_generate(ts, ds, f"b-{i}", p, params[i]) for i, p in enumerate(PROMPTS)))
-        return alone, together, before, ts.core.scheduler.stats.max_size, ds.core.scheduler.stats.max_size, ds
+        return alone, together, before, ds.core.scheduler.stats.max_size, ds
 
-    alone, together, before, target_max, draft_max, ds = asyncio.run(go())
+    alone, together, before, draft_max, ds = asyncio.run(go())
     assert [t for t, _ in alone] == [t for t, _ in together]
-    assert before == 1 and target_max >= 3 and draft_max >= 2  # really batched the second time
+    assert before == 1 and draft_max >= 2  # really batched the second time
     assert sum(r for _, r in alone) > 0  # rejected drafts were rolled back along the way
     assert ds.metrics.predrafts._value.get() > 0  # drafting ahead ran on the batched draft
 
@@ -121,25 +151,22 @@ def test_greedy_tokens_do_not_change_with_predrafting_or_prefill_chunking(pair):
     prompt = list(range(40))  # 5 chunks of 8
 
     async def go():
-        ts, ds = _servicers(pair)
+        ts, ds = _workers(pair)
         with_ahead = await _generate(ts, ds, "a", prompt, params, branches=2)
-        ts2, ds2 = _servicers(pair, Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=64))
-        prefilled = await ts2.Prefill(target_pb2.PrefillRequest(
-            session_id="b", prefix=prefix_to_proto(CommittedPrefix(prompt), 0)), None)
+        ts2, ds2 = _workers(pair, Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=64))
         without = await _generate(ts2, ds2, "b", prompt, params, branches=0)
-        return with_ahead, without, ts.core.scheduler.stats.batches, prefilled.cached_len
+        return with_ahead, without, ts.steps, ts2.steps
 
-    (a, _), (b, _), batches, cached = asyncio.run(go())
+    (a, _), (b, _), chunked, whole = asyncio.run(go())
     assert a == b
-    assert batches > 10  # the prompt went through the target in chunks, one batch each
-    assert cached == len(prompt)  # the Prefill call cached the whole prompt first
+    assert chunked - whole == 4  # 5 chunks of 8 against the whole 40-token prompt in one step
 
 
 def test_an_unsupported_architecture_falls_back_to_the_per_session_path(pair, caplog):
     target = _llama(2, 64, 2, MistralForCausalLM, MistralConfig)
     _, draft = pair
     caplog.set_level(logging.WARNING)
-    ts = TargetServicer(TargetModel(target), 8, batching=BATCHING)
+    ts = _Target(target)
     assert isinstance(ts.engine, SessionTarget)
     assert [r.message for r in caplog.records if "MistralForCausalLM" in r.message
             and "per-session HF path" in r.message]

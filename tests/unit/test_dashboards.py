@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.serving.metrics import RouterMetrics, WorkerMetrics
+from specserve.serving.metrics import RoundMetrics, RouterMetrics, WorkerMetrics
 from specserve.tooling import promrules, waterfall
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ _EXPOSED = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", 
 def _families() -> dict[str, str]:
     """Metric family name -> type, as the router and both workers export them."""
     out: dict[str, str] = {}
-    for metrics in (RouterMetrics(), WorkerMetrics("draft"), WorkerMetrics("target")):
+    for metrics in (RouterMetrics(), RoundMetrics(), WorkerMetrics("draft"), WorkerMetrics("target")):
         for fam in metrics.registry.collect():
             out[fam.name] = fam.type
     return out
@@ -121,7 +121,8 @@ def test_dashboard_covers_every_design_metric(exprs):
 
 
 def test_router_queries_filter_by_class_and_pool(dashboard, exprs):
-    router = {fam.name for fam in RouterMetrics().registry.collect()}
+    # the per (class, pool) families: the control plane's and the engine's rounds
+    router = {fam.name for m in (RouterMetrics(), RoundMetrics()) for fam in m.registry.collect()}
     router_exprs = [e for e in exprs if {SUFFIX.sub("", n) for n in NAME.findall(e)} & router]
     assert len(router_exprs) >= 15
     for e in router_exprs:
@@ -214,34 +215,50 @@ def _span(trace_id, span_id, parent, name, kind, start_ms, end_ms, service, **at
 
 
 def _synthetic_trace(trace_id: str = "t1", session: str = "sess-1") -> list[dict]:
+    """router -> Start -> the engine's session: two rounds, each verifying a block the draft
+    worker drafted for its prefix (the first one with a block drafted ahead under it)."""
     spans = [_span(trace_id, "g", None, "specserve.generate", "INTERNAL", 0, 40, "router",
                    **{"specserve.session_id": session, "specserve.workload_class": "chat",
-                      "specserve.draft_pool": "small", "specserve.k": 4})]
-    for i, (t0, acc) in enumerate([(1, 4), (21, 1)]):
+                      "specserve.draft_pool": "small", "specserve.k": 4}),
+             _span(trace_id, "st", "g", "specserve.v1.Target/Start", "SERVER", 0, 1, "target"),
+             _span(trace_id, "es", "st", "specserve.engine.session", "INTERNAL", 0, 40, "target")]
+    for i, (t0, acc, prefix) in enumerate([(5, 4, 10), (25, 1, 15)]):
         r = f"r{i}"
         spans += [
-            _span(trace_id, r, "g", "specserve.round", "INTERNAL", t0, t0 + 18, "router",
-                  **{"specserve.k": 4, "specserve.num_accepted": acc, "specserve.emitted": acc + 1}),
-            _span(trace_id, f"{r}d", r, "specserve.draft.propose", "CLIENT", t0, t0 + 5, "router"),
-            _span(trace_id, f"{r}ds", f"{r}d", "specserve.v1.Draft/Propose", "SERVER", t0 + 1, t0 + 4, "draft"),
-            _span(trace_id, f"{r}v", r, "specserve.target.verify", "CLIENT", t0 + 5, t0 + 15, "router"),
-            _span(trace_id, f"{r}vs", f"{r}v", "specserve.v1.Target/Verify", "SERVER", t0 + 6, t0 + 14, "target"),
-            _span(trace_id, f"{r}c", r, "specserve.commit", "CLIENT", t0 + 15, t0 + 18, "router"),
+            _span(trace_id, f"{r}b", "es", "specserve.draft.block", "INTERNAL", t0 - 4, t0 - 1, "draft",
+                  **{"specserve.prefix_len": prefix, "specserve.k": 4}),
+            _span(trace_id, r, "es", "specserve.round", "INTERNAL", t0, t0 + 12, "target",
+                  **{"specserve.k": 4, "specserve.num_accepted": acc, "specserve.emitted": acc + 1,
+                     "specserve.prefix_len": prefix, "specserve.verify_ms": 10.0}),
         ]
+    ahead = _span(trace_id, "ah", "r0b", "specserve.draft.ahead", "INTERNAL", 6, 12, "draft")
+    # drafted ahead while round 0 verified: blocks for prefixes 15 (used? no: round 1 got its
+    # own) and 20, which round 2 verified without waiting (specserve.predraft)
+    ahead["events"] = [{"name": "specserve.predrafted", "time_ns": 8 * MS, "attributes": {"specserve.prefix_len": 15}},
+                       {"name": "specserve.predrafted", "time_ns": 11 * MS, "attributes": {"specserve.prefix_len": 20}}]
+    spans.append(ahead)
+    spans.append(_span(trace_id, "r2", "es", "specserve.round", "INTERNAL", 38, 40, "target",
+                       **{"specserve.k": 4, "specserve.num_accepted": 0, "specserve.emitted": 1,
+                          "specserve.prefix_len": 20, "specserve.verify_ms": 2.0, "specserve.predraft": True}))
+    spans.append(_span(trace_id, "stale", "es", "specserve.draft.block", "INTERNAL", 16, 18, "draft",
+                       **{"specserve.prefix_len": 99, "specserve.k": 4}))  # a block no round used
+    # a block for prefix 21 that came late: a plain round committed its first draft, and
+    # round 3 verified the rest of it from prefix 22
+    spans.append(_span(trace_id, "r3b", "es", "specserve.draft.block", "INTERNAL", 41, 44, "draft",
+                       **{"specserve.prefix_len": 21, "specserve.k": 4}))
+    spans.append(_span(trace_id, "r3", "es", "specserve.round", "INTERNAL", 45, 47, "target",
+                       **{"specserve.k": 3, "specserve.num_accepted": 3, "specserve.emitted": 4,
+                          "specserve.prefix_len": 22, "specserve.verify_ms": 2.0}))
     return spans
 
 
-def test_rounds_pair_each_client_call_with_its_server_span():
+def test_rounds_pair_each_round_with_the_block_it_verified():
     rounds = waterfall.rounds_of(_synthetic_trace())
-    assert [r["round"]["span_id"] for r in rounds] == ["r0", "r1"]
-    for i, r in enumerate(rounds):
-        assert set(r["calls"]) == {"specserve.draft.propose", "specserve.target.verify", "specserve.commit"}
-        for client, server in waterfall._CLIENT_TO_SERVER.items():
-            srv = r["servers"][client]
-            assert srv is not None and srv["name"] == server and srv["kind"] == "SERVER"
-            assert srv["parent_span_id"] == r["calls"][client]["span_id"] and srv["span_id"].startswith(f"r{i}")
-            assert srv["service"] != r["calls"][client]["service"]
-        assert r["servers"]["specserve.commit"] is None  # Redis: no server span
+    assert [r["round"]["span_id"] for r in rounds] == ["r0", "r1", "r2", "r3"]
+    assert [r["block"]["span_id"] for r in rounds] == ["r0b", "r1b", "ah", "r3b"]
+    # the pre-drafted block's bar: from the ahead span's previous block to its own event
+    assert (rounds[2]["block"]["start_ns"], rounds[2]["block"]["end_ns"]) == (8 * MS, 11 * MS)
+    assert [[a["span_id"] for a in r["ahead"]] for r in rounds] == [["ah"], [], [], []]
 
 
 def test_pick_trace_selects_the_session_and_rejects_unknown_ones():

@@ -54,6 +54,15 @@ def test_settings_reach_batching():
     assert (Batching().device, Batching().dtype) == ("auto", "auto")
 
 
+def test_exact_batching_chooses_the_runner_tiling():
+    assert Batching.from_settings(TargetSettings()).tile == Batching().tile == 4  # invariant by default
+    fast = Batching.from_settings(TargetSettings(exact_batching="fast"))
+    assert fast.tile is None
+    assert make_runner(_tiny_llama(), fast).tile is None  # the plain batched forward
+    with pytest.raises(ValidationError):
+        TargetSettings(exact_batching="sometimes")
+
+
 def _tiny_llama():
     torch.manual_seed(5)
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

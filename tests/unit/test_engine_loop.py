@@ -10,6 +10,9 @@ committed demo pair's held-out prompts."""
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -138,6 +141,44 @@ def test_without_a_usable_block_a_speculating_session_runs_plain_and_is_unchange
     assert all(r.k == 0 for r in rounds)
     # the last round may have no room for drafts left in the token budget: no fallback there
     assert {r.fallback_reason for r in rounds if r.k_asked} == {reason}
+
+
+class LateDrafts(LocalDrafts):
+    """Blocks arrive `delay_s` after they are asked for (a timer thread); the first `wrong`
+    blocks propose other tokens than the drafter's, one-hot (rejected but for a rare draw)."""
+
+    def __init__(self, drafter, delay_s: float, wrong: int) -> None:
+        super().__init__(drafter)
+        self.delay_s, self.wrong = delay_s, wrong
+
+    def attach(self, deliver) -> None:
+        def late(b: DraftBlock) -> None:
+            if self.wrong > 0:
+                self.wrong -= 1
+                b = replace(b, tokens=tuple((t + 1) % VOCAB for t in b.tokens), q=None)
+            threading.Timer(self.delay_s, deliver, args=(b,)).start()
+
+        super().attach(late)
+
+
+def test_a_session_whose_blocks_were_rejected_and_then_came_late_waits_for_them_again(pair):
+    """The wait for a block is priced by what its blocks were worth lately. Rejected blocks
+    lower that below the draft's latency (20 ms against a 30 ms step), so the next blocks are
+    late. Late rounds verify nothing, so without relaxing the estimate the session would run
+    plain for good although its drafter (the target's twin) now drafts the target's tokens."""
+    target, _ = pair
+    # T > 0 on near-uniform micro models: the twin's blocks are always accepted (q = p), and a
+    # late block is almost never still usable (a plain round rarely samples its first token)
+    plan = EnginePlan(GenerationParams(max_tokens=40, num_draft_tokens=3, seed=5,
+                                       sampling=SamplingParams(temperature=0.8)), pool="small")
+    loop = _loop(pair, {"small": LateDrafts(HFDrafter(target.model), 0.02, wrong=4)}, block_wait_max_s=0.05,
+                 simulated_step_ms=lambda works: 30.0)
+    _run(loop, [("s", PROMPTS[2], plan)])
+    rounds = loop.ended["s"].rounds
+    late = [i for i, r in enumerate(rounds) if r.fallback_reason == DRAFT_LATE]
+    assert late, [(r.k, r.accepted, r.fallback_reason) for r in rounds]  # the rejections did make blocks late
+    after = rounds[late[0]:]
+    assert sum(r.accepted for r in after) >= 6, [(r.k, r.accepted, r.fallback_reason) for r in rounds]
 
 
 def test_commits_are_contiguous_and_spell_the_output(pair):

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over a fake GenerationServicer: how bodies map to the
+"""The OpenAI-compatible HTTP API over a fake GenerationService: how bodies map to the
 GenerateRequest, the response and SSE shapes, usage, and every error as an OpenAI error
 object with its status. The real servicer is exercised by tests/integration/test_openai_sdk.py."""
 
@@ -16,7 +16,7 @@ from specserve.v1 import generation_pb2
 MODEL = "specserve"
 
 
-class FakeServicer:
+class FakeService:
     """Answers every request with the tokens 7 8 9 ("a", "b", "c"), or raises `fail`."""
 
     def __init__(self) -> None:
@@ -28,14 +28,14 @@ class FakeServicer:
     def _stats(self) -> generation_pb2.GenerationStats:
         return generation_pb2.GenerationStats(accepted_prediction_tokens=2, rejected_prediction_tokens=5)
 
-    async def Generate(self, req, context):
+    async def generate(self, req):
         self.requests.append(req)
         if self.fail:
             raise self.fail
         return generation_pb2.GenerateResponse(session_id="s1", text="abc", token_ids=[7, 8, 9],
                                                finish_reason="length", stats=self._stats())
 
-    async def GenerateStream(self, req, context):
+    async def generate_stream(self, req):
         self.requests.append(req)
         if self.fail:
             raise self.fail
@@ -45,7 +45,7 @@ class FakeServicer:
 
 
 def make(api_keys=(), ready=True, max_in_flight=8):
-    fake = FakeServicer()
+    fake = FakeService()
     api = OpenAIApp(fake, MODEL, ChatTemplate(CHAT_TEMPLATE), set(api_keys), max_in_flight, lambda: ready)
     return fake, api, TestClient(api.app)
 
@@ -210,13 +210,13 @@ def test_http_requests_are_counted_by_route_and_status():
     from specserve.serving.metrics import RouterMetrics
 
     metrics = RouterMetrics()
-    api = OpenAIApp(FakeServicer(), MODEL, ChatTemplate(CHAT_TEMPLATE), set(), 8, lambda: True, metrics)
+    api = OpenAIApp(FakeService(), MODEL, ChatTemplate(CHAT_TEMPLATE), set(), 8, lambda: True, metrics)
     client = TestClient(api.app)
     client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
     client.post("/v1/completions", json={"model": "gpt-4o", "prompt": "x"})  # refused before serving
     client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})  # the body's validation
-    api.servicer.fail = Unavailable("no target")
+    api.service.fail = Unavailable("no target")
     client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
 
     def count(status: str) -> float | None:

@@ -61,15 +61,14 @@ def _drafter(demo_pair, target_model, name):
 
 
 async def _through_servicer(servicer: DraftServicer, target_model, prompt_ids, params, stops, branches):
-    """The router's round loop against the servicer; returns (tokens, rounds, pushed hits)."""
+    """A session's rounds against the servicer, verified in process; returns (tokens, rounds, pushed hits)."""
     session = target_model.start()
     committed = CommittedPrefix(prompt_ids)
     pushed: dict[tuple[int, int, int], draft_pb2.ProposeResponse] = {}
     generated: list[int] = []
     held, hits, rounds, reason = 0, 0, 0, None
 
-    def push(msg) -> None:
-        d = msg.predraft
+    def push(d) -> None:
         pushed[(d.prefix_len, d.prefix_hash, d.k)] = d.block
 
     while reason is None:
@@ -79,7 +78,7 @@ async def _through_servicer(servicer: DraftServicer, target_model, prompt_ids, p
                                            sampling=sampling_to_proto(params.sampling), seed=params.seed,
                                            predraft_branches=branches)
         block = pushed.get((n, committed.hash_at(n), k))
-        answer = await servicer.Propose(request, None, push)  # the worker always learns the prefix
+        answer = await servicer.propose(request, push)  # the worker always learns the prefix
         held = n
         if block is not None:
             hits += 1

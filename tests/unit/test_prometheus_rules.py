@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specserve.serving.metrics import RouterMetrics, WorkerMetrics
+from specserve.serving.metrics import RoundMetrics, RouterMetrics, WorkerMetrics
 from specserve.tooling import promrules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_every_rule_has_a_promtool_test():
 
 def test_rules_read_only_exported_metric_families():
     exported = set()
-    for metrics in (RouterMetrics(), WorkerMetrics("draft"), WorkerMetrics("target")):
+    for metrics in (RouterMetrics(), RoundMetrics(), WorkerMetrics("draft"), WorkerMetrics("target")):
         exported |= {fam.name for fam in metrics.registry.collect()}
     exprs = " ".join(r["expr"] for g in promrules.load()["groups"] for r in g["rules"])
     read = {SUFFIX.sub("", n) for n in SPECSERVE_NAME.findall(exprs)}

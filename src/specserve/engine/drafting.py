@@ -104,3 +104,18 @@ class LocalDrafts:
         self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
                                 draft_ms=(time.perf_counter() - t) * 1e3,
                                 rollback_tokens=proposal.rollback_tokens))
+
+
+class PredictionDrafts(LocalDrafts):
+    """Predicted Outputs beside the target: each session drafts from its own prediction
+    (`plan.prediction`), in process, one-hot q (ADR 0012)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)  # type: ignore[arg-type]  # a drafter per session, from its plan
+
+    def open(self, session: EngineSession) -> None:
+        from specserve.drafters.prediction import PredictionDrafter
+
+        drafter = PredictionDrafter(session.plan.prediction, session.prompt_len)
+        local = self.sessions[session.id] = _Local(session, drafter.start())
+        self._propose(session.id, local, session.k_wanted)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import grpc
 
 from specserve.engine.drafting import Deliver
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
+from specserve.serving.tls import TlsFiles, aio_channel
 from specserve.serving.wire import sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -39,6 +39,7 @@ class _Session:
     k: int
     replica: _Replica | None = None
     failed: bool = False  # the replica refused it (bad parameters, no room): plain rounds
+    asked: float | None = None  # event-loop time of the open or outcome still waiting for its block
 
 
 class _Replica:
@@ -49,20 +50,31 @@ class _Replica:
         self.task: asyncio.Task | None = None
 
 
+def replica_for(session_id: str, addresses: list[str]) -> str:
+    """The replica a session drafts on among `addresses` (rendezvous hashing: when one goes
+    away, only its sessions move)."""
+    return max(addresses, key=lambda a: hashlib.blake2b(f"{session_id}@{a}".encode(), digest_size=8).digest())
+
+
 class RemoteDrafts:
     def __init__(self, addresses: list[str], loop: asyncio.AbstractEventLoop, vocab_size: int,
-                 predraft_branches: int = 2, credentials: grpc.ChannelCredentials | None = None,
-                 reconnect_s: float = 0.5) -> None:
+                 predraft_branches: int = 2, tls: TlsFiles | None = None,
+                 reconnect_s: float = 0.5, timeout_s: float = 1.0) -> None:
         if not addresses:
             raise ValueError("a draft pool needs at least one replica address")
         self.loop = loop
         self.vocab_size = vocab_size
         self.predraft_branches = predraft_branches
-        self.credentials = credentials
+        self.tls = tls  # mutual TLS to the replicas (ADR 0011); None = plaintext
         self.reconnect_s = reconnect_s
+        # a replica that owes a block for this long is taken for dead (stopped, hung: its
+        # stream may not break) and its sessions move to the next live replica
+        self.timeout_s = timeout_s
         self.replicas = [_Replica(a) for a in addresses]
         self.sessions: dict[str, _Session] = {}
         self.deliver: Deliver | None = None
+        # a session's trace context for the replica (its draft spans join the request's trace)
+        self.carrier_for: Callable[[str], dict[str, str]] = lambda sid: {}
 
     # ---- the engine's side (loop thread): hand everything to the event loop ----
     def attach(self, deliver: Deliver) -> None:
@@ -89,9 +101,11 @@ class RemoteDrafts:
     def start(self) -> RemoteDrafts:
         for r in self.replicas:
             r.task = self.loop.create_task(self._keep_linked(r))
+        self._watchdog = self.loop.create_task(self._watch())
         return self
 
     async def stop(self) -> None:
+        self._watchdog.cancel()
         for r in self.replicas:
             if r.task is not None:
                 r.task.cancel()
@@ -104,16 +118,15 @@ class RemoteDrafts:
     def _place(self, sid: str, s: _Session) -> None:
         """Open the session on its replica (the likeliest live one) from the whole prefix."""
         s.replica = self._pick(sid)
+        s.asked = self.loop.time() if s.k > 0 else None
         if s.replica is not None:
             s.replica.queue.put_nowait(draft_pb2.LinkIn(open=draft_pb2.LinkOpen(
                 session_id=sid, committed=s.prefix.ids, sampling=s.sampling, seed=s.seed, k=s.k,
-                predraft_branches=self.predraft_branches)))
+                predraft_branches=self.predraft_branches), trace_context=self.carrier_for(sid)))
 
     def _pick(self, sid: str) -> _Replica | None:
-        live = [r for r in self.replicas if r.up]
-        if not live:
-            return None
-        return max(live, key=lambda r: hashlib.blake2b(f"{sid}@{r.address}".encode(), digest_size=8).digest())
+        live = {r.address: r for r in self.replicas if r.up}
+        return live[replica_for(sid, list(live))] if live else None
 
     def _outcome(self, o: Outcome) -> None:
         s = self.sessions.get(o.session_id)
@@ -122,6 +135,7 @@ class RemoteDrafts:
         s.prefix.crop(o.committed_len - len(o.emitted))
         s.prefix.extend(o.emitted)
         s.k = o.k
+        s.asked = self.loop.time() if o.k > 0 and s.asked is None else s.asked
         if s.replica is None or not s.replica.up:  # its replica went away: open it elsewhere
             self._place(o.session_id, s)
             return
@@ -145,8 +159,7 @@ class RemoteDrafts:
             await asyncio.sleep(self.reconnect_s)
 
     async def _link(self, r: _Replica) -> None:
-        async with (grpc.aio.secure_channel(r.address, self.credentials) if self.credentials
-                    else grpc.aio.insecure_channel(r.address)) as channel:
+        async with aio_channel(r.address, self.tls, []) as channel:
             await asyncio.wait_for(channel.channel_ready(), timeout=2.0)
             r.queue = asyncio.Queue()
             call = draft_pb2_grpc.DraftStub(channel).Link(self._requests(r.queue))
@@ -168,16 +181,38 @@ class RemoteDrafts:
             if s.replica is r:
                 self._place(sid, s)  # the next live replica, or none (plain until one is back)
 
+    async def _watch(self) -> None:
+        """Fail over from a replica that owes a block for longer than `timeout_s`."""
+        while True:
+            await asyncio.sleep(self.timeout_s / 4)
+            now = self.loop.time()
+            late = {s.replica for s in self.sessions.values()
+                    if s.asked is not None and s.replica is not None and s.replica.up and now - s.asked > self.timeout_s}
+            for r in late:
+                assert r is not None
+                log.warning("draft replica %s owes a block for over %.1f s: its sessions move", r.address,
+                            self.timeout_s)
+                if r.task is not None:
+                    r.task.cancel()  # drop the stream; reconnect in the background
+                self._lost(r)
+                r.task = self.loop.create_task(self._relink(r))
+
+    async def _relink(self, r: _Replica) -> None:
+        await asyncio.sleep(self.timeout_s)
+        await self._keep_linked(r)
+
     def _receive(self, reply: draft_pb2.LinkOut) -> None:
         if reply.failed_session:
             s = self.sessions.get(reply.failed_session)
             if s is not None:
-                s.failed = True
+                s.failed, s.asked = True, None
                 log.info("draft replica refused session %s: %s", reply.failed_session, reply.error)
             return
         b = reply.block
-        if self.deliver is None or b.session_id not in self.sessions:
+        s = self.sessions.get(b.session_id)
+        if self.deliver is None or s is None:
             return
+        s.asked = None
         tokens = tuple(int(t) for t in b.block.tokens)
         self.deliver(DraftBlock(b.session_id, b.prefix_len, b.prefix_hash, tokens,
                                 q_from_proto(b.block.q, len(tokens), self.vocab_size),

@@ -31,8 +31,9 @@ from specserve.algorithm.round import RoundStats, settle
 from specserve.algorithm.stops import StopChecker
 from specserve.engine.drafting import DRAFT_UNAVAILABLE, DraftSource, clip
 from specserve.engine.kchoice import PROBE_EVERY, Acceptance, choose_k, prior_cost, speedups
-from specserve.engine.scheduler import Budget, Row, schedule
+from specserve.engine.scheduler import DRAFT_LATE, Budget, Row, schedule
 from specserve.engine.session import (
+    PRIOR_EMITTED,
     CommitRecord,
     DraftBlock,
     EnginePlan,
@@ -84,7 +85,8 @@ class EngineLoop:
                  block_wait_max_s: float = 0.005, wait_factor: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, keep_ended: int = 1024,
                  simulated_step_ms: Callable[[list[Work]], float] | None = None,
-                 on_step: Callable[[StepReport], None] | None = None) -> None:
+                 on_step: Callable[[StepReport], None] | None = None,
+                 summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0) -> None:
         self.model = model
         self.stops_for = stops_for
         self.sources = dict(sources or {})
@@ -98,6 +100,11 @@ class EngineLoop:
         # small model padded up to it (ADR 0014's device profiles)
         self.simulated_step_ms = simulated_step_ms
         self.on_step = on_step  # each step's report (benchmarks, metrics)
+        self.summarize = summarize  # a finished session's statistics, stored with its last commit
+        # how long an exact session (plan.exact) waits for its block before it runs plain
+        # anyway: longer than a draft source's failover (engine/link.py, 1 s), so only a
+        # pool with no replica left can change its sample path
+        self.exact_wait_s = exact_wait_s
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
         self.last: StepReport | None = None
@@ -110,8 +117,11 @@ class EngineLoop:
         self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
         self.keep_ended = keep_ended
         self._wake_at: float | None = None
-        self._k_this_step: dict[tuple[str, str, int], int] = {}
+        self._k_this_step: dict[tuple[str, str, int, int], int] = {}
+        # the last K chosen per (class, pool, K bounds): a new adaptive session starts there
+        self._k_last: dict[tuple[str, str, int, int], int] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
+        self._just_ended: list[EngineSession] = []
         self._wake = threading.Condition()
         for source in self.sources.values():
             source.attach(self.offer)
@@ -170,6 +180,7 @@ class EngineLoop:
         plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s, self._can_draft)
         self._wake_at = plan.wake_at
         if not plan.rows:
+            self._notify_ended()  # cancelled from the inbox
             return None
         works = [self._work(r) for r in plan.rows]
         t1 = time.perf_counter()
@@ -183,9 +194,6 @@ class EngineLoop:
         commits: list[CommitRecord] = []
         self._k_this_step = {}  # K choices made in this step, per (class, pool, K bound)
         rounds = [self._settle(r, res, forward_ms, commits) for r, res in zip(plan.rows, results, strict=True)]
-        if commits and self.committer is not None:
-            self.committer.submit(commits)
-        self._forget_ended()
         bookkeeping_ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
         for s, stats in rounds:
             if stats is not None:
@@ -193,6 +201,13 @@ class EngineLoop:
                 s.rounds.append(stats_final)
                 for o in self.observers:
                     o.round(s, stats_final)
+        self._notify_ended()
+        if commits and self.committer is not None:
+            if self.summarize is not None:  # a session's last round carries its statistics
+                commits = [replace(c, stats=self.summarize(self.sessions[c.session_id])) if c.finish_reason
+                           else c for c in commits]
+            self.committer.submit(commits)
+        self._forget_ended()
         self.last = StepReport(len(plan.rows), sum(w.tokens for w in works), forward_ms, bookkeeping_ms)
         if self.on_step is not None:
             self.on_step(self.last)
@@ -202,6 +217,8 @@ class EngineLoop:
         """How long a row waits for its late block, by cost: a block worth E emitted tokens
         in one step is worth waiting for up to E - 1 plain steps (in that time plain rounds
         would emit as many), and never longer than `block_wait_max_s`."""
+        if s.plan.exact:  # a late block would change its sample path: wait for it
+            return self.exact_wait_s
         worth = self.wait_factor * max(s.expected_emitted - 1.0, 0.0) * self.step_ms / 1e3
         return min(self.block_wait_max_s, worth)
 
@@ -234,8 +251,10 @@ class EngineLoop:
             done.set_exception(exc)
             return
         self.sessions[session_id] = s
+        if plan.adaptive and not plan.exact:  # start where the class's sessions are now
+            s.k_choice = self._k_last.get(self._k_key(s), plan.params.num_draft_tokens)
         source = self.sources.get(plan.pool or "")
-        if source is not None and s.k_wanted > 0:
+        if source is not None and (s.k_wanted > 0 or plan.adaptive):  # (held plain, it still probes)
             s.asked_at = self.clock()
             source.open(s)
         done.set_result(s)
@@ -262,19 +281,25 @@ class EngineLoop:
         settled = settle(s.generated, verdict.tokens, s.text.stops, s.plan.params.max_tokens)
         s.committed.extend(settled.tokens)
         text = s.text.advance(s.generated, settled.finish_reason)
-        commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))
+        if not s.plan.shadow:  # a shadow twin commits nothing
+            commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))
         block = row.block
         k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
             self._acceptance(s).observe(k, verdict.num_accepted)
+        elif k_asked and row.fallback == DRAFT_LATE:
+            # Nothing verified, so nothing learned about the blocks: relax the estimate toward
+            # the prior. Otherwise a few rejected blocks shrink the wait below the draft's
+            # latency, every later block is late, and the estimate never hears otherwise.
+            s.expected_emitted += 0.3 * (PRIOR_EMITTED - s.expected_emitted)
         stats = RoundStats(
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
             verify_ms=forward_ms, fallback_reason="" if block else self._plain_reason(s, row, k_asked),
             rollback_tokens=block.rollback_tokens if block else 0, k_asked=k_asked,
             predraft="pushed" if block is not None and block.predrafted else "")
-        if s.plan.adaptive:  # after the record: its fallback reason is this round's, not the next's
+        if s.plan.adaptive and not s.plan.exact:  # after the record: its fallback reason is this round's, not the next's
             self._choose_k(s, len(self.sessions), forward_ms / 1e3)
         s.block, s.waiting_since = None, None
         s.promote()  # a block drafted ahead for the prefix just committed is ready at once
@@ -301,12 +326,17 @@ class EngineLoop:
     def _choose_k(self, s: EngineSession, batch: int, step_s: float) -> None:
         """The session's K for its next round; a session held plain probes every PROBE_EVERY
         rounds."""
-        key = (s.plan.workload_class, s.plan.pool or "", s.plan.k)
+        key = self._k_key(s)
         k = self._k_this_step.get(key)
         if k is None:  # every session of a (class, pool) shares its inputs: once per step
-            k = self._k_this_step[key] = self._best_k(s, batch, step_s)
+            k = self._k_this_step[key] = self._k_last[key] = self._best_k(s, batch, step_s)
         s.held_plain = s.held_plain + 1 if k == 0 else 0
-        s.k_choice = min(2, s.plan.k) if k == 0 and s.held_plain % PROBE_EVERY == 0 else k
+        probe = max(s.plan.k_min, min(2, s.plan.k))
+        s.k_choice = probe if k == 0 and s.held_plain % PROBE_EVERY == 0 else k
+
+    @staticmethod
+    def _k_key(s: EngineSession) -> tuple[str, str, int, int]:
+        return s.plan.workload_class, s.plan.pool or "", s.plan.k_min, s.plan.k
 
     def _best_k(self, s: EngineSession, batch: int, step_s: float) -> int:
         """K from the class's acceptance and the step cost at this batch size (kchoice.py)."""
@@ -325,7 +355,7 @@ class EngineLoop:
 
         estimates = speedups(alphas, s.plan.k, cost)
         self.estimates[(s.plan.workload_class, s.plan.pool or "")] = estimates
-        return choose_k(estimates)
+        return choose_k({k: v for k, v in estimates.items() if k == 0 or k >= s.plan.k_min})
 
     def _can_draft(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")
@@ -343,8 +373,13 @@ class EngineLoop:
         source = self.sources.get(s.plan.pool or "")
         if source is not None:
             source.close(s.id)
-        for o in self.observers:
-            o.finished(s)
+        self._just_ended.append(s)  # observers hear of it after its last round (end of step)
+
+    def _notify_ended(self) -> None:
+        ended, self._just_ended = self._just_ended, []
+        for s in ended:
+            for o in self.observers:
+                o.finished(s)
 
     def _forget_ended(self) -> None:
         """Sessions that ended free their KV and leave the table (the last few stay readable

@@ -89,6 +89,8 @@ def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[Engin
     k = s.k_wanted
     if k == 0 or not can_draft(s):
         return Row(s, None, feed)
+    if s.declined(s.block):
+        return Row(s, None, feed)
     if s.block is not None and (offset := s.usable(s.block)) is not None:
         return Row(s, s.block, feed + min(len(s.block.tokens) - offset, k), offset=offset)
     if s.waiting_since is None:

@@ -33,6 +33,15 @@ class EnginePlan:
     workload_class: str = ""
     plain_reason: str = Fallback.SPECULATION_OFF.value  # a plain session's rounds' fallback_reason
     adaptive: bool = False  # the engine picks K in 0..k every round (kchoice.py); else K is fixed
+    stats_class: str = ""  # the class the controller's statistics and the metrics count it under
+    prediction: tuple[int, ...] = ()  # Predicted Outputs: the request's expected output (pool `prediction`)
+    shadow_pool: str | None = None  # shadow mode: a speculative twin beside this plain session
+    shadow: bool = False  # this is the twin: it commits nothing
+    # the client chose the seed: at T > 0 its output must be the same on every run, so its
+    # rounds keep the plan's K and wait for their blocks (the sample path depends on them)
+    seeded: bool = False
+    k_min: int = 1  # adaptive: the least K a speculative round verifies (the policy's bound)
+    k_max: int = 0  # adaptive: the most; params.num_draft_tokens is the K the first round starts at
 
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> EnginePlan:
@@ -42,7 +51,20 @@ class EnginePlan:
         params = GenerationParams(max_tokens=int(d["max_tokens"]), sampling=sampling, num_draft_tokens=int(d["k"]),
                                   stop=tuple(d["stop"]), seed=int(d["seed"]))
         return cls(params, d.get("pool") or None, d.get("workload_class", ""),
-                   d.get("plain_reason") or Fallback.SPECULATION_OFF.value)
+                   d.get("plain_reason") or Fallback.SPECULATION_OFF.value, bool(d.get("adaptive")),
+                   d.get("stats_class") or d.get("workload_class", ""), tuple(d.get("prediction") or ()),
+                   d.get("shadow_pool") or None, seeded=bool(d.get("seeded")),
+                   k_min=int(d.get("k_min") or 1), k_max=int(d.get("k_max") or 0))
+
+    @property
+    def exact(self) -> bool:
+        """Its output is fixed by its seed: sampled, with a seed the client chose."""
+        return self.seeded and self.params.sampling.temperature > 0
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """(class, pool) of its metrics: `none` for a plain session."""
+        return self.workload_class, self.pool or "none"
 
     @property
     def seed(self) -> int:
@@ -52,7 +74,15 @@ class EnginePlan:
 
     @property
     def k(self) -> int:
-        return self.params.num_draft_tokens if self.pool else 0
+        """The most drafts a round verifies (0: plain)."""
+        if not self.pool:
+            return 0
+        return max(self.k_max, self.params.num_draft_tokens) if self.adaptive else self.params.num_draft_tokens
+
+
+# what a block is assumed to be worth (tokens emitted by its round) before a session has
+# verified any, and what a session's estimate relaxes to while its blocks keep coming late
+PRIOR_EMITTED = 2.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +120,7 @@ class CommitRecord:
     tokens: tuple[int, ...]
     text: str  # the text they make visible (stop strings held back until settled)
     finish_reason: str | None
+    stats: str = ""  # the final round's: the session's statistics (JSON), stored before it finishes
 
     @property
     def round_id(self) -> str:
@@ -124,7 +155,7 @@ class EngineSession:
     error: str = ""
     rounds: list[RoundStats] = field(default_factory=list)
     arrived: float = 0.0  # the engine's clock when it was added
-    expected_emitted: float = 2.0  # tokens per verified round, recent average: what a block is worth
+    expected_emitted: float = PRIOR_EMITTED  # tokens per verified round, recent average: what a block is worth
     k_choice: int | None = None  # the engine's K for the next round (adaptive plans); None: the plan's
     held_plain: int = 0  # rounds in a row the engine held it plain (it probes now and then)
     asked_at: float | None = None  # when its draft source was last asked for a block (prices the wait)
@@ -177,13 +208,20 @@ class EngineSession:
             return None
         return d
 
+    def declined(self, block: DraftBlock | None) -> bool:
+        """An empty block for exactly the committed prefix: the drafter has nothing to
+        propose there (an n-gram without a match), so the round runs plain at once."""
+        n = len(self.committed)
+        return block is not None and not block.tokens and block.base_len == n and \
+            block.base_hash == self.committed.hash_at(n)
+
     def offer(self, block: DraftBlock) -> bool:
         """Keep the block if (what is left of) it drafts the committed prefix, or if it was
         drafted ahead for a longer prefix this session may reach (ADR 0010: pushed during the
         verify, before the commit it assumes); drop a stale one."""
         if not self.running:
             return False
-        if self.usable(block) is not None:
+        if self.usable(block) is not None or self.declined(block):
             self.block = block
             return True
         if block.base_len > len(self.committed):

@@ -11,47 +11,12 @@ _MS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5
 
 
 class RouterMetrics:
+    """The control plane: classification, policies, the controller's decisions, API calls."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.acceptance_length = Histogram(
-            "specserve_acceptance_length", "Draft tokens accepted per speculative round.", LABELS,
-            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=r)
-        self.proposed = Counter("specserve_proposed_tokens", "Draft tokens proposed, by position in the block.",
-                                (*LABELS, "position"), registry=r)
-        self.accepted = Counter("specserve_accepted_tokens", "Draft tokens accepted, by position in the block.",
-                                (*LABELS, "position"), registry=r)
-        self.target_passes = Counter("specserve_target_passes", "Target forward passes (rounds).", LABELS, registry=r)
-        self.output_tokens = Counter("specserve_output_tokens", "Committed output tokens.", LABELS, registry=r)
-        self.passes_per_token = Histogram(
-            "specserve_target_passes_per_token", "Target passes per output token, per request.", LABELS,
-            buckets=(0.1, 0.15, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 1.0), registry=r)
-        self.tpot = Histogram("specserve_tpot_seconds", "Time per output token after the first, per request.",
-                              LABELS, buckets=_MS, registry=r)
-        self.ttft = Histogram("specserve_ttft_seconds", "Time to the first committed token.", LABELS,
-                              buckets=_MS, registry=r)
-        self.draft_latency = Histogram("specserve_draft_latency_seconds", "Propose call latency seen by the router.",
-                                       LABELS, buckets=_MS, registry=r)
-        self.verify_latency = Histogram("specserve_verify_latency_seconds", "Verify call latency seen by the router.",
-                                        LABELS, buckets=_MS, registry=r)
-        self.round_overhead = Histogram(
-            "specserve_round_overhead_seconds", "Round time outside draft and target compute (network, Redis).",
-            LABELS, buckets=_MS, registry=r)
-        self.rollback_tokens = Counter("specserve_rollback_tokens", "Rejected draft positions rolled back.",
-                                       LABELS, registry=r)
-        self.rejected_kv_bytes = Counter("specserve_rejected_kv_bytes", "Target KV bytes computed for rejected drafts.",
-                                         LABELS, registry=r)
-        self.fallbacks = Counter("specserve_fallbacks", "Rounds run without a draft, by reason.", (*LABELS, "reason"),
-                                 registry=r)
-        self.sessions_active = Gauge("specserve_sessions_active", "Sessions this router is driving.", LABELS,
-                                     registry=r)
-        self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
-                                registry=r)
-        # alerting signals (deploy/prometheus): drafting-ahead hits and session takeovers
-        self.predraft_rounds = Counter(
-            "specserve_predraft_rounds", "Speculative rounds whose block was drafted ahead (source: pushed|cached).",
-            (*LABELS, "source"), registry=r)
         self.takeovers = Counter("specserve_session_takeovers",
-                                 "Sessions this router adopted after their owner's lease lapsed (ADR 0011).",
+                                 "Sessions this router re-placed on a target after their driver's lease lapsed (ADR 0014).",
                                  registry=r)
         self.serving = Gauge("specserve_router_serving", "1 while the router's health is SERVING (Redis answers).",
                              registry=r)
@@ -77,7 +42,56 @@ class RouterMetrics:
                               registry=r)
         self.policy_version = Gauge("specserve_policy_version", "Version of the policy this router applies.",
                                     ("workload_class",), registry=r)
-        self.shadow_active = Gauge("specserve_shadow_sessions_active", "Shadow runs this router is driving.",
+
+
+class RoundMetrics:
+    """The rounds, where they run (the target's engine, ADR 0014): one `RoundStats` each."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.acceptance_length = Histogram(
+            "specserve_acceptance_length", "Draft tokens accepted per speculative round.", LABELS,
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=r)
+        self.proposed = Counter("specserve_proposed_tokens", "Draft tokens proposed, by position in the block.",
+                                (*LABELS, "position"), registry=r)
+        self.accepted = Counter("specserve_accepted_tokens", "Draft tokens accepted, by position in the block.",
+                                (*LABELS, "position"), registry=r)
+        self.target_passes = Counter("specserve_target_passes", "Target forward passes (rounds).", LABELS, registry=r)
+        self.output_tokens = Counter("specserve_output_tokens", "Committed output tokens.", LABELS, registry=r)
+        self.passes_per_token = Histogram(
+            "specserve_target_passes_per_token", "Target passes per output token, per request.", LABELS,
+            buckets=(0.1, 0.15, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 1.0), registry=r)
+        self.tpot = Histogram("specserve_tpot_seconds", "Time per output token after the first, per request.",
+                              LABELS, buckets=_MS, registry=r)
+        self.ttft = Histogram("specserve_ttft_seconds", "Time to the first committed token.", LABELS,
+                              buckets=_MS, registry=r)
+        self.draft_latency = Histogram("specserve_draft_latency_seconds", "Wait for a round's draft block, from asking to its arrival.",
+                                       LABELS, buckets=_MS, registry=r)
+        self.verify_latency = Histogram("specserve_verify_latency_seconds", "The engine step (forward + rejection sampling) a round ran in.",
+                                        LABELS, buckets=_MS, registry=r)
+        self.round_overhead = Histogram(
+            "specserve_round_overhead_seconds", "The engine's own Python per step (schedule + settle), beside the forward.",
+            LABELS, buckets=_MS, registry=r)
+        self.rollback_tokens = Counter("specserve_rollback_tokens", "Rejected draft positions rolled back.",
+                                       LABELS, registry=r)
+        self.rejected_kv_bytes = Counter("specserve_rejected_kv_bytes", "Target KV bytes computed for rejected drafts.",
+                                         LABELS, registry=r)
+        self.fallbacks = Counter("specserve_fallbacks", "Rounds run without a draft, by reason.", (*LABELS, "reason"),
+                                 registry=r)
+        self.sessions_active = Gauge("specserve_sessions_active", "Sessions this target's engine is driving.", LABELS,
+                                     registry=r)
+        # the engine's K choice (ADR 0014, kchoice.py): its estimated S(K) = E[emitted] x plain
+        # step / round cost, per (class, pool) at the current load; k="0" is plain (1.0)
+        self.arm_estimate = Gauge("specserve_engine_arm_estimate",
+                                  "The engine's estimated speedup over plain of each K, at the current load.",
+                                  (*LABELS, "k"), registry=r)
+        self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
+                                registry=r)
+        # alerting signal (deploy/prometheus): drafting-ahead hits
+        self.predraft_rounds = Counter(
+            "specserve_predraft_rounds", "Speculative rounds whose block was drafted ahead (source: pushed|cached).",
+            (*LABELS, "source"), registry=r)
+        self.shadow_active = Gauge("specserve_shadow_sessions_active", "Shadow twins this target's engine is driving.",
                                    LABELS, registry=r)
         self.shadow_requests = Counter(
             "specserve_shadow_requests",
@@ -87,6 +101,7 @@ class RouterMetrics:
                                         "Plain wall time / speculative wall time of shadowed requests.", LABELS,
                                         buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0),
                                         registry=r)
+
 
 
 class WorkerMetrics:

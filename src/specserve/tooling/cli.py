@@ -383,7 +383,7 @@ def trace_cmd(
     session: str | None = typer.Option(None, help="Session id of the request (default: the latest one)."),
     out: Path = typer.Option(Path("trace.png"), help="Where to write the waterfall PNG."),
 ) -> None:
-    """Render one request's rounds as a waterfall PNG: draft, network, verify, commit."""
+    """Render one request's rounds as a waterfall PNG: the engine steps and their draft blocks."""
     from specserve.tooling.waterfall import load_spans, pick_trace, render
 
     if not trace_file.exists():

@@ -36,6 +36,8 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
                         "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
                         "service": resource.get("service.name", ""),
                         "attributes": {a.key: _value(a.value) for a in s.attributes},
+                        "events": [{"name": e.name, "time_ns": e.time_unix_nano,
+                                    "attributes": {a.key: _value(a.value) for a in e.attributes}} for e in s.events],
                         "status": s.status.code,
                     })
         with self.lock:

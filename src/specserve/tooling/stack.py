@@ -157,14 +157,6 @@ class Stack:
             self.info.redis_url = redis.url
             self.info.pids["redis"] = redis.pid
             self._save()
-        target_info = self.run_dir / "target.json"
-        target_info.unlink(missing_ok=True)
-        proc, log = self._spawn("target", "services.target", {
-            "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
-            "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
-            "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
-            "SPECSERVE_TARGET_METRICS_PORT": "0",
-        })
         ports: list[tuple[str, str, subprocess.Popen, Path, Path]] = []
         for pool, ps in spec.pools.items():
             for i in range(ps.replicas):
@@ -182,6 +174,15 @@ class Stack:
             wait_serving(f"127.0.0.1:{port}", "specserve.v1.Draft", timeout_s, spec.tls_dir)
             self.info.pools.setdefault(pool, []).append(f"127.0.0.1:{port}")
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
+        # the target's engine links to every draft replica (ADR 0014): it starts once they serve
+        target_info = self.run_dir / "target.json"
+        target_info.unlink(missing_ok=True)
+        proc, log = self._spawn("target", "services.target", {
+            "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
+            "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
+            "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
+            "SPECSERVE_TARGET_METRICS_PORT": "0", "SPECSERVE_TARGET_DRAFT_POOLS": json.dumps(self.info.pools),
+        })
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
         self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"
         for i in range(spec.routers):

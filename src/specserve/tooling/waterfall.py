@@ -1,19 +1,19 @@
 """One request's rounds as a waterfall PNG, from exported spans (`specserve trace`).
 
-Each round is a row: the draft call (its server-side compute dark, network and queueing
-light), the verify call likewise, then the commit; markers show each drafted token accepted
-(green) or rejected (red) and the emitted recovered/bonus token (blue). The overlap of ADR
-0010 shows as it happens: the draft worker drafting ahead (hatched) under the round's
-verify, and a round's commit running into the next round."""
+Each round is a row (ADR 0014: rounds run in the target's engine): the engine step it was
+verified in (dark orange: the forward, light: the engine's own Python), and the draft block
+it verified, as the draft worker drafted it (blue), with the blocks the worker drafted ahead
+for likely outcomes while the target verified (hatched). Markers show each drafted token
+accepted (green) or rejected (red) and the emitted recovered/bonus token (blue)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-_CLIENT_TO_SERVER = {"specserve.draft.propose": "specserve.v1.Draft/Propose",
-                     "specserve.target.verify": "specserve.v1.Target/Verify"}
-_COLORS = {"specserve.draft.propose": "#4C72B0", "specserve.target.verify": "#DD8452", "specserve.commit": "#55A868"}
+from specserve.params import MAX_K
+
+_COLORS = {"step": "#DD8452", "block": "#4C72B0"}
 
 
 def load_spans(path: Path) -> list[dict]:
@@ -30,25 +30,48 @@ def pick_trace(spans: list[dict], session_id: str | None = None) -> list[dict]:
 
 
 def rounds_of(trace: list[dict]) -> list[dict]:
-    """Per round: its span, its client-call children and their server spans."""
-    by_parent: dict[str, list[dict]] = {}
-    for s in trace:
-        by_parent.setdefault(s["parent_span_id"], []).append(s)
+    """Per round: its span, the draft block it verified and the blocks drafted ahead under
+    that block's span. A block is matched by the committed prefix it was drafted for: a
+    `specserve.draft.block` span, or, for a round that verified a block drafted ahead
+    (`specserve.predraft`), the `specserve.predrafted` event of the ahead span that drafted it
+    (the block's bar runs from the ahead span's previous block to that event). Of several for
+    one prefix length, the newest ready before the round ended. A round with no block for its
+    own prefix verified the rest of a block for a shorter one (a plain round committed that
+    block's first drafts meanwhile): the longest such prefix ready before the round ended."""
+    candidates: dict[tuple[bool, int], list[dict]] = {}
+    for b in trace:
+        if b["name"] == "specserve.draft.block":
+            candidates.setdefault((False, int(b["attributes"].get("specserve.prefix_len", -1))), []).append(b)
+        elif b["name"] == "specserve.draft.ahead":
+            t = b["start_ns"]
+            for e in sorted(b.get("events", []), key=lambda e: e["time_ns"]):
+                if e["name"] == "specserve.predrafted":
+                    n = int(e["attributes"].get("specserve.prefix_len", -1))
+                    candidates.setdefault((True, n), []).append(
+                        {"name": "specserve.predrafted", "span_id": b["span_id"], "start_ns": t, "end_ns": e["time_ns"],
+                         "attributes": e["attributes"]})
+                    t = e["time_ns"]
+    ahead_of: dict[str, list[dict]] = {}
+    for x in trace:
+        if x["name"] == "specserve.draft.ahead":
+            ahead_of.setdefault(x["parent_span_id"], []).append(x)
     out = []
     for r in sorted((s for s in trace if s["name"] == "specserve.round"), key=lambda s: s["start_ns"]):
-        calls = {c["name"]: c for c in by_parent.get(r["span_id"], [])}
-        def server_of(span_id: str) -> dict | None:
-            # a round that used a pushed pre-drafted block told the worker unawaited, under a
-            # `specserve.draft.inform` child of its propose span
-            children = by_parent.get(span_id, [])
-            found = next((x for x in children if x["kind"] == "SERVER"), None)
-            inform = next((x for x in children if x["name"] == "specserve.draft.inform"), None)
-            return found if found is not None or inform is None else server_of(inform["span_id"])
-
-        servers = {name: server_of(c["span_id"]) for name, c in calls.items()}
-        ahead = [x for srv in servers.values() if srv is not None for x in by_parent.get(srv["span_id"], [])
-                 if x["name"] == "specserve.draft.ahead"]
-        out.append({"round": r, "calls": calls, "servers": servers, "ahead": ahead})
+        a, block = r["attributes"], None
+        if int(a.get("specserve.k", 0)):
+            pushed, n = bool(a.get("specserve.predraft")), int(a.get("specserve.prefix_len", -2))
+            found = sorted(candidates.get((pushed, n), []), key=lambda b: b["end_ns"])
+            ready = [b for b in found if b["end_ns"] <= r["end_ns"]]
+            for back in range(1, MAX_K + 1):
+                if found:
+                    break
+                ready = [b for b in candidates.get((pushed, n - back), []) if b["end_ns"] <= r["end_ns"]]
+                found = sorted(ready, key=lambda b: b["end_ns"])
+            pick = ready or found
+            block = pick[-1] if pick else None
+        out.append({"round": r, "block": block,
+                    "ahead": ahead_of.get(block["span_id"], []) if block and block["name"] == "specserve.draft.block"
+                    else []})
     return out
 
 
@@ -67,17 +90,17 @@ def render(trace: list[dict], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(12, 0.35 * len(rounds) + 1.8))
     for i, r in enumerate(rounds):
         y = len(rounds) - i
-        for name, color in _COLORS.items():
-            c = r["calls"].get(name)
-            if c is None:
-                continue
-            ax.barh(y, ms(c["end_ns"]) - ms(c["start_ns"]), left=ms(c["start_ns"]), color=color, alpha=0.35, height=0.6)
-            srv = r["servers"].get(name)
-            if srv is not None:  # compute inside the remote process; the rest is network + queueing
-                ax.barh(y, ms(srv["end_ns"]) - ms(srv["start_ns"]), left=ms(srv["start_ns"]), color=color, height=0.6)
+        rs, ra = r["round"], r["round"]["attributes"]
+        ax.barh(y, ms(rs["end_ns"]) - ms(rs["start_ns"]), left=ms(rs["start_ns"]), color=_COLORS["step"], alpha=0.35,
+                height=0.6)
+        forward_ns = float(ra.get("specserve.verify_ms", 0.0)) * 1e6
+        ax.barh(y, forward_ns / 1e6, left=ms(rs["start_ns"]), color=_COLORS["step"], height=0.6)
+        if r["block"] is not None:
+            b = r["block"]
+            ax.barh(y, ms(b["end_ns"]) - ms(b["start_ns"]), left=ms(b["start_ns"]), color=_COLORS["block"], height=0.6)
         for x in r["ahead"]:
             ax.barh(y, ms(x["end_ns"]) - ms(x["start_ns"]), left=ms(x["start_ns"]), color="none", hatch="////",
-                    edgecolor=_COLORS["specserve.draft.propose"], height=0.6, lw=0.5)
+                    edgecolor=_COLORS["block"], height=0.6, lw=0.5)
         a = r["round"]["attributes"]
         k, acc = int(a.get("specserve.k", 0)), int(a.get("specserve.num_accepted", 0))
         x = ms(r["round"]["end_ns"]) + step
@@ -96,8 +119,8 @@ def render(trace: list[dict], out: Path) -> Path:
     ax.legend(handles + [plt.Line2D([], [], marker="s", ls="", color="#2ca02c"),
                          plt.Line2D([], [], marker="s", ls="", color="#d62728"),
                          plt.Line2D([], [], marker="o", ls="", color="#1f77b4")],
-              ["draft (dark: worker compute)", "verify (dark: worker compute)", "commit (Redis)",
-               "accepted", "rejected", "recovered / bonus"], fontsize=7, loc="upper left",
+              ["engine step (dark: forward)", "draft block (hatched: drafted ahead)", "accepted", "rejected",
+               "recovered / bonus"], fontsize=7, loc="upper left",
               bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the axes: never covers a round
     fig.tight_layout()
     fig.savefig(out, dpi=120)

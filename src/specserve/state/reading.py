@@ -1,0 +1,136 @@
+"""Reading a session's committed chunks from its `:out` stream: catch up, then follow live
+commits, riding out Redis restarts (the readers of DESIGN §5: GenerateStream, Resume)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from specserve.errors import InvalidRequest, SessionNotFound
+from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN
+from specserve.state.records import Chunk, SessionStatus, as_str
+
+if TYPE_CHECKING:
+    from specserve.state.store import SessionStore
+
+_PAGE = 256  # stream entries per XRANGE while a reader catches up
+
+
+async def read_chunks(
+    store: SessionStore, session_id: str, from_offset: int = 0, block_ms: int = 1000,
+    on_wait: Callable[[], Awaitable[None]] | None = None, outage_s: float = 0.0,
+) -> AsyncIterator[Chunk]:
+    """Committed chunks from generated token `from_offset` on, then live ones, until the
+    chunk that ends the session. `block_ms` bounds each XREAD: between blocks the reader
+    checks that the session still exists (so it never waits on an expired one forever),
+    marks it read, and awaits `on_wait()` (a follower checks the owner's lease there).
+
+    The reader tracks the offset it has delivered up to, not stream ids: after a Redis
+    restart that lost the last commits, the session is driven again from a shorter
+    prefix, and the chunks that come are trimmed to that offset, so nothing is repeated
+    or skipped. Redis errors are retried with backoff for `outage_s` (then raised)."""
+    hash_key, tok_key, _, _ = store._keys(session_id)
+    if from_offset < 0 or block_ms < 1:
+        raise InvalidRequest("read_chunks needs from_offset >= 0 and block_ms >= 1")
+    async with store._r.pipeline(transaction=True) as pipe:
+        exists, length = await pipe.exists(hash_key).llen(tok_key).execute()
+    if not exists:
+        raise SessionNotFound(f"session {session_id} does not exist or expired")
+    if from_offset > length:
+        raise InvalidRequest(f"offset {from_offset} is past the {length} committed tokens")
+    pos, down_since, backoff = from_offset, None, OUTAGE_BACKOFF_S
+    while True:  # ride_out's policy, inlined: this is a generator
+        try:
+            async for chunk in _follow(store, session_id, pos, block_ms, on_wait):
+                yield chunk
+                pos, down_since, backoff = chunk.offset + len(chunk.tokens), None, OUTAGE_BACKOFF_S
+                if chunk.finish_reason:
+                    return
+            return  # closed without a final chunk (defensive)
+        except _Reseek:
+            continue
+        except REDIS_DOWN:
+            now = time.monotonic()
+            down_since = down_since or now
+            if now - down_since >= outage_s:
+                raise
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_S)
+
+async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
+                  on_wait: Callable[[], Awaitable[None]] | None) -> AsyncIterator[Chunk]:
+    hash_key, _, out_key, _ = store._keys(session_id)
+    # The chunk holding pos is the last one that starts at or before it.
+    before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1)
+    start, last_id, catching_up = (as_str(before[0][0]) if before else "-"), "0-0", True
+    marked = 0.0
+    while True:
+        closed = False
+        if time.monotonic() - marked >= 1.0:  # someone reads it: not abandoned
+            await store.mark_read(session_id)
+            marked = time.monotonic()
+        if catching_up:  # page through what is already committed
+            entries = await store._r.xrange(out_key, min=start, max="+", count=_PAGE)
+            catching_up = len(entries) == _PAGE
+        else:  # follow live commits
+            reply = await store._r.xread({out_key: last_id}, block=block_ms)
+            entries = _xread_entries(reply)
+            if not entries:
+                status = await store._r.hget(hash_key, "status")
+                if status is None:
+                    raise SessionNotFound(f"session {session_id} expired while being read")
+                if as_str(status) == SessionStatus.RUNNING:
+                    if on_wait is not None:
+                        await on_wait()
+                    continue
+                # Closed: its final chunk was written with the status, so one read gets it.
+                entries = await store._r.xrange(out_key, min=f"({last_id}", max="+")
+                closed = True
+        for entry_id, fields in entries:
+            last_id = as_str(entry_id)
+            if _offset(fields) > pos:
+                raise _Reseek  # commits were lost and redone: find pos's chunk again
+            chunk = _chunk(fields, pos)
+            if chunk is not None:
+                yield chunk
+                pos = chunk.offset + len(chunk.tokens)
+                if chunk.finish_reason:
+                    return
+        start = f"({last_id}"
+        if closed:
+            return
+
+
+class _Reseek(Exception):
+    pass
+
+
+def _xread_entries(reply: Any) -> list:
+    """XREAD's entries for our one stream; RESP2 answers a list, RESP3 a dict."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values()))[0]
+    return reply[0][1]
+
+
+def _offset(fields: dict) -> int:
+    return int(as_str(fields.get("offset", fields.get(b"offset", 0))))
+
+
+def _chunk(fields: dict, from_offset: int) -> Chunk | None:
+    """A stream entry as a Chunk from `from_offset` on; None if it lies wholly before it."""
+    f = {as_str(k): as_str(v) for k, v in fields.items()}
+    offset = int(f["offset"])
+    tokens = tuple(int(t) for t in f["tokens"].split(",")) if f["tokens"] else ()
+    finish = f.get("finish_reason") or None
+    error = f.get("error") or None
+    if offset >= from_offset:
+        return Chunk(offset, tokens, f["text"], finish, error=error)
+    if offset + len(tokens) <= from_offset and finish is None:
+        return None
+    # The reader resumed inside this chunk (or right after the last one, and this is the end).
+    tail = tokens[from_offset - offset :]
+    return Chunk(from_offset, tail, "", finish, partial=True, error=error)

@@ -1,0 +1,164 @@
+"""The store's Lua scripts: each one atomic on the Redis node, and fenced where it writes a
+session (expected length, epoch, round id; state/store.py says what each key holds)."""
+
+_LUA_HELPERS = """
+local function now()
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', t[2])
+end
+local function later(seconds)
+  local t = redis.call('TIME')
+  return string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(seconds))
+end
+local function touch(request_id)
+  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[2]) end
+  redis.call('EXPIRE', ARGV[1] .. ':running', ARGV[2])
+  if request_id and request_id ~= '' then
+    redis.call('EXPIRE', ARGV[1] .. ':req:' .. request_id, ARGV[2])
+  end
+end
+"""
+
+# KEYS: hash [, req]. ARGV[3..8]: session_id, params, prompt_ids, owner, request_id, lease_s.
+# GET-then-SET inside one script is SET NX made atomic with the hash write, so a joiner never
+# sees a request mapped to a session whose hash does not exist yet.
+CREATE = (
+    _LUA_HELPERS
+    + """
+if KEYS[2] then
+  local existing = redis.call('GET', KEYS[2])
+  if existing then
+    local h = redis.call('HMGET', ARGV[1] .. ':sess:' .. existing, 'prompt_ids', 'epoch')
+    if h[1] then
+      if h[1] ~= ARGV[5] then return {'conflict', existing, 0} end
+      return {'joined', existing, tonumber(h[2])}
+    end
+  end
+  redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2])
+end
+local t = now()
+redis.call('HSET', KEYS[1], 'status', 'running', 'params', ARGV[4], 'prompt_ids', ARGV[5],
+  'epoch', 1, 'owner', ARGV[6], 'created', t, 'updated', t, 'finish_reason', '',
+  'committed', 0, 'request_id', ARGV[7], 'error', '', 'lease_until', later(ARGV[8]), 'read_at', t)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('SADD', ARGV[1] .. ':running', ARGV[3])
+redis.call('EXPIRE', ARGV[1] .. ':running', ARGV[2])
+return {'created', ARGV[3], 1}
+"""
+)
+
+# KEYS: hash, tok, out, rounds. ARGV[3..7]: epoch, expected_len, round_id, text,
+# finish_reason ('' = not final); ARGV[8..]: token ids.
+COMMIT = (
+    _LUA_HELPERS
+    + """
+local len = redis.call('LLEN', KEYS[2])
+if redis.call('SISMEMBER', KEYS[4], ARGV[5]) == 1 then return {'duplicate', len} end
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'request_id')
+if not h[1] then return {'missing', len} end
+if h[1] ~= 'running' then return {'closed', len} end
+if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', len} end
+if len ~= tonumber(ARGV[4]) then return {'stale_len', len} end
+-- XADD first: it is the only write that could fail, and a failed script is not rolled back.
+redis.call('XADD', KEYS[3], len .. '-1', 'offset', len, 'tokens', table.concat(ARGV, ',', 8),
+  'text', ARGV[6], 'finish_reason', ARGV[7])
+for i = 8, #ARGV, 1000 do  -- unpack() has a stack limit
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+local n = len + #ARGV - 7
+redis.call('SADD', KEYS[4], ARGV[5])
+redis.call('HSET', KEYS[1], 'committed', n, 'updated', now())
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[7])
+  redis.call('SREM', ARGV[1] .. ':running', string.match(KEYS[1], ':sess:(%x+)$'))
+end
+touch(h[3])
+return {'ok', n}
+"""
+)
+
+# Cancel and fail. KEYS: hash, tok, out, rounds. ARGV[3..6]: status, finish_reason, error,
+# epoch ('' = any: a client's Cancel is not fenced, a router's fail is).
+CLOSE = (
+    _LUA_HELPERS
+    + """
+local len = redis.call('LLEN', KEYS[2])
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'request_id')
+if not h[1] then return {'missing', len} end
+if h[1] ~= 'running' then return {'closed', len} end
+if ARGV[6] ~= '' and tonumber(h[2]) ~= tonumber(ARGV[6]) then return {'stale_epoch', len} end
+redis.call('XADD', KEYS[3], len .. '-1', 'offset', len, 'tokens', '', 'text', '',
+  'finish_reason', ARGV[4], 'error', ARGV[5])
+redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finish_reason', ARGV[4], 'error', ARGV[5],
+  'updated', now())
+redis.call('SREM', ARGV[1] .. ':running', string.match(KEYS[1], ':sess:(%x+)$'))
+touch(h[3])
+return {'ok', len}
+"""
+)
+
+# KEYS: hash, tok, out, rounds. ARGV[3..5]: owner, lease_s, only_if_lapsed ('1' or '').
+# Returns the new epoch; 0 if missing, -1 if closed, -2 if the owner's lease still holds.
+TAKE_OVER = (
+    _LUA_HELPERS
+    + """
+local h = redis.call('HMGET', KEYS[1], 'status', 'lease_until', 'request_id')
+if not h[1] then return 0 end
+if ARGV[5] ~= '' then
+  if h[1] ~= 'running' then return -1 end
+  if h[2] and tonumber(h[2]) > tonumber(now()) then return -2 end
+end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'updated', now(), 'lease_until', later(ARGV[4]))
+touch(h[3])
+return epoch
+"""
+)
+
+# The owner's heartbeat. KEYS: hash, tok, out, rounds. ARGV[3..4]: epoch, lease_s.
+# Returns {status, seconds since a client last read it (read_at, set by readers)}.
+HEARTBEAT = (
+    _LUA_HELPERS
+    + """
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'read_at', 'request_id')
+if not h[1] then return {'missing', '0'} end
+if h[1] ~= 'running' then return {'closed', '0'} end
+if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', '0'} end
+local t = now()
+if not h[3] then h[3] = t; redis.call('HSET', KEYS[1], 'read_at', t) end
+redis.call('HSET', KEYS[1], 'lease_until', later(ARGV[4]))
+touch(h[4])
+return {'ok', string.format('%.3f', tonumber(t) - tonumber(h[3]))}
+"""
+)
+
+# A router's claim to re-place a session whose driver's lease lapsed: one router wins per
+# claim period, and nothing is fenced here (the target that takes the session bumps the
+# epoch). KEYS: hash, claim. ARGV: owner, claim_ms. Returns 1 for the winner.
+CLAIM = (
+    _LUA_HELPERS
+    + """
+local h = redis.call('HMGET', KEYS[1], 'status', 'lease_until')
+if h[1] ~= 'running' then return 0 end
+if h[2] and tonumber(h[2]) > tonumber(now()) then return 0 end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+)
+
+# KEYS: hash. One round trip, and never recreates a hash that expired (it would have no TTL).
+MARK_READ = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'read_at', t[1] .. '.' .. string.format('%06d', t[2]))
+end
+"""
+
+# A finished run's statistics, written just before its last commit (same pipeline), so a
+# reader that sees the finish sees them. KEYS: hash. ARGV: epoch, stats JSON. Fenced by epoch.
+STATS = """
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch')
+if h[1] ~= 'running' or tonumber(h[2]) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'stats', ARGV[2])
+return 1
+"""
