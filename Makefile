@@ -33,6 +33,8 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
 		|| $(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
+	@# structured outputs (ADR 0017): xgrammar without its triton dependency (GPU kernels we do not use)
+	$(PIP) install --no-deps 'xgrammar==0.2.8' 'apache-tvm-ffi>=0.1.11,<0.2'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -42,6 +42,7 @@ from specserve.engine.session import (
     Status,
 )
 from specserve.params import GenerationParams
+from specserve.structured.constraint import Constraint
 from specserve.worker.cost import CostModel
 from specserve.worker.model_runner import VerifyJob
 from specserve.worker.scheduler import AGAIN, Work
@@ -86,7 +87,8 @@ class EngineLoop:
                  clock: Callable[[], float] = time.monotonic, keep_ended: int = 1024,
                  simulated_step_ms: Callable[[list[Work]], float] | None = None,
                  on_step: Callable[[StepReport], None] | None = None,
-                 summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0) -> None:
+                 summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0,
+                 constrain: Callable[[Constraint], Any] | None = None) -> None:
         self.model = model
         self.stops_for = stops_for
         self.sources = dict(sources or {})
@@ -105,6 +107,10 @@ class EngineLoop:
         # anyway: longer than a draft source's failover (engine/link.py, 1 s), so only a
         # pool with no replica left can change its sample path
         self.exact_wait_s = exact_wait_s
+        # a constraint -> its session's matcher (structured/grammar.py: ConstrainedRow); None:
+        # this engine refuses constrained sessions
+        self.constrain = constrain
+        self.mask_ms = 0.0  # the masks' host time in the last step (ADR 0017)
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
         self.last: StepReport | None = None
@@ -182,6 +188,7 @@ class EngineLoop:
         if not plan.rows:
             self._notify_ended()  # cancelled from the inbox
             return None
+        self.mask_ms = 0.0
         works = [self._work(r) for r in plan.rows]
         t1 = time.perf_counter()
         results = self.model.step(works)
@@ -246,6 +253,11 @@ class EngineLoop:
         try:
             s = EngineSession.new(session_id, prompt_ids, plan, self.stops_for(plan.params), generated, epoch,
                                   self.clock())
+            if plan.constraint is not None:
+                if self.constrain is None:
+                    raise ValueError("this engine has no grammar compiler: constrained output is off")
+                s.grammar = self.constrain(plan.constraint)
+                s.grammar.advance(s.generated)  # adopted: the matcher picks up where the commits are
             s.handle = self.model.open(session_id)
         except Exception as exc:
             done.set_exception(exc)
@@ -263,7 +275,13 @@ class EngineLoop:
         s = row.session
         p = s.plan.params
         drafts, q = clip(row.block, s.k_wanted, row.offset) if row.block is not None else ([], None)
-        return Work(s.id, VerifyJob(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed), row.tokens)
+        allowed = None
+        if s.grammar is not None:  # (a prefill chunk short of the prompt's end ignores it)
+            t0 = time.perf_counter()
+            room = p.max_tokens - len(s.generated) - 1  # drafts past the budget would never commit
+            drafts, q, allowed = s.grammar.constrain(drafts, q, p.sampling.greedy, min(s.k_wanted, room), room)
+            self.mask_ms += (time.perf_counter() - t0) * 1e3
+        return Work(s.id, VerifyJob(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed), row.tokens)
 
     def _settle(self, row: Row, result: Any, forward_ms: float,
                 commits: list[CommitRecord]) -> tuple[EngineSession, RoundStats | None]:
@@ -280,6 +298,8 @@ class EngineLoop:
         expected = len(s.generated)
         settled = settle(s.generated, verdict.tokens, s.text.stops, s.plan.params.max_tokens)
         s.committed.extend(settled.tokens)
+        if s.grammar is not None:
+            s.grammar.advance(settled.tokens)
         text = s.text.advance(s.generated, settled.finish_reason)
         if not s.plan.shadow:  # a shadow twin commits nothing
             commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))

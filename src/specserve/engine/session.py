@@ -18,6 +18,7 @@ from specserve.algorithm.stops import IncrementalText, StopChecker
 from specserve.control.arms import Fallback
 from specserve.params import GenerationParams, SamplingParams
 from specserve.state.prefix import CommittedPrefix
+from specserve.structured.constraint import Constraint
 
 if TYPE_CHECKING:
     from specserve.algorithm.rejection import QProbs
@@ -42,6 +43,7 @@ class EnginePlan:
     seeded: bool = False
     k_min: int = 1  # adaptive: the least K a speculative round verifies (the policy's bound)
     k_max: int = 0  # adaptive: the most; params.num_draft_tokens is the K the first round starts at
+    constraint: Constraint | None = None  # structured output (ADR 0017): the target masks every position
 
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> EnginePlan:
@@ -54,7 +56,8 @@ class EnginePlan:
                    d.get("plain_reason") or Fallback.SPECULATION_OFF.value, bool(d.get("adaptive")),
                    d.get("stats_class") or d.get("workload_class", ""), tuple(d.get("prediction") or ()),
                    d.get("shadow_pool") or None, seeded=bool(d.get("seeded")),
-                   k_min=int(d.get("k_min") or 1), k_max=int(d.get("k_max") or 0))
+                   k_min=int(d.get("k_min") or 1), k_max=int(d.get("k_max") or 0),
+                   constraint=Constraint.decode(d.get("constraint")))
 
     @property
     def exact(self) -> bool:
@@ -159,6 +162,7 @@ class EngineSession:
     k_choice: int | None = None  # the engine's K for the next round (adaptive plans); None: the plan's
     held_plain: int = 0  # rounds in a row the engine held it plain (it probes now and then)
     asked_at: float | None = None  # when its draft source was last asked for a block (prices the wait)
+    grammar: Any = None  # its matcher when the plan has a constraint (structured/grammar.py: ConstrainedRow)
 
     @classmethod
     def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,

@@ -64,21 +64,21 @@ class TargetSession:
 
 
 def verify_block(session: TargetSession, ids: Sequence[int], drafts: Sequence[int], q: QProbs,
-                 sampling: SamplingParams, seed: int) -> Verdict:
+                 sampling: SamplingParams, seed: int, allowed: torch.Tensor | None = None) -> Verdict:
     """One block: the target's forward pass over the last committed token + the drafts, the
     verdict, and rollback of the rejected positions (they leave the KV cache). `ids` is the
     committed sequence (prompt + generated)."""
     logits = session.verify(ids, drafts)  # [k+1, V]
-    verdict = judge(logits, drafts, q, sampling, seed, len(ids))
+    verdict = judge(logits, drafts, q, sampling, seed, len(ids), allowed)
     session.rollback(len(ids) + verdict.num_accepted)
     return verdict
 
 
 def judge(logits: torch.Tensor, draft_tokens: Sequence[int], q: QProbs, sampling: SamplingParams,
-          seed: int, start: int) -> Verdict:
+          seed: int, start: int, allowed: torch.Tensor | None = None) -> Verdict:
     """Logits [k+1, V] of the target over the k drafts -> the verdict (greedy fast path at
     T = 0). `start` is the absolute position of the first draft token."""
-    return judge_rows([JudgeRow(logits, list(draft_tokens), q, sampling, seed, start)])[0]
+    return judge_rows([JudgeRow(logits, list(draft_tokens), q, sampling, seed, start, allowed)])[0]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,15 @@ class JudgeRow:
     sampling: SamplingParams
     seed: int
     start: int  # absolute position of the first draft
+    # [k+1, V] bool, a constraint's legal tokens at each position (ADR 0017): the others are
+    # -inf before the sampling transform, so p is the target's renormalised over them
+    allowed: torch.Tensor | None = None
+
+    @property
+    def masked_logits(self) -> torch.Tensor:
+        if self.allowed is None:
+            return self.logits
+        return self.logits.masked_fill(~self.allowed.to(self.logits.device), float("-inf"))
 
 
 def judge_rows(rows: Sequence[JudgeRow]) -> list[Verdict]:
@@ -109,7 +118,7 @@ def judge_rows(rows: Sequence[JudgeRow]) -> list[Verdict]:
         if greedy:
             tgt = torch.zeros(len(rs), kmax + 1, dtype=torch.long)
             for b, r in enumerate(rs):
-                tgt[b, :len(r.drafts) + 1] = greedy_tokens(r.logits, r.sampling)
+                tgt[b, :len(r.drafts) + 1] = greedy_tokens(r.masked_logits, r.sampling)
             verdicts = greedy_verify(tgt, draft_t, num)
         else:
             vocab = rs[0].logits.shape[-1]
@@ -117,7 +126,7 @@ def judge_rows(rows: Sequence[JudgeRow]) -> list[Verdict]:
             q = None if no_q else torch.zeros(len(rs), kmax, vocab)
             for b, r in enumerate(rs):
                 k = len(r.drafts)
-                p[b, :k + 1] = logits_to_probs(r.logits, r.sampling)
+                p[b, :k + 1] = logits_to_probs(r.masked_logits, r.sampling)
                 if q is not None and k:
                     q[b, :k] = q_to_dense(r.q, draft_t[b, :k], vocab)
             verdicts = rejection_sample(p, draft_t, num, q, np.array([r.seed for r in rs], dtype=np.uint64),

@@ -67,6 +67,7 @@ class VerifyJob:
     q: QProbs
     sampling: SamplingParams
     seed: int
+    allowed: torch.Tensor | None = None  # [len(drafts) + 1, V] bool: a constraint's legal tokens
 
 
 @dataclass
@@ -158,7 +159,7 @@ class BatchedTarget(_RunnerSessions):
                 results[i] = AGAIN
             else:
                 judged.append((i, job, lg, dropped))
-        verdicts = judge_rows([JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids)) for _, j, lg, _ in judged])
+        verdicts = judge_rows([JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed) for _, j, lg, _ in judged])
         for (i, job, _, dropped), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
             dropped += self.runner.rollback(job.handle, keep)
@@ -251,7 +252,7 @@ class SessionTarget(_PerSession):
     def _one(self, job: VerifyJob) -> VerifyResult:
         sess = job.handle
         before = sess.rollback_tokens
-        verdict = verify_block(sess, job.ids, job.drafts, job.q, job.sampling, job.seed)
+        verdict = verify_block(sess, job.ids, job.drafts, job.q, job.sampling, job.seed, job.allowed)
         return VerifyResult(verdict, sess.lm.length, sess.rollback_tokens - before)
 
 

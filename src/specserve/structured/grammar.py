@@ -1,0 +1,269 @@
+"""Constraints compiled with xgrammar against the pair's tokenizer, and each session's matcher
+(ADR 0017).
+
+- `GrammarCache` compiles a `Constraint` once per (constraint, tokenizer) and refuses one that
+  does not compile, or that no token of the vocabulary can start, with the compiler's message.
+- `ConstrainedRow` is one session's matcher. Each round it gives the target the legal tokens
+  at every position it verifies (the matcher advanced over the drafted prefix, then rolled
+  back), drafts the tokens the grammar forces (q one-hot: no draft model spends a forward on
+  them), and advances over what the round committed.
+
+Masks are boolean [positions, V] tensors: the verifier applies them to the logits before the
+one sampling transform, so greedy picks the legal argmax and T > 0 samples the target's
+distribution renormalised over the legal tokens (DESIGN §3, invariant 4).
+
+Example:
+    cache = GrammarCache(tokenizer_info_from_file("models/x/target/tokenizer.json", 4096, [0]))
+    row = ConstrainedRow(cache.compile(Constraint.json_object()), 4096)
+    drafts, q, allowed = row.constrain(drafts=[], q=None, greedy=True, k_max=8)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from specserve.algorithm.rejection import DenseQ, QProbs, SparseQ
+from specserve.errors import InvalidRequest
+from specserve.structured.constraint import Constraint
+
+MAX_FORCED = 16  # forced tokens drafted past a round's K (a JSON key, a closing brace run)
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def tokenizer_info(tokenizer_json: str, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+    """xgrammar's view of a `tokenizers` tokenizer (the router has no transformers tokenizer):
+    the vocabulary by id, padded to the model's logits width, and the decoding metadata."""
+    import xgrammar as xgr
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    width = max(vocab_size, max(vocab.values()) + 1)
+    encoded = [""] * width
+    for token, idx in vocab.items():
+        encoded[idx] = token
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())
+    return xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=width, stop_token_ids=list(stop_token_ids),
+                             add_prefix_space=meta["add_prefix_space"])
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of the strings (JSON string escapes are EBNF's)."""
+    import json
+
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarCache:
+    """Compilations by constraint (one tokenizer per cache), least recently used dropped."""
+
+    def __init__(self, info: Any, capacity: int = 256) -> None:
+        import xgrammar as xgr
+
+        self.info = info
+        self.vocab_size = int(info.vocab_size)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self.capacity = capacity
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def compile(self, c: Constraint) -> Any:
+        with self._lock:
+            got = self._compiled.get(c.key)
+            if got is not None:
+                self._compiled.move_to_end(c.key)
+                self.hits += 1
+                return got
+        compiled = self._compile(c)
+        with self._lock:
+            self.misses += 1
+            self._compiled[c.key] = compiled
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, c: Constraint) -> Any:
+        import xgrammar as xgr
+
+        try:
+            if c.kind == "json_object":
+                compiled = self.compiler.compile_builtin_json_grammar()
+            elif c.kind == "json_schema":
+                # compact JSON: no free whitespace, so more tokens are forced and a small model
+                # cannot loop on blanks (ADR 0017)
+                compiled = self.compiler.compile_json_schema(c.value, any_whitespace=False, separators=(",", ":"),
+                                                             strict_mode=True)
+            elif c.kind == "regex":
+                compiled = self.compiler.compile_regex(c.value)
+            elif c.kind == "grammar":
+                compiled = self.compiler.compile_grammar(c.value)
+            else:
+                compiled = self.compiler.compile_grammar(_choice_grammar(c.choices()))
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidRequest(f"the {c.kind} constraint does not compile: {_first_line(exc)}") from None
+        probe = xgr.GrammarMatcher(compiled)
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        probe.fill_next_token_bitmask(mask)
+        if not bool(unpack(mask, self.vocab_size).any()):
+            raise InvalidRequest(f"the {c.kind} constraint cannot be satisfied: no token of the model's "
+                                 "vocabulary can start it")
+        return compiled
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    # xgrammar prefixes its messages with "[time] file:line: Check failed: ..."; keep the reason
+    for marker in ("Check failed: (error.empty()) is false: ", "Check failed: "):
+        if marker in text:
+            text = text.split(marker, 1)[1]
+            break
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's int32 bitmask [n, ceil(V/32)] -> bool [n, V] (bit j of word w: token 32w+j)."""
+    n = bitmask.shape[0]
+    return ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(n, -1)[:, :vocab_size]
+
+
+def _one_hot_q(q: QProbs, start: int, tokens: Sequence[int], vocab: int) -> QProbs:
+    """q for drafts `start..` replaced by forced tokens (one-hot rows); None stays None
+    (one-hot at the drafts already)."""
+    if q is None or not tokens:
+        return q
+    if isinstance(q, DenseQ):
+        rows = torch.nn.functional.one_hot(torch.tensor(list(tokens)), vocab).float()
+        return DenseQ(torch.cat([q.probs[:start], rows], dim=0))
+    assert isinstance(q, SparseQ)
+    width = q.ids.shape[1]
+    ids = torch.zeros(len(tokens), width, dtype=q.ids.dtype)
+    probs = torch.zeros(len(tokens), width, dtype=q.probs.dtype)
+    ids[:, 0] = torch.tensor(list(tokens), dtype=q.ids.dtype)
+    probs[:, 0] = 1.0
+    return SparseQ(torch.cat([q.ids[:start], ids]), torch.cat([q.probs[:start], probs]))
+
+
+class ConstrainedRow:
+    """One session's matcher: masks for a round, forced drafts, and the committed tokens."""
+
+    def __init__(self, compiled: Any, vocab_size: int, logits_width: int | None = None,
+                 forced_drafts: bool = True, encode: Callable[[str], list[int]] | None = None) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback is unlimited)
+        self.vocab_size = vocab_size
+        self.width = logits_width or vocab_size
+        self.forced_drafts = forced_drafts
+        self.encode = encode  # text -> ids: drafts the grammar's forced string (jump-forward)
+        self._mask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.forced_total = 0  # drafts the grammar supplied (no draft forward spent on them)
+
+    def _allowed(self) -> torch.Tensor:
+        self.matcher.fill_next_token_bitmask(self._mask)
+        row = unpack(self._mask, self.vocab_size)[0]
+        if self.width > self.vocab_size:
+            row = torch.cat([row, torch.zeros(self.width - self.vocab_size, dtype=torch.bool)])
+        return row
+
+    def _forced_string(self) -> list[int]:
+        """The tokens of the text the grammar forces next ('{"name":"' for a schema whose
+        first key is `name`), as the tokenizer splits it; a split the model would not make is
+        just a rejected draft (q one-hot: lossless at any temperature)."""
+        text = self.matcher.find_jump_forward_string()
+        return list(self.encode(text)) if text and self.encode is not None else []
+
+    @property
+    def done(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The round's committed tokens (each legal: the target sampled them under the mask)."""
+        for t in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(int(t)):
+                raise RuntimeError(f"token {t} broke the constraint it was sampled under")
+
+    def constrain(self, drafts: Sequence[int], q: QProbs, greedy: bool, k_max: int,
+                  room: int | None = None) -> tuple[list[int], QProbs, torch.Tensor]:
+        """This round's drafts, their q and the legal tokens at each of the len(drafts) + 1
+        positions the target verifies.
+
+        - A model draft the grammar forbids is rejected by the target's mask anyway: at greedy
+          the drafts stop before it (nothing after it can be accepted); at T > 0 it stays (the
+          draft sampled it, and rejection sampling must see what it sampled), and the positions
+          past it copy its mask (never used: the round rejects at or before it).
+        - Where the grammar allows exactly one token, that token is the draft (q one-hot; the
+          target's masked p is one-hot too, so it is always accepted): in place of a model
+          draft that differs from it (the model's later drafts assumed its own token and are
+          dropped), and after the model's drafts, up to k_max + MAX_FORCED in all, and never
+          more than `room` (the tokens the budget has left after this round's own).
+        """
+        drafts = list(drafts)
+        out: list[int] = []
+        masks: list[torch.Tensor] = []
+        forced_from: int | None = None  # the first position whose draft the grammar supplied
+        advanced = 0
+        illegal = False
+        pending: list[int] = []  # the forced string's tokens, still to draft
+        limit = max(k_max, len(drafts)) + (MAX_FORCED if self.forced_drafts else 0)
+        if room is not None:
+            limit = min(limit, max(room, 0))
+        try:
+            while not self.matcher.is_terminated():  # (after a stop token: the round ends there)
+                allowed = self._allowed()
+                masks.append(allowed)
+                i = len(out)
+                if illegal or i >= limit:
+                    break
+                legal = allowed.nonzero()
+                forced = int(legal[0, 0]) if self.forced_drafts and legal.shape[0] == 1 else None
+                model = drafts[i] if forced_from is None and i < len(drafts) else None
+                if forced is not None and model != forced:
+                    tok = forced
+                    pending = pending[1:] if pending and pending[0] == forced else []
+                elif model is not None:
+                    tok = model
+                else:
+                    if not pending and self.forced_drafts and self.encode is not None:
+                        pending = self._forced_string()
+                    if not pending:
+                        break
+                    tok = pending.pop(0)
+                if forced_from is None and (model is None or tok != model):
+                    forced_from = i
+                if not bool(allowed[tok]):  # an illegal draft
+                    if greedy or model is None or tok != model:
+                        break  # (a forced-string token the tokenizer split otherwise: stop there)
+                    illegal = True
+                    out.append(tok)
+                    continue
+                out.append(tok)
+                if not self.matcher.accept_token(tok):
+                    raise RuntimeError(f"the matcher refused token {tok} its own mask allowed")
+                advanced += 1
+        finally:
+            if advanced:
+                self.matcher.rollback(advanced)
+        while len(masks) < len(out) + 1:  # past an illegal draft or a stop token: never used
+            masks.append(masks[-1] if masks else torch.ones(self.width, dtype=torch.bool))
+        if forced_from is not None:
+            self.forced_total += len(out) - forced_from
+            q = _one_hot_q(q, forced_from, out[forced_from:], self.width) if q is not None else None
+        elif q is not None and len(out) < len(drafts):
+            q = _trim_q(q, len(out))
+        return out, q, torch.stack(masks[:len(out) + 1])
+
+
+def _trim_q(q: QProbs, n: int) -> QProbs:
+    if isinstance(q, DenseQ):
+        return DenseQ(q.probs[:n])
+    if isinstance(q, SparseQ):
+        return SparseQ(q.ids[:n], q.probs[:n])
+    return q
