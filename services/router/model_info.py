@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -14,6 +15,8 @@ class ModelInfo:
 
     def __init__(self, model_dir: str) -> None:
         path = Path(model_dir)
+        self.path = path
+        self._grammars: Any = None
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
@@ -27,6 +30,16 @@ class ModelInfo:
         width = {"float16": 2, "bfloat16": 2}.get(str(config.get("dtype") or config.get("torch_dtype")), 4)
         # K and V for every layer: what a rejected draft position costs in target KV cache
         self.kv_bytes_per_token = 2 * int(config.get("num_hidden_layers", 0)) * kv_heads * head_dim * width
+
+    def grammars(self) -> Any:
+        """The constraint compiler (structured/grammar.py), built on the first constrained
+        request: it imports xgrammar (and torch), which a router that never sees one skips."""
+        if self._grammars is None:
+            from specserve.structured.grammar import GrammarCache, tokenizer_info
+
+            self._grammars = GrammarCache(tokenizer_info(str(self.path / "tokenizer.json"), self.vocab_size,
+                                                         sorted(self.eos_token_ids)))
+        return self._grammars
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -184,6 +184,12 @@ class OpenAIApp:
             req.seed = body.seed
         if body.num_draft_tokens is not None:
             req.num_draft_tokens = body.num_draft_tokens
+        try:
+            constraint = body.constraint()
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), "invalid_request_error", param="response_format") from exc
+        if constraint is not None:
+            constraint.to_proto(req.constraint)
         return req
 
     async def _serve(self, req: generation_pb2.GenerateRequest, body, request: Request, kind: str, prefix: str):

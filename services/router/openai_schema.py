@@ -9,6 +9,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specserve.errors import InvalidRequest
+from specserve.structured.constraint import Constraint
+
 
 class Prediction(BaseModel):
     """Predicted Outputs: the text the output is expected to mostly repeat."""
@@ -20,6 +23,24 @@ class Prediction(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(str(part.get("text", "")) for part in self.content)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # always enforced: the output matches the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or a JSON Schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +67,12 @@ class _Common(BaseModel):
     draft_pool: str = ""
     num_draft_tokens: int | None = Field(None, ge=0, le=32)
     top_k: int = Field(0, ge=0)
+    # structured output (ADR 0017): OpenAI's response_format, or vLLM's guided_* (extra_body)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("n")
     @classmethod
@@ -64,6 +91,29 @@ class _Common(BaseModel):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def constraint(self) -> Constraint | None:
+        """The one constraint the request names (InvalidRequest for two, or a bad one)."""
+        found: list[Constraint] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(Constraint.json_object())
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequest("response_format json_schema needs json_schema.schema")
+            found.append(Constraint.json_schema(rf.json_schema.schema_))
+        if self.guided_json is not None:
+            found.append(Constraint.json_schema(self.guided_json))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", self.guided_regex))
+        if self.guided_grammar is not None:
+            found.append(Constraint("grammar", self.guided_grammar))
+        if self.guided_choice is not None:
+            found.append(Constraint.choice(self.guided_choice))
+        if len(found) > 1:
+            raise InvalidRequest("name one constraint: response_format, guided_json, guided_regex, guided_grammar "
+                                 "or guided_choice")
+        return found[0] if found else None
 
     def budget(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

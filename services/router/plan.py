@@ -10,6 +10,7 @@ from typing import Any
 
 from specserve.control.arms import Choice, Decision, Fallback
 from specserve.params import GenerationParams, SamplingParams
+from specserve.structured.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class SessionPlan:
     # adaptive K (the policy's adaptive_k, a speculate decision): the engine picks each round's
     # K in [k_min, k_max] or plain, from its measured step cost (ADR 0014); choice.k starts it
     k_bounds: tuple[int, int] | None = None
+    constraint: Constraint | None = None  # structured output (ADR 0017)
 
     @property
     def seed(self) -> int:
@@ -54,7 +56,8 @@ class SessionPlan:
                 "policy_class": self.policy_class, "policy_version": self.policy_version,
                 "policy_source": self.policy_source, "decision_reason": self.decision_reason,
                 "prediction": list(self.prediction), "seeded": self.seeded,
-                **({"adaptive": True, "k_min": self.k_bounds[0], "k_max": self.k_bounds[1]} if self.k_bounds else {})}
+                **({"adaptive": True, "k_min": self.k_bounds[0], "k_max": self.k_bounds[1]} if self.k_bounds else {}),
+                **({"constraint": self.constraint.encode()} if self.constraint else {})}
 
     @classmethod
     def decode(cls, d: dict[str, Any]) -> SessionPlan:
@@ -67,7 +70,8 @@ class SessionPlan:
         return cls(params, d["workload_class"], d.get("class_reason", ""), d.get("stats_class", ""), choice,
                    d.get("policy_class", ""), int(d.get("policy_version", 0)), d.get("policy_source", ""),
                    d.get("decision_reason", ""), tuple(d.get("prediction") or ()), bool(d.get("seeded")),
-                   (int(d["k_min"]), int(d["k_max"])) if d.get("adaptive") else None)
+                   (int(d["k_min"]), int(d["k_max"])) if d.get("adaptive") else None,
+                   Constraint.decode(d.get("constraint")))
 
     def span_attributes(self) -> dict[str, Any]:
         return {"specserve.workload_class": self.workload_class, "specserve.class_reason": self.class_reason,

@@ -39,6 +39,8 @@ class Planner:
     async def plan(self, req: ValidRequest) -> SessionPlan:
         policy, source = self.policies.effective(req.workload_class)
         stats_class = self.stats_class(req.workload_class)
+        if req.constraint is not None:  # acceptance under a constraint is its own statistic (ADR 0017)
+            stats_class += req.constraint.stats_suffix
         choice: Choice
         assessment: Assessment | None
         if req.prediction_ids and req.pinned_pool in (None, PREDICTION_POOL) and req.pinned_k != 0:
@@ -67,7 +69,8 @@ class Planner:
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
                            policy.version, source, assessment.reason if assessment else "",
                            req.prediction_ids if choice.pool == PREDICTION_POOL else (),
-                           seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None)
+                           seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None,
+                           constraint=req.constraint)
 
     async def effective(self, workload_class: str) -> tuple[Policy, str, str, Assessment]:
         """(policy, source, stats class, the controller's assessment from fresh statistics)."""

@@ -13,6 +13,7 @@ from specserve.control.policy import CLASS_NAME
 from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.errors import InvalidRequest
 from specserve.params import MAX_K, GenerationParams, SamplingParams
+from specserve.structured.constraint import Constraint
 from specserve.v1 import generation_pb2
 
 
@@ -27,6 +28,7 @@ class ValidRequest:
     pinned_k: int | None  # the request's own num_draft_tokens, or None
     request_id: str | None
     prediction_ids: tuple[int, ...] = ()  # Predicted Outputs: the expected output, tokenized
+    constraint: Constraint | None = None  # structured output (ADR 0017), compiled once here to check it
 
     @property
     def facts(self) -> RequestFacts:
@@ -82,4 +84,8 @@ def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str
     params = GenerationParams(
         max_tokens=int(req.max_tokens), sampling=sampling, num_draft_tokens=0,
         stop=tuple(req.stop), seed=int(req.seed) if req.HasField("seed") else None)
-    return ValidRequest(ids, text, params, cls, reason, pinned_pool, pinned_k, req.request_id or None, prediction)
+    constraint = Constraint.from_proto(req.constraint) if req.HasField("constraint") else None
+    if constraint is not None:
+        model.grammars().compile(constraint)  # InvalidRequest with the compiler's message
+    return ValidRequest(ids, text, params, cls, reason, pinned_pool, pinned_k, req.request_id or None, prediction,
+                        constraint)

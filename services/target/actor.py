@@ -139,6 +139,16 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
                for name, addrs in s.draft_pools.items()}
     controller = Controller(store.client, s.key_prefix, s.controller_half_life_s, ttl_s=s.stats_ttl_s)
     loop.create_task(controller.start())
+    grammars: list = []  # compiled on the first constrained session (xgrammar loads then)
+
+    def constrain(c):
+        from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
+
+        if not grammars:
+            grammars.append(GrammarCache(tokenizer_info(str(info.path / "tokenizer.json"), target.vocab_size,
+                                                        sorted(info.eos_token_ids))))
+        return ConstrainedRow(grammars[0].compile(c), grammars[0].vocab_size, target.vocab_size, encode=info.encode)
+
     return EngineHost(engine, stops_for, store, s.name, sources, loop,
                       budget=Budget(max_batch=s.max_batch, max_batched_tokens=s.max_batched_tokens,
                                     prefill_chunk=s.prefill_chunk),
@@ -147,4 +157,4 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
                       controller=controller, shadow_log=ShadowLog(store.client, s.key_prefix, s.stats_ttl_s),
                       kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
-                      worker_metrics=metrics)
+                      worker_metrics=metrics, constrain=constrain)

@@ -68,6 +68,29 @@ class Constraint:
         comparable): the class's statistics go under `<class>+<kind>`."""
         return f"+{self.kind}"
 
+    @classmethod
+    def from_proto(cls, msg: Any) -> Constraint | None:
+        """A `specserve.v1.Constraint` (None when unset)."""
+        which = msg.WhichOneof("kind")
+        if which is None:
+            return None
+        if which == "json_object":
+            return cls.json_object() if msg.json_object else None
+        if which == "json_schema":
+            return cls.json_schema(msg.json_schema)
+        if which == "choice":
+            return cls.choice(list(msg.choice.options))
+        return cls(which, getattr(msg, which))
+
+    def to_proto(self, msg: Any) -> None:
+        """Fill a `specserve.v1.Constraint`."""
+        if self.kind == "json_object":
+            msg.json_object = True
+        elif self.kind == "choice":
+            msg.choice.options.extend(self.choices())
+        else:
+            setattr(msg, self.kind, self.value)
+
     def encode(self) -> dict[str, str]:
         return {"kind": self.kind, "value": self.value}
 
