@@ -71,6 +71,7 @@ bench: setup
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_stack.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_peer.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_structured.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_tracing.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_policies.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_prediction.py --models $(MODELS_DIR) --out bench/results

@@ -113,13 +113,13 @@ def test_the_grammar_drafts_what_it_forces_and_masks_every_position(demo_pair, c
     row = ConstrainedRow(cache.compile(Constraint.json_schema(SCHEMA)), cache.vocab_size, target_model.vocab_size,
                          encode=_encode(demo_pair))
     drafts, q, allowed = row.constrain([], None, greedy=True, k_max=4)
-    assert demo_pair.tokenizer.decode(drafts) == '{"name":"'  # the forced string, no model involved
+    assert demo_pair.tokenizer.decode(drafts) == '{"name": "'  # the forced string, no model involved
     assert allowed.shape == (len(drafts) + 1, target_model.vocab_size)
     row.advance(drafts)
-    model_drafts = demo_pair.tokenizer.encode('Ada","year":1815,', add_special_tokens=False)
+    model_drafts = demo_pair.tokenizer.encode('Ada", "year": 1815, ', add_special_tokens=False)
     drafts, _, allowed = row.constrain(model_drafts, None, greedy=True, k_max=len(model_drafts))
     text = demo_pair.tokenizer.decode(drafts)
-    assert text.startswith('Ada","year":1815,"tags":[')  # the model's drafts, then the forced key
+    assert text.startswith('Ada", "year": 1815, "tags": [')  # the model's drafts, then the forced key
     assert all(bool(allowed[i, t]) for i, t in enumerate(drafts))
     # an illegal model draft ends the drafts at greedy (the target's mask would reject it)
     bad = demo_pair.tokenizer.encode('Ada"}', add_special_tokens=False)

@@ -95,9 +95,9 @@ class GrammarCache:
             if c.kind == "json_object":
                 compiled = self.compiler.compile_builtin_json_grammar()
             elif c.kind == "json_schema":
-                # compact JSON: no free whitespace, so more tokens are forced and a small model
-                # cannot loop on blanks (ADR 0017)
-                compiled = self.compiler.compile_json_schema(c.value, any_whitespace=False, separators=(",", ":"),
+                # fixed whitespace, json.dumps' separators (what models see most): every
+                # separator is forced, and a small model cannot loop on blanks (ADR 0017)
+                compiled = self.compiler.compile_json_schema(c.value, any_whitespace=False, separators=(", ", ": "),
                                                              strict_mode=True)
             elif c.kind == "regex":
                 compiled = self.compiler.compile_regex(c.value)
