@@ -99,7 +99,7 @@ class EngineHost:
                  controller: Controller | None = None, shadow_log: ShadowLog | None = None,
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
-                 constrain: Callable[[Constraint], Any] | None = None) -> None:
+                 constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0) -> None:
         self.store = store
         self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
         self.name = name
@@ -122,7 +122,9 @@ class EngineHost:
         self.engine = EngineLoop(model, stops_for, sources, self.committer, observers=[self], budget=budget,
                                  block_wait_max_s=block_wait_max_s,
                                  simulated_step_ms=(lambda works: simulated_step_ms) if simulated_step_ms else None,
-                                 on_step=self._on_step, summarize=self._summary, constrain=constrain)
+                                 on_step=self._on_step, summarize=self._summary, constrain=constrain,
+                                 max_commit_lag=max_commit_lag)
+        self.committer.on_acked = self.engine.acked
         self.driving: dict[str, _Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
         self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop

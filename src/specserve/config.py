@@ -100,6 +100,9 @@ class TargetSettings(WorkerSettings):
     block_wait_ms: float = Field(50.0, ge=0)
     max_batched_tokens: int = Field(2048, ge=1)  # tokens fed per engine step (verify rows + prefill chunks)
     redis_outage_s: float = Field(30.0, ge=0)  # commits ride a Redis outage this long
+    # commit back-pressure: a session with this many rounds not yet committed (Redis slow or
+    # down) waits for them before its next round; 0 = unbounded
+    max_commit_lag: int = Field(16, ge=0)
     session_ttl_s: int = Field(3600, ge=1)  # as the router's: the sessions' keys live this long
     lease_s: float = Field(5.0, gt=0)  # the driver's lease, renewed every heartbeat_s
     detached_idle_s: float = Field(60.0, gt=0)  # a session nobody reads for this long is cancelled

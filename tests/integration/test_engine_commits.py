@@ -36,7 +36,8 @@ def _decode(ids) -> str:
 
 
 class Driver:
-    """An engine on its own thread (as in the target worker) committing through Redis."""
+    """An engine on its own thread (as in the target worker) committing through Redis, with
+    the target's commit back-pressure (two unanswered rounds at most per session)."""
 
     def __init__(self, pair, store, aloop: asyncio.AbstractEventLoop) -> None:
         target, drafter = pair
@@ -44,7 +45,11 @@ class Driver:
         self.committer = RedisCommitter(store, aloop, self._refused).start()
         self.engine = EngineLoop(target_engine(target, Batching(kv_budget_mb=8, max_sessions=8, prefill_chunk=16)),
                                  lambda p: StopChecker(frozenset(), p.stop, _decode),
-                                 {"small": LocalDrafts(drafter)}, committer=self.committer)
+                                 {"small": LocalDrafts(drafter)}, committer=self.committer, max_commit_lag=2)
+        self.committer.on_acked = self.engine.acked
+        self.widest_lag = 0  # the most rounds of one session handed over and not yet answered
+        self.engine.on_step = lambda report: setattr(self, "widest_lag", max(
+            [self.widest_lag, *(s.unacked for s in self.engine.sessions.values())]))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.engine.run_forever, args=(self.stop,), daemon=True)
         self.thread.start()
@@ -101,6 +106,7 @@ def test_what_redis_holds_is_what_the_engine_generated_in_few_pipelines(pair, st
         assert [c.offset for c in chunks] == [sum(len(c.tokens) for c in chunks[:i]) for i in range(len(chunks))]
         assert status.value == "finished"
     assert driver.refused == []
+    assert 1 <= driver.widest_lag <= 2  # the back-pressure held, and commits did lag
     assert driver.committer.pipelines < rounds  # several sessions' rounds shared a pipeline
 
 

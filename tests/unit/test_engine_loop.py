@@ -271,3 +271,45 @@ def test_the_engine_turns_speculation_off_where_it_does_not_pay_and_keeps_it_whe
     assert max(estimates.values()) <= 1.05  # its own estimates: no K beats plain by the margin
     rounds, estimates = outcomes["oracle"]
     assert all(r.k_asked > 0 for r in rounds[:-1]) and max(estimates.values()) > 1.5
+
+
+class UnansweredCommitter:
+    """Takes every round and answers none until the test says so (Redis slow or down)."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def submit(self, records) -> None:
+        self.records.extend(records)
+
+
+def test_a_session_whose_commits_go_unanswered_stops_at_the_commit_lag_and_resumes_exactly(pair):
+    plan = EnginePlan(GenerationParams(max_tokens=20, num_draft_tokens=0, seed=5))
+    free = _run(_loop(pair), [("s", PROMPTS[0], plan)])["s"]
+    # without back-pressure (max_commit_lag 0, the old behaviour) nothing stops it: every round
+    # is handed over with none answered
+    unbounded = UnansweredCommitter()
+    loop = _loop(pair, committer=unbounded)
+    loop.add("s", PROMPTS[0], plan)
+    loop.run_until_idle()
+    assert len(unbounded.records) == len(free) == 20
+    # with it: three unanswered rounds, then the session waits, still running
+    held = UnansweredCommitter()
+    loop = _loop(pair, committer=held, max_commit_lag=3)
+    loop.add("s", PROMPTS[0], plan)
+    for _ in range(30):
+        loop.step()
+    s = loop.sessions["s"]
+    assert s.running and len(held.records) == 3 and s.unacked == 3
+    # Redis answers whatever is outstanding whenever the engine has nothing to run: it goes on
+    answered, widest = 0, 0
+    for _ in range(500):
+        if not s.running:
+            break
+        widest = max(widest, s.unacked)
+        if loop.step() is None:
+            loop.acked([r.session_id for r in held.records[answered:]])
+            answered = len(held.records)
+    assert not s.running and s.generated == free
+    assert widest <= 3
+    assert [t for r in held.records for t in r.tokens] == free  # every round handed over once, in order

@@ -10,7 +10,9 @@ Through a Redis outage the batch is retried for up to `outage_s`. A retry is saf
 that landed answers `duplicate`. Batches stay in order, so a session's rounds land one after
 the other. A refused round (closed, taken over, or Redis gone for longer than `outage_s`)
 is reported to `on_refused`: the engine stops that session, with nothing after what it
-committed.
+committed. Every answered round (applied, duplicate or refused) is reported to `on_acked`, one
+session id per round: the engine holds a session whose unanswered rounds reach
+`max_commit_lag` (its back-pressure), so a long outage cannot grow provisional work.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ REDIS_GONE = "redis_unavailable"
 class RedisCommitter:
     def __init__(self, store: SessionStore, loop: asyncio.AbstractEventLoop,
                  on_refused: Callable[[str, str], None], outage_s: float = 30.0,
-                 observe: Callable[[int, float], None] | None = None) -> None:
+                 observe: Callable[[int, float], None] | None = None,
+                 on_acked: Callable[[list[str]], None] | None = None) -> None:
         self.store = store
         self.loop = loop
         self.on_refused = on_refused  # (session_id, why), called on the event loop
         self.outage_s = outage_s
         self.observe = observe  # (rounds in the pipeline, seconds)
+        self.on_acked = on_acked  # (one session id per answered round), on the event loop
         self.pipelines = 0
         self._queue: asyncio.Queue[list[CommitRecord]] = asyncio.Queue()
         self._idle = asyncio.Event()
@@ -75,6 +79,13 @@ class RedisCommitter:
                 self._idle.set()
 
     async def _send(self, batch: list[CommitRecord]) -> None:
+        try:
+            await self._send_batch(batch)
+        finally:
+            if self.on_acked is not None:
+                self.on_acked([r.session_id for r in batch])
+
+    async def _send_batch(self, batch: list[CommitRecord]) -> None:
         t = time.perf_counter()
         try:
             results = await ride_out(lambda: self.store.commit_batch(batch), self.outage_s)

@@ -88,7 +88,7 @@ class EngineLoop:
                  simulated_step_ms: Callable[[list[Work]], float] | None = None,
                  on_step: Callable[[StepReport], None] | None = None,
                  summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0,
-                 constrain: Callable[[Constraint], Any] | None = None) -> None:
+                 constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0) -> None:
         self.model = model
         self.stops_for = stops_for
         self.sources = dict(sources or {})
@@ -111,6 +111,10 @@ class EngineLoop:
         # this engine refuses constrained sessions
         self.constrain = constrain
         self.mask_ms = 0.0  # the masks' host time in the last step (ADR 0017)
+        # commit back-pressure: a session with this many rounds handed to the committer and not
+        # yet answered by Redis runs no further round until one is (0 = unbounded). Through a
+        # Redis outage its provisional work stays bounded, not max_tokens long.
+        self.max_commit_lag = max_commit_lag
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
         self.last: StepReport | None = None
@@ -143,6 +147,11 @@ class EngineLoop:
 
     def offer(self, block: DraftBlock) -> None:
         self._post("block", block)
+
+    def acked(self, session_ids: Sequence[str]) -> None:
+        """The committer's answer for rounds it was handed: one id per round (applied or
+        refused alike; a refusal ends the session through `cancel`)."""
+        self._post("acked", list(session_ids))
 
     def cancel(self, session_id: str, reason: str = "cancelled") -> None:
         self._post("cancel", (session_id, reason))
@@ -183,7 +192,8 @@ class EngineLoop:
         t0 = time.perf_counter()
         self._drain()
         self._forget_ended()
-        plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s, self._can_draft)
+        plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s, self._can_draft,
+                        self._held)
         self._wake_at = plan.wake_at
         if not plan.rows:
             self._notify_ended()  # cancelled from the inbox
@@ -214,6 +224,9 @@ class EngineLoop:
                 commits = [replace(c, stats=self.summarize(self.sessions[c.session_id])) if c.finish_reason
                            else c for c in commits]
             self.committer.submit(commits)
+            for c in commits:
+                if (owner := self.sessions.get(c.session_id)) is not None:
+                    owner.unacked += 1
         self._forget_ended()
         self.last = StepReport(len(plan.rows), sum(w.tokens for w in works), forward_ms, bookkeeping_ms)
         if self.on_step is not None:
@@ -238,6 +251,10 @@ class EngineLoop:
                 s = self.sessions.get(payload.session_id)
                 if s is not None and s.offer(payload):  # a stale block (another prefix) is dropped here
                     self._block_arrived(s, payload)
+            elif kind == "acked":
+                for sid in payload:
+                    if (s := self.sessions.get(sid)) is not None and s.unacked > 0:
+                        s.unacked -= 1
             elif kind == "cancel":
                 s = self.sessions.get(payload[0])
                 if s is not None and s.running:
@@ -376,6 +393,9 @@ class EngineLoop:
         estimates = speedups(alphas, s.plan.k, cost)
         self.estimates[(s.plan.workload_class, s.plan.pool or "")] = estimates
         return choose_k({k: v for k, v in estimates.items() if k == 0 or k >= s.plan.k_min})
+
+    def _held(self, s: EngineSession) -> bool:
+        return 0 < self.max_commit_lag <= s.unacked
 
     def _can_draft(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")

@@ -10,6 +10,8 @@ Per running session, oldest first, at most one row:
   by cost in the loop: what the block is worth against plain steps), then runs a plain row
   (`draft_late`);
 - plain: a plain row (1 logit).
+A session held back (`held`: too many of its rounds not yet committed, the commit
+back-pressure of ADR 0014) gets no row until its commits are answered.
 
 The step holds at most `max_batch` rows and `max_batched_tokens` tokens fed. The first row
 is always taken, so one long chunk cannot stall the engine. Sessions left out this step go
@@ -54,7 +56,8 @@ class Budget:
 
 def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
              block_wait_s: Callable[[EngineSession], float],
-             can_draft: Callable[[EngineSession], bool] = lambda s: True) -> Schedule:
+             can_draft: Callable[[EngineSession], bool] = lambda s: True,
+             held: Callable[[EngineSession], bool] = lambda s: False) -> Schedule:
     """The rows of the next step and when to look again for sessions waiting for a block.
     `can_draft(session)` is False when no replica of its pool can draft: it runs plain at
     once rather than wait for a block that cannot come.
@@ -66,7 +69,7 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
     used = 0
     wake_at: float | None = None
     for s in sessions:
-        if not s.running:
+        if not s.running or held(s):
             continue
         row = _row(s, now, budget.prefill_chunk, block_wait_s, can_draft)
         if row is None:  # waiting for its block

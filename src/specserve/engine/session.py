@@ -163,6 +163,7 @@ class EngineSession:
     held_plain: int = 0  # rounds in a row the engine held it plain (it probes now and then)
     asked_at: float | None = None  # when its draft source was last asked for a block (prices the wait)
     grammar: Any = None  # its matcher when the plan has a constraint (structured/grammar.py: ConstrainedRow)
+    unacked: int = 0  # its rounds handed to the committer that Redis has not answered yet
 
     @classmethod
     def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,
