@@ -36,7 +36,8 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
         workload_class=p.workload_class, mode=MODE_TO_PB[p.mode], draft_pool=p.draft_pool,
         draft_pools=list(p.draft_pools), k=p.k,
         adaptive_k=p.adaptive_k, k_min=p.k_min, k_max=p.k_max, max_prompt_tokens=p.max_prompt_tokens,
-        safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, version=p.version,
+        safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, output_format=p.output_format,
+        version=p.version,
         updated_by=p.updated_by, updated_at=p.updated_at)
     if p.temperature_ceiling is not None:
         msg.temperature_ceiling = p.temperature_ceiling
@@ -55,7 +56,7 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
                   k=msg.k, adaptive_k=msg.adaptive_k, k_min=msg.k_min, k_max=msg.k_max,
                   temperature_ceiling=msg.temperature_ceiling if msg.HasField("temperature_ceiling") else None,
                   max_prompt_tokens=msg.max_prompt_tokens, safety_margin=msg.safety_margin,
-                  probe_fraction=msg.probe_fraction)
+                  probe_fraction=msg.probe_fraction, output_format=msg.output_format or "text")
 
 
 def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:

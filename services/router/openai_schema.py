@@ -96,7 +96,9 @@ class _Common(BaseModel):
         """The one constraint the request names (InvalidRequest for two, or a bad one)."""
         found: list[Constraint] = []
         rf = self.response_format
-        if rf is not None and rf.type == "json_object":
+        if rf is not None and rf.type == "text":
+            found.append(Constraint.text())
+        elif rf is not None and rf.type == "json_object":
             found.append(Constraint.json_object())
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:

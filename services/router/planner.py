@@ -17,6 +17,7 @@ from specserve.control.controller import Controller
 from specserve.control.policy import Policy, PolicyCache
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL
 from specserve.serving.metrics import RouterMetrics
+from specserve.structured.constraint import Constraint
 
 log = logging.getLogger("specserve.router")
 
@@ -39,6 +40,8 @@ class Planner:
     async def plan(self, req: ValidRequest) -> SessionPlan:
         policy, source = self.policies.effective(req.workload_class)
         stats_class = self.stats_class(req.workload_class)
+        if req.constraint is None and not req.free_text and policy.output_format == "json_object":
+            req = replace(req, constraint=Constraint.json_object())  # the class's default output (ADR 0017)
         if req.constraint is not None:  # acceptance under a constraint is its own statistic (ADR 0017)
             stats_class += req.constraint.stats_suffix
         choice: Choice

@@ -29,6 +29,7 @@ class ValidRequest:
     request_id: str | None
     prediction_ids: tuple[int, ...] = ()  # Predicted Outputs: the expected output, tokenized
     constraint: Constraint | None = None  # structured output (ADR 0017), compiled once here to check it
+    free_text: bool = False  # the request asked for free text: the class's default output does not apply
 
     @property
     def facts(self) -> RequestFacts:
@@ -88,4 +89,4 @@ def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str
     if constraint is not None:
         model.grammars().compile(constraint)  # InvalidRequest with the compiler's message
     return ValidRequest(ids, text, params, cls, reason, pinned_pool, pinned_k, req.request_id or None, prediction,
-                        constraint)
+                        constraint, req.HasField("constraint") and req.constraint.WhichOneof("kind") == "text")

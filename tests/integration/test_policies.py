@@ -484,3 +484,26 @@ def test_requests_keep_flowing_while_policies_churn(routers, code_prompts):
         done.set()
         t.join()
     assert not errors and min(lens) > 0
+
+
+# -- a class's default output (ADR 0017) --------------------------------------------------------
+def test_a_class_can_default_to_json_object_output_and_a_request_can_opt_out(routers, extraction_prompts):
+    pytest.importorskip("xgrammar")
+    (gen0, admin0), (gen1, _) = routers
+    cls = _cls("jsonout")
+    _set(admin0, cls, output_format="json_object", k=4)
+    prompt = extraction_prompts[0]
+    # greedy: the same text whichever router and pool; the pair closes its record well within 96
+    r = _gen(gen0, prompt, cls, max_tokens=96)
+    assert r.finish_reason == "eos", r.text
+    assert isinstance(json.loads(r.text), dict)
+    assert _gen(gen1, prompt, cls, max_tokens=96, draft_pool="none").text == r.text
+    # free text, asked for explicitly: the class's default does not apply; unconstrained, the
+    # pair writes the record and runs on into another prompt
+    free = _gen(gen0, prompt, cls, max_tokens=96, constraint=generation_pb2.Constraint(text=True))
+    unclassed = _gen(gen0, prompt, _cls("free"), max_tokens=96)
+    assert free.text == unclassed.text != r.text
+    assert free.finish_reason == "length"
+    with pytest.raises(grpc.RpcError) as err:
+        _set(admin0, cls, output_format="xml")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "output_format" in err.value.details()

@@ -113,7 +113,10 @@ def test_the_grammar_drafts_what_it_forces_and_masks_every_position(demo_pair, c
     row = ConstrainedRow(cache.compile(Constraint.json_schema(SCHEMA)), cache.vocab_size, target_model.vocab_size,
                          encode=_encode(demo_pair))
     drafts, q, allowed = row.constrain([], None, greedy=True, k_max=4)
-    assert demo_pair.tokenizer.decode(drafts) == '{"name": "'  # the forced string, no model involved
+    assert drafts == [] and allowed.shape == (1, target_model.vocab_size)  # " {" or "{": the model's choice
+    row.advance(_encode(demo_pair)(" {"))  # as the pair writes it
+    drafts, q, allowed = row.constrain([], None, greedy=True, k_max=4)
+    assert demo_pair.tokenizer.decode(drafts) == '"name": "'  # the forced string, no model involved
     assert allowed.shape == (len(drafts) + 1, target_model.vocab_size)
     row.advance(drafts)
     model_drafts = demo_pair.tokenizer.encode('Ada", "year": 1815, ', add_special_tokens=False)
@@ -229,3 +232,40 @@ def test_sampled_first_position_follows_the_masked_target_distribution(demo_pair
     print(f"{pool}: chi2 p (masked) {p_right:.3f}, (unmasked) {p_unmasked:.2e}, (masked, T=1) {p_wrong_t:.2e}")
     assert p_right > 0.001
     assert p_unmasked < 1e-2 and p_wrong_t < 1e-4
+
+
+# -- the API's constraint, and a class's default output --------------------------------------
+def test_openai_fields_name_one_constraint():
+    from services.router.openai_schema import CompletionRequest
+
+    def parse(**kw) -> Constraint | None:
+        return CompletionRequest(model="m", prompt="p", **kw).constraint()
+
+    assert parse() is None
+    assert parse(response_format={"type": "json_object"}) == Constraint.json_object()
+    assert parse(response_format={"type": "text"}) == Constraint.text()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert parse(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) \
+        == Constraint.json_schema(schema)
+    assert parse(guided_choice=["a", "b"]).choices() == ["a", "b"]
+    with pytest.raises(InvalidRequest, match="json_schema.schema"):
+        parse(response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(InvalidRequest, match="name one constraint"):
+        parse(guided_regex="a", response_format={"type": "json_object"})
+
+
+def test_a_class_policy_names_its_default_output_and_it_survives_the_wire():
+    from services.router.admin import policy_from_pb, policy_to_pb
+    from specserve.control.policy import Policy
+
+    p = Policy("extraction", output_format="json_object").validate()
+    assert policy_from_pb(policy_to_pb(p)).output_format == "json_object"
+    assert Policy.from_body(p.body()).output_format == "json_object"
+    with pytest.raises(InvalidRequest, match="output_format must be one of text, json_object"):
+        Policy("extraction", output_format="xml").validate()
+
+
+def test_json_object_means_an_object(cache):
+    m = xgr.GrammarMatcher(cache.compile(Constraint.json_object()))
+    assert m.accept_string('{"a": [1, {"b": null}], "c": "x"}') and m.is_completed()
+    assert not xgr.GrammarMatcher(cache.compile(Constraint.json_object())).accept_string("[1]")

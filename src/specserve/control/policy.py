@@ -41,6 +41,7 @@ CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 AUDIT_MAXLEN = 10_000
 MAX_MARGIN = 10.0
 MAX_PROBE = 0.5
+OUTPUT_FORMATS = ("text", "json_object")  # a class's default output (schema-free JSON: ADR 0017)
 
 
 class PolicyConflict(Exception):
@@ -66,6 +67,8 @@ class Policy:
     max_prompt_tokens: int = 0  # 0 = no limit
     safety_margin: float = 0.1
     probe_fraction: float = 0.05
+    # what the class's requests produce when they name no constraint (ADR 0017)
+    output_format: str = "text"
     version: int = 0
     updated_by: str = ""
     updated_at: float = 0.0
@@ -100,6 +103,8 @@ class Policy:
             raise bad(f"safety_margin must be in [0, {MAX_MARGIN}], got {self.safety_margin}")
         if not (0 <= self.probe_fraction <= MAX_PROBE):
             raise bad(f"probe_fraction must be in [0, {MAX_PROBE}], got {self.probe_fraction}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise bad(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.output_format!r}")
         return self
 
     @property

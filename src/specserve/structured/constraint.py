@@ -15,7 +15,7 @@ from typing import Any
 
 from specserve.errors import InvalidRequest
 
-KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+KINDS = ("json_object", "json_schema", "regex", "grammar", "choice", "text")  # text: explicitly free
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema or grammar longer than this is refused (400)
 
 
@@ -30,8 +30,13 @@ class Constraint:
         if len(self.value) > MAX_CONSTRAINT_CHARS:
             raise InvalidRequest(f"the {self.kind} constraint has {len(self.value)} characters; the limit is "
                                  f"{MAX_CONSTRAINT_CHARS}")
-        if self.kind != "json_object" and not self.value:
+        if self.kind not in ("json_object", "text") and not self.value:
             raise InvalidRequest(f"the {self.kind} constraint is empty")
+
+    @classmethod
+    def text(cls) -> Constraint:
+        """Free text, asked for explicitly (no constraint; a class's default does not apply)."""
+        return cls("text")
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -72,7 +77,7 @@ class Constraint:
     def from_proto(cls, msg: Any) -> Constraint | None:
         """A `specserve.v1.Constraint` (None when unset)."""
         which = msg.WhichOneof("kind")
-        if which is None:
+        if which is None or which == "text":
             return None
         if which == "json_object":
             return cls.json_object() if msg.json_object else None
@@ -84,8 +89,8 @@ class Constraint:
 
     def to_proto(self, msg: Any) -> None:
         """Fill a `specserve.v1.Constraint`."""
-        if self.kind == "json_object":
-            msg.json_object = True
+        if self.kind in ("json_object", "text"):
+            setattr(msg, self.kind, True)
         elif self.kind == "choice":
             msg.choice.options.extend(self.choices())
         else:

@@ -31,6 +31,8 @@ from specserve.algorithm.rejection import DenseQ, QProbs, SparseQ
 from specserve.errors import InvalidRequest
 from specserve.structured.constraint import Constraint
 
+ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
+LEADING_SPACE = 'root ::= " " | ""'
 MAX_FORCED = 16  # forced tokens drafted past a round's K (a JSON key, a closing brace run)
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -92,13 +94,16 @@ class GrammarCache:
         import xgrammar as xgr
 
         try:
-            if c.kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
-            elif c.kind == "json_schema":
-                # fixed whitespace, json.dumps' separators (what models see most): every
-                # separator is forced, and a small model cannot loop on blanks (ADR 0017)
-                compiled = self.compiler.compile_json_schema(c.value, any_whitespace=False, separators=(", ", ": "),
-                                                             strict_mode=True)
+            if c.kind in ("json_object", "json_schema"):
+                # json_object: an object (xgrammar's builtin JSON also allows an array).
+                # Fixed whitespace, json.dumps' separators (what models see most): every
+                # separator is forced, and a small model cannot loop on blanks; one optional
+                # leading space, as text after a prompt usually starts (" {"), which JSON
+                # parsers accept (ADR 0017)
+                body = xgr.Grammar.from_json_schema(ANY_OBJECT if c.kind == "json_object" else c.value,
+                                                    any_whitespace=False, separators=(", ", ": "),
+                                                    strict_mode=c.kind == "json_schema")
+                compiled = self.compiler.compile_grammar(xgr.Grammar.concat(xgr.Grammar.from_ebnf(LEADING_SPACE), body))
             elif c.kind == "regex":
                 compiled = self.compiler.compile_regex(c.value)
             elif c.kind == "grammar":

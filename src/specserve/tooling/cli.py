@@ -483,6 +483,8 @@ def policy_set(
     max_prompt_tokens: int | None = typer.Option(None, help="Longer prompts run plain (0: no limit)."),
     margin: float | None = typer.Option(None, "--margin", help="Safety margin: speculate while S >= 1 + margin."),
     probe: float | None = typer.Option(None, "--probe", help="Probe fraction."),
+    output_format: str | None = typer.Option(
+        None, "--output-format", help="text | json_object: the class's output when a request names no constraint."),
     from_file: Path | None = typer.Option(None, "--file", help="A JSON policy (fields as in `policy get`)."),
     expected_version: int | None = typer.Option(
         None, "--expected-version", help="Compare-and-set against this version (default: the version read)."),
@@ -539,6 +541,8 @@ def policy_set(
                         ("safety_margin", margin), ("probe_fraction", probe)):
         if value is not None:
             setattr(policy, name, value)
+    if output_format is not None:
+        policy.output_format = output_format
     if temperature_ceiling is not None:
         if temperature_ceiling < 0:
             policy.ClearField("temperature_ceiling")
