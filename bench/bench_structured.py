@@ -5,12 +5,14 @@ Held-out extraction records (the pair's eval prompts of class `extraction`) unde
 Schema of the record's fields. Arms, interleaved per prompt:
   free small        unconstrained, the model pool (`small`), K = 4
   plain             constrained, no draft pool; forced tokens off / on
-  small             constrained, the model pool, K = 4; forced tokens off / on
+  small             constrained, the model pool, K = 4; forced tokens off / on; and with
+                    forced tokens but the draft's own q unmasked ("free draft")
   ngram             constrained, the n-gram pool, K = 4; forced tokens off / on
 Reported per arm: parse rate of the finished outputs (must be 100 %), the share that
 finished (the rest hit --max-tokens), field match rate (an output field whose value appears
 verbatim in the record's text), tokens per target pass, ms per token, and the masks' host
-time per step. Writes <out>/structured.json and <out>/structured.png.
+time per step.
+Writes <out>/structured.json and <out>/structured.png.
 
     python bench/bench_structured.py [--models models] [--prompts 12] [--max-tokens 120]
 """
@@ -40,7 +42,8 @@ SCHEMA = {
 }
 ARMS = [("free small", None, "small", True), ("plain, forced off", SCHEMA, None, False),
         ("plain, forced on", SCHEMA, None, True), ("small, forced off", SCHEMA, "small", False),
-        ("small, forced on", SCHEMA, "small", True), ("ngram, forced off", SCHEMA, "ngram", False),
+        ("small, forced on", SCHEMA, "small", True), ("small, free draft", SCHEMA, "small-free", True),
+        ("ngram, forced off", SCHEMA, "ngram", False),
         ("ngram, forced on", SCHEMA, "ngram", True)]
 
 
@@ -94,7 +97,8 @@ def main() -> None:
         model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=4, prefill_chunk=64, max_len=512))
         loops[forced] = EngineLoop(
             model, lambda p: StopChecker(target.eos_token_ids, p.stop, pair.tokenizer.decode),
-            {"small": LocalDrafts(HFDrafter(pair.draft)), "ngram": LocalDrafts(NgramDrafter(target.vocab_size))},
+            {"small": LocalDrafts(HFDrafter(pair.draft)), "ngram": LocalDrafts(NgramDrafter(target.vocab_size)),
+             "small-free": LocalDrafts(HFDrafter(pair.draft), mask_drafts=False)},
             constrain=lambda c, f=forced: ConstrainedRow(cache.compile(c), cache.vocab_size, target.vocab_size,
                                                          forced_drafts=f, encode=encode))
     mask_ms: dict[str, list[float]] = {name: [] for name, *_ in ARMS}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -40,6 +41,7 @@ class _Linked:
     latest: int = 0  # committed length of the newest outcome received
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     carrier: dict[str, str] = field(default_factory=dict)  # the session's trace (from its open)
+    grammar: Any = None  # structured/grammar.py DraftGrammar: its blocks draft from the masked q
 
 
 class Link:
@@ -79,9 +81,15 @@ class Link:
             return
         if kind == "open":
             o = msg.open
+            try:
+                grammar = self.servicer.grammar(o.constraint_kind, o.constraint_value, o.prompt_len)
+            except SpecserveError as exc:  # a constraint this replica cannot compile: the target runs it plain
+                self.out.put_nowait(draft_pb2.LinkOut(failed_session=o.session_id,
+                                                      error_code=status_for(exc).value[0], error=str(exc)))
+                return
             self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
                                                   o.predraft_branches, latest=len(o.committed),
-                                                  carrier=dict(msg.trace_context))
+                                                  carrier=dict(msg.trace_context), grammar=grammar)
             sid, k, update = o.session_id, o.k, None
         elif kind == "outcome":
             linked_or_none = self.sessions.get(msg.outcome.session_id)
@@ -128,13 +136,13 @@ class Link:
         """Propose from what the worker holds; the whole prefix when it holds too little (an
         eviction, a release)."""
         try:
-            return await self.servicer.propose(request, self._push)
+            return await self.servicer.propose(request, self._push, linked.grammar)
         except (NeedsFullPrefix, SessionNotFound):
             if linked.held == 0:
                 raise
             linked.held = 0
             request.prefix.CopyFrom(prefix_to_proto(linked.prefix, 0))
-            return await self.servicer.propose(request, self._push)
+            return await self.servicer.propose(request, self._push, linked.grammar)
 
     def _send(self, sid: str, n: int, prefix_hash: int, k: int, block: draft_pb2.ProposeResponse) -> None:
         self.out.put_nowait(draft_pb2.LinkOut(block=draft_pb2.Predraft(

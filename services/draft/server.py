@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import Drafter, DraftProposal
@@ -52,8 +53,13 @@ def _stop_ahead(seq: Sequence) -> None:
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, max_sessions: int, metrics: WorkerMetrics | None = None,
                  simulated_token_ms: float = 0.0, max_predraft_branches: int = 4, batching: Batching | None = None,
-                 max_batch: int = 32, max_wait_ms: float = 0.0, evict_idle_s: float = 1.0) -> None:
+                 max_batch: int = 32, max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
+                 tokenizer_json: str | None = None, eos_token_ids: frozenset[int] | None = None) -> None:
         self.simulated_token_ms = simulated_token_ms
+        # the pair's tokenizer: constraints compiled for draft-side masks (ADR 0017)
+        self.tokenizer_json = tokenizer_json
+        self.eos_token_ids = eos_token_ids
+        self._grammars: Any = None
         self.drafter = drafter
         self.max_predraft_branches = max_predraft_branches
         self.metrics = metrics or WorkerMetrics("draft")
@@ -75,7 +81,26 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             seq.extra = _Ahead()
         return seq
 
-    async def propose(self, request: draft_pb2.ProposeRequest, push: Push | None = None) -> draft_pb2.ProposeResponse:
+    def grammar(self, kind: str, value: str, prompt_len: int) -> Any:
+        """A session's draft-side constraint (ADR 0017), compiled against this replica's
+        tokenizer (once per constraint); None for an unconstrained session or a replica
+        without a tokenizer (it then drafts free: the output is the same)."""
+        if not kind or self.tokenizer_json is None:
+            return None
+        from specserve.drafters.hf import HFDrafter
+        from specserve.structured.constraint import Constraint
+        from specserve.structured.grammar import DraftGrammar, GrammarCache, tokenizer_info
+
+        # a model's logits width; the tokenizer's own size for a model-free drafter
+        width = self.drafter.vocab_size if isinstance(self.drafter, HFDrafter) else 0
+        if self._grammars is None:
+            eos = [] if self.eos_token_ids is None else sorted(self.eos_token_ids)
+            self._grammars = GrammarCache(tokenizer_info(self.tokenizer_json, width, eos))
+        compiled = self._grammars.compile(Constraint(kind, value))
+        return DraftGrammar(compiled, prompt_len, self._grammars.vocab_size, width or self._grammars.vocab_size)
+
+    async def propose(self, request: draft_pb2.ProposeRequest, push: Push | None = None,
+                      grammar: Any = None) -> draft_pb2.ProposeResponse:
         k = check_k(request.k)
         sampling = sampling_from_proto(request.sampling)
         sampling.check_vocab(self.drafter.vocab_size)
@@ -85,20 +110,20 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             seq.extra.task.cancel()
         ids = seq.reconcile(request.prefix)
         seed = int(request.seed)
-        key = BlockKey(len(ids), seq.prefix.hash_at(len(ids)), k, sampling, seed)
+        key = BlockKey(len(ids), seq.prefix.hash_at(len(ids)), k, sampling, seed, grammar is not None)
         prepared = seq.extra.cache.take(key)
         if prepared is not None:
             proposal, ahead_s = prepared
             elapsed = 0.0
         else:
-            proposal, elapsed = await self._draft(seq, ids, k, sampling, seed)
+            proposal, elapsed = await self._draft(seq, ids, k, sampling, seed, grammar=grammar)
             ahead_s = 0.0
         self.metrics.call_latency.labels("propose").observe(elapsed)
         self.metrics.rollback_tokens.inc(proposal.rollback_tokens)
         branches = min(request.predraft_branches, self.max_predraft_branches)
         if branches and proposal.tokens:
             seq.extra.task = asyncio.create_task(self._draft_ahead(request.session_id, seq, ids, proposal, k,
-                                                                   sampling, seed, branches, push))
+                                                                   sampling, seed, branches, push, grammar))
         return self._response(proposal, elapsed, prepared is not None, ahead_s)
 
     def _response(self, proposal: DraftProposal, elapsed_s: float, predrafted: bool,
@@ -108,15 +133,16 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             draft_ms=elapsed_s * 1e3, drafter=self.drafter.name, predrafted=predrafted, predraft_ms=ahead_s * 1e3)
 
     async def _draft(self, seq: Sequence, ids: list[int], k: int, sampling: SamplingParams, seed: int,
-                     priority: int = FOREGROUND, guess: bool = False):
+                     priority: int = FOREGROUND, guess: bool = False, grammar: Any = None):
         """One block (or the bonus guess) through the scheduler: (result, its cost in seconds
         at the current batch size, worker/cost.py)."""
-        done = await self.core.run(seq, DraftJob(seq.handle, ids, k, sampling, seed, guess),
+        done = await self.core.run(seq, DraftJob(seq.handle, ids, k, sampling, seed, guess, grammar),
                                    1 if guess else k, priority)
         return done.value, done.cost_s
 
     async def _draft_ahead(self, session_id: str, seq: Sequence, ids: list[int], proposal: DraftProposal, k: int,
-                           sampling: SamplingParams, seed: int, branches: int, push: Push | None) -> None:
+                           sampling: SamplingParams, seed: int, branches: int, push: Push | None,
+                           grammar: Any = None) -> None:
         """Blocks for the likely next prefixes, likeliest first (likely_outcomes: all accepted
         + the bonus guess, or a rejection at j + the runner-up), each cached and pushed when
         ready. The bonus guess costs one draft forward, spent only when that branch comes."""
@@ -130,13 +156,14 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 guess, guess_s = None, 0.0
                 if j == len(proposal.tokens):
                     guess, guess_s = await self._draft(seq, [*ids, *proposal.tokens], 1, sampling, seed,
-                                                       BACKGROUND, guess=True)
+                                                       BACKGROUND, guess=True, grammar=grammar)
                 prefix = likely_prefix(ids, proposal.tokens, j, proposal.runner_up, guess)
                 if prefix is None:
                     continue
-                block, elapsed = await self._draft(seq, prefix, k, sampling, seed, BACKGROUND)
+                block, elapsed = await self._draft(seq, prefix, k, sampling, seed, BACKGROUND, grammar=grammar)
                 prefix_hash = chain(base, prefix[len(ids):])
-                seq.extra.cache.put(BlockKey(len(prefix), prefix_hash, k, sampling, seed), (block, elapsed + guess_s))
+                seq.extra.cache.put(BlockKey(len(prefix), prefix_hash, k, sampling, seed, grammar is not None),
+                                    (block, elapsed + guess_s))
                 self.metrics.predrafts.inc()
                 # the waterfall matches a round to the pre-drafted block it verified by this
                 span.add_event("specserve.predrafted", {"specserve.prefix_len": len(prefix), "specserve.k": k})

@@ -48,6 +48,9 @@ class DraftSettings(WorkerSettings):
     max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
     kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     model: str = "ngram"  # "ngram", or a Hugging Face model directory / hub id
+    # a model directory whose tokenizer.json masks this replica's drafts under a constraint
+    # (ADR 0017); empty = the model's own directory (an n-gram replica without one drafts free)
+    tokenizer: str = ""
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port (written to port_file)
     port_file: str = ""  # where the bound port is written, for launchers

@@ -170,6 +170,31 @@ def test_forced_tokens_need_no_draft_and_cut_target_passes(demo_pair, target_mod
     assert passes[True] <= 0.8 * tokens, (passes, tokens)  # the keys, quotes and braces came free
 
 
+@pytest.mark.parametrize("pool", ["small", "ngram"])
+def test_the_draft_drafts_from_its_masked_q(demo_pair, target_model, cache, eval_prompts, pool):
+    """The draft side of the constraint: the model draft samples from its own masked q, the
+    n-gram's drafts stop before a forbidden one. The output is the same; the drafts the target
+    verifies are all legal, so more of them are accepted per drafted token."""
+    c = Constraint.json_schema(SCHEMA)
+    prompts = _prompts(demo_pair, eval_prompts, 3)
+    got = {}
+    for masked in (False, True):
+        drafter = HFDrafter(demo_pair.draft) if pool == "small" else NgramDrafter(target_model.vocab_size)
+        loop = _loop(demo_pair, target_model, cache, forced=False,
+                     sources={pool: LocalDrafts(drafter, mask_drafts=masked)})
+        for i, ids in enumerate(prompts):
+            loop.add(f"s{i}", ids, EnginePlan(GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=4, seed=1),
+                                              pool=pool, constraint=c))
+        loop.run_until_idle()
+        rounds = [r for s in loop.ended.values() for r in s.rounds if r.k > 0]
+        got[masked] = ({sid: s.generated for sid, s in loop.ended.items()}, sum(r.k for r in rounds),
+                       sum(r.accepted for r in rounds))
+    (free_out, free_k, free_acc), (out, k, acc) = got[False], got[True]
+    print(f"{pool}: unmasked drafts {free_acc}/{free_k} accepted, masked {acc}/{k}")
+    assert out == free_out
+    assert acc / k > free_acc / free_k
+
+
 def _first_position_counts(demo_pair, target_model, cache, ids, c, pool, n, temperature) -> np.ndarray:
     loop = _loop(demo_pair, target_model, cache)
     sampling = SamplingParams(temperature=temperature)
@@ -269,3 +294,43 @@ def test_json_object_means_an_object(cache):
     m = xgr.GrammarMatcher(cache.compile(Constraint.json_object()))
     assert m.accept_string('{"a": [1, {"b": null}], "c": "x"}') and m.is_completed()
     assert not xgr.GrammarMatcher(cache.compile(Constraint.json_object())).accept_string("[1]")
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("name", ["small", "ngram"])
+def test_a_draft_replica_under_a_constraint_drafts_only_what_it_allows(demo_pair, demo_pair_dir, target_model,
+                                                                     eval_prompts, name, batched):
+    """The remote draft path (services/draft): the session's constraint comes with its link's
+    open, and every block (the batched model path, the per-session path, the n-gram) is drafted
+    from the masked q or cut before the first forbidden draft."""
+    import asyncio
+
+    from services.draft.server import DraftServicer
+    from specserve.v1 import common_pb2, draft_pb2
+
+    drafter = HFDrafter(demo_pair.draft) if name == "small" else NgramDrafter(1 << 31)
+    servicer = DraftServicer(drafter, max_sessions=4,
+                             batching=Batching(enabled=batched, kv_budget_mb=32, max_sessions=4, max_len=512),
+                             tokenizer_json=str(demo_pair_dir / "target" / "tokenizer.json"),
+                             eos_token_ids=target_model.eos_token_ids)
+    c = Constraint.json_schema(SCHEMA)
+    ids = _prompts(demo_pair, eval_prompts, 1)[0]
+    grammar = servicer.grammar(c.kind, c.value, len(ids))
+    # inside the object, where the pair writes the record's next key ("email") and the schema
+    # wants "year"
+    committed = ids + _encode(demo_pair)(' {"name": "Hana Wei", "')
+
+    async def propose(sid: str, g) -> list[int]:
+        req = draft_pb2.ProposeRequest(session_id=sid, prefix=common_pb2.Prefix(tokens=committed), k=6,
+                                       sampling=common_pb2.SamplingParams(), seed=1)
+        return list((await servicer.propose(req, grammar=g)).tokens)
+
+    free = asyncio.run(propose("free", None))
+    masked = asyncio.run(propose("masked", grammar))
+    print(name, batched, repr(demo_pair.tokenizer.decode(free)), repr(demo_pair.tokenizer.decode(masked)))
+    assert grammar.legal_prefix(committed, masked) == masked  # every draft legal
+    if name == "small":
+        assert grammar.legal_prefix(committed, free) != free  # the control: unmasked, it drafts a forbidden key
+        assert demo_pair.tokenizer.decode(masked).startswith("year")
+    else:
+        assert masked == grammar.legal_prefix(committed, free) and len(masked) < len(free)  # its drafts, cut

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -52,17 +53,24 @@ class HFDraftSession:
 
     @torch.inference_mode()
     def propose(
-        self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int
+        self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int, grammar: Any = None
     ) -> DraftProposal:
+        """`grammar` (structured/grammar.py: DraftGrammar): the draft samples from its q
+        masked to the constraint's legal tokens (ADR 0017)."""
         k = min(k, self.drafter.max_positions - len(token_ids))
         if k <= 0:
             return DraftProposal([], None)
         dropped = self.lm.reconcile(token_ids)
         logits = self.lm.extend(token_ids[self.lm.length :])[-1]
+        masks = grammar.start(token_ids) if grammar is not None else None
         steps = []
         for i in range(k):
+            if masks is not None:
+                logits = masks.apply(logits)
             steps.append(draft_step(logits, sampling, seed, len(token_ids) + i, self.drafter.q_mass,
                                     self.drafter.q_max_entries))
+            if masks is not None and not masks.push(steps[-1].token):
+                masks = None  # (cannot happen: it was drawn from the masked q)
             if i + 1 < k:
                 logits = self.lm.extend([steps[-1].token])[-1]
         return make_proposal(steps, sampling, dropped)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
 from specserve.state.prefix import CommittedPrefix
@@ -59,16 +59,18 @@ def clip(block: DraftBlock, k: int, offset: int = 0) -> tuple[list[int], QProbs]
 class _Local:
     """One session's state in a local source: the prefix it has seen, the drafter's session."""
 
-    def __init__(self, session: EngineSession, draft: DraftSession) -> None:
+    def __init__(self, session: EngineSession, draft: DraftSession, grammar: Any = None) -> None:
         self.prefix = CommittedPrefix(session.committed.ids)
         self.sampling = session.plan.params.sampling
         self.seed = session.plan.seed
         self.draft = draft
+        self.grammar = grammar  # structured/grammar.py DraftGrammar: drafts from the masked q
 
 
 class LocalDrafts:
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, mask_drafts: bool = True) -> None:
         self.drafter = drafter
+        self.mask_drafts = mask_drafts  # under a constraint, the drafter drafts from its masked q (ADR 0017)
         self.deliver: Deliver | None = None
         self.sessions: dict[str, _Local] = {}
 
@@ -79,8 +81,16 @@ class LocalDrafts:
         self.deliver = deliver
 
     def open(self, session: EngineSession) -> None:
-        local = self.sessions[session.id] = _Local(session, self.drafter.start())
+        local = self.sessions[session.id] = _Local(session, self.drafter.start(), self._grammar(session))
         self._propose(session.id, local, session.k_wanted)
+
+    def _grammar(self, session: EngineSession) -> Any:
+        from specserve.structured.grammar import DraftGrammar
+
+        g = session.grammar
+        if g is None or not self.mask_drafts:
+            return None
+        return DraftGrammar(g.compiled, session.prompt_len, g.vocab_size, g.width)
 
     def outcome(self, outcome: Outcome) -> None:
         local = self.sessions.get(outcome.session_id)
@@ -99,7 +109,9 @@ class LocalDrafts:
         if k <= 0 or self.deliver is None:
             return
         t = time.perf_counter()
-        proposal = local.draft.propose(local.prefix.ids, k, local.sampling, local.seed)
+        from specserve.structured.grammar import propose_constrained
+
+        proposal = propose_constrained(local.draft, local.prefix.ids, k, local.sampling, local.seed, local.grammar)
         n = len(local.prefix)
         self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
                                 draft_ms=(time.perf_counter() - t) * 1e3,
@@ -117,5 +129,5 @@ class PredictionDrafts(LocalDrafts):
         from specserve.drafters.prediction import PredictionDrafter
 
         drafter = PredictionDrafter(session.plan.prediction, session.prompt_len)
-        local = self.sessions[session.id] = _Local(session, drafter.start())
+        local = self.sessions[session.id] = _Local(session, drafter.start(), self._grammar(session))
         self._propose(session.id, local, session.k_wanted)

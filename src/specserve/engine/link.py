@@ -37,6 +37,7 @@ class _Session:
     sampling: common_pb2.SamplingParams
     seed: int
     k: int
+    constraint: tuple[str, str, int] = ("", "", 0)  # (kind, value, prompt length): the replica masks its drafts
     replica: _Replica | None = None
     failed: bool = False  # the replica refused it (bad parameters, no room): plain rounds
     asked: float | None = None  # event-loop time of the open or outcome still waiting for its block
@@ -88,7 +89,9 @@ class RemoteDrafts:
 
     def open(self, session: EngineSession) -> None:
         sampling = sampling_to_proto(session.plan.params.sampling)
-        args = (session.id, list(session.committed.ids), sampling, session.plan.seed, session.k_wanted)
+        c = session.plan.constraint
+        constraint = (c.kind, c.value, session.prompt_len) if c is not None else ("", "", 0)
+        args = (session.id, list(session.committed.ids), sampling, session.plan.seed, session.k_wanted, constraint)
         self.loop.call_soon_threadsafe(self._open, *args)
 
     def outcome(self, outcome: Outcome) -> None:
@@ -111,8 +114,9 @@ class RemoteDrafts:
                 r.task.cancel()
                 await asyncio.gather(r.task, return_exceptions=True)
 
-    def _open(self, sid: str, ids: list[int], sampling: common_pb2.SamplingParams, seed: int, k: int) -> None:
-        s = self.sessions[sid] = _Session(CommittedPrefix(ids), sampling, seed, k)
+    def _open(self, sid: str, ids: list[int], sampling: common_pb2.SamplingParams, seed: int, k: int,
+              constraint: tuple[str, str, int] = ("", "", 0)) -> None:
+        s = self.sessions[sid] = _Session(CommittedPrefix(ids), sampling, seed, k, constraint)
         self._place(sid, s)
 
     def _place(self, sid: str, s: _Session) -> None:
@@ -122,7 +126,8 @@ class RemoteDrafts:
         if s.replica is not None:
             s.replica.queue.put_nowait(draft_pb2.LinkIn(open=draft_pb2.LinkOpen(
                 session_id=sid, committed=s.prefix.ids, sampling=s.sampling, seed=s.seed, k=s.k,
-                predraft_branches=self.predraft_branches), trace_context=self.carrier_for(sid)))
+                predraft_branches=self.predraft_branches, constraint_kind=s.constraint[0],
+                constraint_value=s.constraint[1], prompt_len=s.constraint[2]), trace_context=self.carrier_for(sid)))
 
     def _pick(self, sid: str) -> _Replica | None:
         live = {r.address: r for r in self.replicas if r.up}

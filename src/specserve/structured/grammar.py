@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from specserve.algorithm.rejection import DenseQ, QProbs, SparseQ
+from specserve.drafters.base import DraftProposal
 from specserve.errors import InvalidRequest
 from specserve.structured.constraint import Constraint
 
@@ -161,6 +162,7 @@ class ConstrainedRow:
                  forced_drafts: bool = True, encode: Callable[[str], list[int]] | None = None) -> None:
         import xgrammar as xgr
 
+        self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback is unlimited)
         self.vocab_size = vocab_size
         self.width = logits_width or vocab_size
@@ -262,13 +264,98 @@ class ConstrainedRow:
             self.forced_total += len(out) - forced_from
             q = _one_hot_q(q, forced_from, out[forced_from:], self.width) if q is not None else None
         elif q is not None and len(out) < len(drafts):
-            q = _trim_q(q, len(out))
+            q = trim_q(q, len(out))
         return out, q, torch.stack(masks[:len(out) + 1])
 
 
-def _trim_q(q: QProbs, n: int) -> QProbs:
+def trim_q(q: QProbs, n: int) -> QProbs:
     if isinstance(q, DenseQ):
         return DenseQ(q.probs[:n])
     if isinstance(q, SparseQ):
         return SparseQ(q.ids[:n], q.probs[:n])
     return q
+
+
+class DraftGrammar:
+    """The draft side of a constraint (ADR 0017): the draft proposes from its own masked q.
+    Each block gets a fresh matcher replayed over the session's generated tokens (cheap: about
+    2 µs a token), so blocks drafted ahead or on another thread share no state, and the masks
+    are the same on every run (a seeded request's drafts must be)."""
+
+    def __init__(self, compiled: Any, prompt_len: int, vocab_size: int, logits_width: int | None = None) -> None:
+        self.compiled = compiled
+        self.prompt_len = prompt_len
+        self.vocab_size = vocab_size
+        self.width = logits_width or vocab_size
+
+    def start(self, ids: Sequence[int]) -> DraftMasks | None:
+        """Masks for a block drafted after `ids` (prompt + generated); None where `ids` break
+        the constraint (a branch drafted ahead on a guessed token): that block drafts free."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compiled)
+        for t in ids[self.prompt_len:]:
+            if matcher.is_terminated() or not matcher.accept_token(int(t)):
+                return None
+        return DraftMasks(matcher, self.vocab_size, self.width)
+
+    def legal_prefix(self, ids: Sequence[int], drafts: Sequence[int]) -> list[int]:
+        """A model-free drafter's drafts up to the first the constraint forbids (the target
+        would reject it, and nothing after it can be accepted)."""
+        masks = self.start(ids)
+        if masks is None:
+            return list(drafts)
+        out = []
+        for t in drafts:
+            if not masks.push(t):
+                break
+            out.append(t)
+        return out
+
+
+class DraftMasks:
+    """One block's matcher: the mask at the next drafted position, and each drafted token."""
+
+    def __init__(self, matcher: Any, vocab_size: int, width: int) -> None:
+        import xgrammar as xgr
+
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.width = width
+        self._mask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [V] with the illegal tokens at -inf (unchanged once the grammar
+        has ended: the block's later positions are never verified)."""
+        if self.matcher.is_terminated():
+            return logits
+        self.matcher.fill_next_token_bitmask(self._mask)
+        allowed = unpack(self._mask, self.vocab_size)[0]
+        if not bool(allowed.any()):
+            return logits
+        if self.width > self.vocab_size:
+            allowed = torch.cat([allowed, torch.zeros(self.width - self.vocab_size, dtype=torch.bool)])
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+    def push(self, token: int) -> bool:
+        """The drafted token; False when the grammar forbids it (or has ended)."""
+        return not self.matcher.is_terminated() and bool(self.matcher.accept_token(int(token)))
+
+
+def propose_constrained(session: Any, ids: list[int], k: int, sampling: Any, seed: int,
+                        grammar: Any) -> DraftProposal:
+    """A draft session's block under a constraint (ADR 0017): a model drafter samples from its
+    masked q; a model-free one's drafts stop before the first the constraint forbids."""
+    if grammar is None:
+        return session.propose(ids, k, sampling, seed)
+    from specserve.drafters.hf import HFDraftSession
+
+    if isinstance(session, HFDraftSession):
+        return session.propose(ids, k, sampling, seed, grammar=grammar)
+    proposal = session.propose(ids, k, sampling, seed)
+    legal = grammar.legal_prefix(ids, proposal.tokens)
+    if len(legal) == len(proposal.tokens):
+        return proposal
+    return DraftProposal(legal, trim_q(proposal.q, len(legal)), rollback_tokens=proposal.rollback_tokens,
+                         runner_up=proposal.runner_up[:len(legal)] if proposal.runner_up else proposal.runner_up,
+                         confidence=proposal.confidence[:len(legal)] if proposal.confidence else proposal.confidence)

@@ -166,6 +166,8 @@ class Stack:
                 model = ps.model if ps.model == "ngram" else str(pair / ps.model) if not Path(ps.model).is_absolute() else ps.model
                 p, lg = self._spawn(name, "services.draft", {
                     "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model,
+                    # the pair's tokenizer: an n-gram replica masks its drafts under a constraint too
+                    "SPECSERVE_DRAFT_TOKENIZER": str(pair / "target"),
                     "SPECSERVE_DRAFT_PORT_FILE": str(port_file), "SPECSERVE_DRAFT_METRICS_PORT": "0",
                     "SPECSERVE_DRAFT_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"), **ps.env})
                 ports.append((pool, name, p, lg, port_file))

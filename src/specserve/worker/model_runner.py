@@ -34,6 +34,7 @@ from specserve.models.device import resolve_device, resolve_dtype, to_host
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import ModelRunner, Row, choose_path
 from specserve.models.verifier import JudgeRow, TargetModel, judge_rows, verify_block
+from specserve.structured.grammar import propose_constrained
 from specserve.worker.scheduler import AGAIN, Work
 
 
@@ -85,6 +86,7 @@ class DraftJob:
     sampling: SamplingParams
     seed: int
     guess: bool = False  # the bonus guess of pre-drafting (result: a token id or None)
+    grammar: Any = None  # structured/grammar.py DraftGrammar: draft from q masked to the constraint
 
 
 _handles = itertools.count()
@@ -179,7 +181,7 @@ class BatchedDraft(_RunnerSessions):
         1-token step per further draft position."""
         results: list[Any] = [None] * len(batch)
         rows: list[Row] = []
-        live: list[tuple[int, DraftJob, int, int, list]] = []
+        live: list[tuple[int, DraftJob, int, int, list, Any]] = []
         for i, w in enumerate(batch):
             job: DraftJob = w.payload
             k = 1 if job.guess else min(job.k, self.max_positions - len(job.ids))
@@ -194,24 +196,29 @@ class BatchedDraft(_RunnerSessions):
             rows.append(Row(job.handle, feed, num_logits=1 if last else 0))
             w.tokens = len(feed)
             if last:
-                live.append((i, job, k, dropped, []))
+                masks = job.grammar.start(job.ids) if job.grammar is not None else None
+                live.append((i, job, k, dropped, [], masks))
             else:
                 results[i] = AGAIN
         logits = dict(zip((r.session for r in rows), to_host(self.runner.forward(rows)), strict=True))
         while live:
             rows, still = [], []
-            for i, job, k, dropped, steps in live:
+            for i, job, k, dropped, steps, masks in live:
                 lg = logits[job.handle][-1]
+                if masks is not None:
+                    lg = masks.apply(lg)
                 if job.guess:
                     results[i] = bonus_guess(lg, job.sampling, job.seed, len(job.ids))
                     continue
                 steps.append(self._pick(lg, job, len(steps)))
+                if masks is not None and not masks.push(steps[-1].token):
+                    masks = None
                 if len(steps) == k:
                     results[i] = make_proposal(steps, job.sampling, dropped)
                     continue
                 rows.append(Row(job.handle, [steps[-1].token], num_logits=1))
                 batch[i].tokens += 1
-                still.append((i, job, k, dropped, steps))
+                still.append((i, job, k, dropped, steps, masks))
             logits = dict(zip((r.session for r in rows), to_host(self.runner.forward(rows)), strict=True))
             live = still
         return results
@@ -262,8 +269,11 @@ class SessionDraft(_PerSession):
     @staticmethod
     def _one(job: DraftJob) -> Any:
         if job.guess:
-            return job.handle.guess_next(job.ids, job.sampling, job.seed)
-        return job.handle.propose(job.ids, job.k, job.sampling, job.seed)
+            guess = job.handle.guess_next(job.ids, job.sampling, job.seed)
+            if guess is not None and job.grammar is not None and not job.grammar.legal_prefix(job.ids, [guess]):
+                return None  # a guess the constraint forbids is no branch to draft ahead for
+            return guess
+        return propose_constrained(job.handle, job.ids, job.k, job.sampling, job.seed, job.grammar)
 
 
 def _guarded(fn, job) -> Any:

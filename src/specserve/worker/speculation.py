@@ -35,6 +35,7 @@ class BlockKey:
     k: int
     sampling: SamplingParams
     seed: int
+    constrained: bool = False  # drafted from the masked q (a constrained session's blocks only)
 
 
 def likely_outcomes(k: int, runner_up: Sequence[int | None] | None,
