@@ -145,17 +145,49 @@ def main() -> None:
             "ms_per_token": 1e3 * sum(r["wall_s"] for r in rs) / tokens,
             "mask_ms_per_step_p50": statistics.median(mask_ms[name]) if mask_ms[name] else 0.0,
         }
+    batched = _batched_cost(args, target, pair, cache, encode, prompts, plan)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "structured.json").write_text(json.dumps({"args": vars(args), "schema": SCHEMA, "summary": summary,
-                                                     "rows": rows}, indent=1))
+                                                     "batched": batched, "rows": rows}, indent=1))
     print(f"{'arm':20} {'finished':>8} {'parse':>6} {'fields':>6} {'tok/pass':>8} {'ms/tok':>7} {'mask ms':>7}")
     for name, m in summary.items():
         parse = "-" if m["parse_rate"] is None else f"{m['parse_rate']:.0%}"
         fields = "-" if m["field_match"] is None else f"{m['field_match']:.0%}"
         print(f"{name:20} {m['finished']:>8.0%} {parse:>6} {fields:>6} {m['tokens_per_pass']:>8.2f} "
               f"{m['ms_per_token']:>7.1f} {m['mask_ms_per_step_p50']:>7.2f}")
+    print(f"{batched['sessions']} constrained sessions at once (pool small, forced on): per step p50 "
+          f"{batched['rows_p50']} rows, masks {batched['mask_ms_p50']:.2f} ms "
+          f"({batched['mask_ms_per_row_p50']:.3f} ms a row), forward {batched['forward_ms_p50']:.1f} ms")
     _plot(summary, out / "structured.png")
+
+
+def _batched_cost(args, target, pair, cache, encode, prompts, plan) -> dict:
+    """Item 6: what the masks cost beside a batched forward, all the prompts' sessions at once
+    (the masks are filled row by row on the loop thread, before the forward)."""
+    from specserve.algorithm.stops import StopChecker
+    from specserve.drafters import HFDrafter
+    from specserve.engine.drafting import LocalDrafts
+    from specserve.engine.loop import EngineLoop
+    from specserve.structured.grammar import ConstrainedRow
+    from specserve.worker.model_runner import Batching, target_engine
+
+    n = len(prompts)
+    model = target_engine(target, Batching(kv_budget_mb=16 * n, max_sessions=n, prefill_chunk=64, max_len=512))
+    steps: list[tuple[int, float, float]] = []
+    loop = EngineLoop(model, lambda p: StopChecker(target.eos_token_ids, p.stop, pair.tokenizer.decode),
+                      {"small": LocalDrafts(HFDrafter(pair.draft))},
+                      constrain=lambda c: ConstrainedRow(cache.compile(c), cache.vocab_size, target.vocab_size,
+                                                         encode=encode))
+    loop.on_step = lambda r: steps.append((r.rows, loop.mask_ms, r.forward_ms))
+    for i, prompt in enumerate(prompts):
+        loop.add(f"b{i}", encode(prompt), plan(SCHEMA, "small", args.max_tokens))
+    loop.run_until_idle()
+    full = [s for s in steps if s[0] == n] or steps  # the steps every session shared
+    return {"sessions": n, "steps": len(full), "rows_p50": statistics.median(s[0] for s in full),
+            "mask_ms_p50": statistics.median(s[1] for s in full),
+            "mask_ms_per_row_p50": statistics.median(s[1] / s[0] for s in full),
+            "forward_ms_p50": statistics.median(s[2] for s in full)}
 
 
 def _note(loop, forced, report) -> None:

@@ -325,8 +325,10 @@ def test_a_draft_replica_under_a_constraint_drafts_only_what_it_allows(demo_pair
                                        sampling=common_pb2.SamplingParams(), seed=1)
         return list((await servicer.propose(req, grammar=g)).tokens)
 
-    free = asyncio.run(propose("free", None))
-    masked = asyncio.run(propose("masked", grammar))
+    async def both() -> tuple[list[int], list[int]]:  # one event loop: the servicer's scheduler lives on it
+        return await propose("free", None), await propose("masked", grammar)
+
+    free, masked = asyncio.run(both())
     print(name, batched, repr(demo_pair.tokenizer.decode(free)), repr(demo_pair.tokenizer.decode(masked)))
     assert grammar.legal_prefix(committed, masked) == masked  # every draft legal
     if name == "small":

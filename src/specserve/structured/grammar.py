@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from specserve.algorithm.rejection import DenseQ, QProbs, SparseQ
@@ -168,15 +169,8 @@ class ConstrainedRow:
         self.width = logits_width or vocab_size
         self.forced_drafts = forced_drafts
         self.encode = encode  # text -> ids: drafts the grammar's forced string (jump-forward)
-        self._mask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._buf: torch.Tensor | None = None  # a round's masks, one row per position (grown as needed)
         self.forced_total = 0  # drafts the grammar supplied (no draft forward spent on them)
-
-    def _allowed(self) -> torch.Tensor:
-        self.matcher.fill_next_token_bitmask(self._mask)
-        row = unpack(self._mask, self.vocab_size)[0]
-        if self.width > self.vocab_size:
-            row = torch.cat([row, torch.zeros(self.width - self.vocab_size, dtype=torch.bool)])
-        return row
 
     def _forced_string(self) -> list[int]:
         """The tokens of the text the grammar forces next ('{"name":"' for a schema whose
@@ -214,7 +208,6 @@ class ConstrainedRow:
         """
         drafts = list(drafts)
         out: list[int] = []
-        masks: list[torch.Tensor] = []
         forced_from: int | None = None  # the first position whose draft the grammar supplied
         advanced = 0
         illegal = False
@@ -222,15 +215,17 @@ class ConstrainedRow:
         limit = max(k_max, len(drafts)) + (MAX_FORCED if self.forced_drafts else 0)
         if room is not None:
             limit = min(limit, max(room, 0))
+        buf = self._buffer(limit + 1)
+        words = buf.numpy()
+        filled = 0  # rows of `buf` filled: the masks at positions 0..filled-1
         try:
             while not self.matcher.is_terminated():  # (after a stop token: the round ends there)
-                allowed = self._allowed()
-                masks.append(allowed)
                 i = len(out)
+                self.matcher.fill_next_token_bitmask(buf, i)
+                filled = i + 1
                 if illegal or i >= limit:
                     break
-                legal = allowed.nonzero()
-                forced = int(legal[0, 0]) if self.forced_drafts and legal.shape[0] == 1 else None
+                forced = _only_token(words[i]) if self.forced_drafts else None
                 model = drafts[i] if forced_from is None and i < len(drafts) else None
                 if forced is not None and model != forced:
                     tok = forced
@@ -245,7 +240,7 @@ class ConstrainedRow:
                     tok = pending.pop(0)
                 if forced_from is None and (model is None or tok != model):
                     forced_from = i
-                if not bool(allowed[tok]):  # an illegal draft
+                if not _has(words[i], tok):  # an illegal draft
                     if greedy or model is None or tok != model:
                         break  # (a forced-string token the tokenizer split otherwise: stop there)
                     illegal = True
@@ -258,15 +253,49 @@ class ConstrainedRow:
         finally:
             if advanced:
                 self.matcher.rollback(advanced)
-        while len(masks) < len(out) + 1:  # past an illegal draft or a stop token: never used
-            masks.append(masks[-1] if masks else torch.ones(self.width, dtype=torch.bool))
         if forced_from is not None:
             self.forced_total += len(out) - forced_from
             q = _one_hot_q(q, forced_from, out[forced_from:], self.width) if q is not None else None
         elif q is not None and len(out) < len(drafts):
             q = trim_q(q, len(out))
-        return out, q, torch.stack(masks[:len(out) + 1])
+        return out, q, self._masks(buf, filled, len(out) + 1)
 
+    def _buffer(self, rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        if self._buf is None or self._buf.shape[0] < rows:
+            self._buf = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
+        return self._buf
+
+    def _masks(self, buf: torch.Tensor, filled: int, rows: int) -> torch.Tensor:
+        """[rows, width] bool from the first `filled` rows of the bitmask, in one unpack; rows
+        past them (after an illegal draft or a stop token, never used) repeat the last."""
+        if filled == 0:
+            return torch.ones(rows, self.width, dtype=torch.bool)
+        masks = unpack(buf[:filled], self.vocab_size)
+        if filled < rows:
+            masks = torch.cat([masks, masks[-1:].expand(rows - filled, -1)])
+        elif filled > rows:
+            masks = masks[:rows]
+        if self.width > self.vocab_size:
+            masks = torch.cat([masks, torch.zeros(rows, self.width - self.vocab_size, dtype=torch.bool)], dim=1)
+        return masks
+
+
+def _has(words: np.ndarray, token: int) -> bool:
+    """Bit `token` of one bitmask row (int32 words)."""
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
+
+
+def _only_token(words: np.ndarray) -> int | None:
+    """The one token a bitmask row allows, or None when it allows none or several."""
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return None
+    word = int(words[nonzero[0]]) & 0xFFFFFFFF
+    if word & (word - 1):  # more than one bit
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 def trim_q(q: QProbs, n: int) -> QProbs:
     if isinstance(q, DenseQ):
