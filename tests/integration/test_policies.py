@@ -507,3 +507,20 @@ def test_a_class_can_default_to_json_object_output_and_a_request_can_opt_out(rou
     with pytest.raises(grpc.RpcError) as err:
         _set(admin0, cls, output_format="xml")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "output_format" in err.value.details()
+
+
+def test_shadow_mode_under_a_constraint_serves_it_plain_and_keeps_its_statistics_apart(routers, rdb,
+                                                                                      extraction_prompts):
+    pytest.importorskip("xgrammar")
+    (gen0, admin0), _ = routers
+    cls = _cls("shadowjson")
+    _set(admin0, cls, mode=SHADOW, k=3)
+    constraint = generation_pb2.Constraint(json_object=True)
+    shadowed = _gen(gen0, extraction_prompts[1], cls, max_tokens=96, constraint=constraint)
+    plain = _gen(gen0, extraction_prompts[1], cls, max_tokens=96, constraint=constraint, draft_pool="none")
+    assert shadowed.text == plain.text and shadowed.stats.draft_tokens == 0  # served plain, constrained
+    assert isinstance(json.loads(shadowed.text), dict)
+    rec = _shadow_record(rdb, shadowed.session_id)
+    assert rec["outcome"] == "agree" and rec["drafted"] > 0  # the twin ran under the same constraint
+    # constrained rounds are the class's `+json_object` statistics, not its free-text ones
+    assert _effective(admin0, cls).shadow.requests == 0
