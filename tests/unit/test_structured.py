@@ -336,3 +336,36 @@ def test_a_draft_replica_under_a_constraint_drafts_only_what_it_allows(demo_pair
         assert demo_pair.tokenizer.decode(masked).startswith("year")
     else:
         assert masked == grammar.legal_prefix(committed, free) and len(masked) < len(free)  # its drafts, cut
+
+
+@pytest.mark.parametrize("pool", ["small", "ngram"])
+def test_sampled_outputs_under_a_grammar_and_a_regex_match_them(demo_pair, target_model, cache, pool):
+    """At T > 0 with speculation, every finished output matches its EBNF grammar or regex."""
+    import re
+
+    grammar = Constraint("grammar", 'root ::= "colour: " colour (", " colour)* "."\n'
+                                    'colour ::= "red" | "green" | "blue" | "light " colour')
+    regex = Constraint("regex", r"[A-Z][a-z]{2,8} [0-9]{1,3}")
+    loop = _loop(demo_pair, target_model, cache)
+    ids = demo_pair.tokenizer.encode("Extract the record as JSON.\nText: name: Ada\n")
+    for i in range(8):
+        for c in (grammar, regex):
+            loop.add(f"{c.kind}{i}", ids, EnginePlan(GenerationParams(
+                max_tokens=40, sampling=SamplingParams(temperature=0.9), num_draft_tokens=4, seed=50 + i),
+                pool=pool, constraint=c))
+    loop.run_until_idle()
+    finished = 0
+    for sid, s in loop.ended.items():
+        text = demo_pair.tokenizer.decode(s.generated, skip_special_tokens=True)
+        c = grammar if sid.startswith("grammar") else regex
+        m = xgr.GrammarMatcher(cache.compile(c))
+        assert m.accept_string(text), text  # cut at max_tokens or not, a prefix of a match
+        if s.finish_reason == "length":
+            assert len(s.generated) == 40
+            continue
+        finished += 1
+        assert m.is_completed(), text
+        pattern = r"colour: (light )*(red|green|blue)(, (light )*(red|green|blue))*\." if c is grammar \
+            else r"[A-Z][a-z]{2,8} [0-9]{1,3}"
+        assert re.fullmatch(pattern, text), text
+    assert finished >= 4  # finished outputs were checked, not only cut ones (6 of 16 end on their own)
