@@ -18,7 +18,6 @@ Writes <out>/batching.json and <out>/batching.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import parser
 
 CLASS = "bench"  # the controller arm's workload class (its policy below)
 
@@ -142,9 +142,7 @@ def bound(pair: Path, prompts: list[str], concs: list[int], max_tokens: int, thr
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models")
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--requests", type=int, default=2, help="requests per client thread per cell")
     ap.add_argument("--repeats", type=int, default=2, help="cells per arm, the arms interleaved")

@@ -26,7 +26,6 @@ Results: bench/results/peer.json and peer.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -38,6 +37,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from common import parser
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
@@ -181,9 +182,7 @@ def measure(system: str, arm: str, base_url: str, prompts, loads, a, extra: dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models")
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--requests", type=int, default=4, help="requests per stream, one after another")

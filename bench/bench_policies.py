@@ -17,7 +17,6 @@ Writes <out>/policies.json and <out>/policies.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -27,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import grpc
+from common import parser
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts, untrained_copy
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec, _alive
@@ -73,9 +73,7 @@ def rates(log: list, t_from: float, t_to: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models")
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4, help="static arm's K")

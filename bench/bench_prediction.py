@@ -18,7 +18,6 @@ Writes <out>/prediction.json and <out>/prediction.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import keyword
 import re
@@ -30,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stack import via_router  # noqa: E402
+from common import parser
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts  # noqa: E402
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec  # noqa: E402
@@ -67,9 +67,7 @@ def call(stub, prompt: str, max_tokens: int, pool: str, k: int | None, predictio
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models")
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160, help="cap on each output (the file's length + a few)")
     ap.add_argument("--k", type=int, default=4, help="K of the small and ngram pools")

@@ -12,7 +12,6 @@ Writes <out>/stack.json and <out>/stack_overhead.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import parser
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
@@ -62,9 +62,7 @@ def in_process(engine: SpecEngine, prompt: str, k: int, max_tokens: int, banned:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="models")
-    ap.add_argument("--out", default="bench/results")
+    ap = parser(__doc__)
     ap.add_argument("--prompts-per-class", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=3)

@@ -212,19 +212,3 @@ def write_pidfile(path: Path, server: LocalRedis) -> None:
         "password": server.password,
     }
     write_private(path, json.dumps(record) + "\n")  # it holds the password
-
-
-def read_pidfile(path: Path) -> LocalRedis | None:
-    """The server a pidfile names, or None if the file is absent or the server is gone."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    server = LocalRedis(
-        port=int(record["port"]),
-        pid=int(record["pid"]),
-        dir=Path(record["dir"]),
-        log_path=Path(record["log_path"]),
-        password=record.get("password", ""),
-    )
-    return server if server.alive() else None

@@ -8,8 +8,8 @@ plain probe among speculative rows is priced as a plain batch, and a K-token ver
 batch of (K+1)-token rows. The controller compares exactly those (S(K) = E(K)·T0 / T(K)).
 As B grows, b·B·n takes over and long verify rows cost more relative to plain steps.
 
-Example, the issue's CPU figures (a ≈ 9, r ≈ 0.8, b ≈ 0.33 ms): at B = 1 a K=4 verify costs
-1.2x a plain step; at B = 16, 1.8x.
+Example, figures of the shape fitted on a 2-core CPU (a ≈ 9, r ≈ 0.8, b ≈ 0.33 ms): at B = 1
+a K=4 verify costs 1.2x a plain step; at B = 16, 1.8x.
 """
 
 from __future__ import annotations

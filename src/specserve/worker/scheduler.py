@@ -1,11 +1,13 @@
-"""Continuous batching for a worker (torch-free): calls queue work items, and whenever the
+"""The draft worker's micro-batcher (torch-free): calls queue work items, and whenever the
 model is free the loop takes every queued item (one per session, at most `max_batch`) and
-runs them as one batch on the model thread.
+runs them as one batch on the model thread. (The target's engine loop, engine/loop.py,
+builds its own steps under a token budget; this batcher has none: a draft item is K
+one-token steps.)
 
-Shaped like nano-vllm's engine/scheduler.py. Two priorities: foreground (Verify, Prefill,
-Propose) and background (drafting ahead, ADR 0010). A batch holds foreground items only
-while any are queued; background items run only when the model would otherwise idle, so a
-real call never waits behind more than the one background batch already running.
+Two priorities: foreground (a block a round waits for) and background (drafting ahead, ADR
+0010). A batch holds foreground items only while any are queued; background items run only
+when the model would otherwise idle, so a real call never waits behind more than the one
+background batch already running.
 
 An item the model could not finish in one pass (a long prompt prefilled chunk by chunk)
 answers `AGAIN` and is queued again at the front: its next chunk shares the next batch with

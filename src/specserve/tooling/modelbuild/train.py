@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -105,9 +104,3 @@ def distill_draft(draft: torch.nn.Module, target: torch.nn.Module, sampler: Wind
     draft.eval()
     return loss_val
 
-
-def time_steps(fn: Callable[[], None], n: int) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n
