@@ -56,11 +56,7 @@ class RoundStats:
     overhead_ms: float = 0.0  # round wall time outside draft_ms + verify_ms: network, queues, commit
     fallback_reason: str = ""  # why the round ran without drafts ("" when it had them)
     rollback_tokens: int = 0  # provisional draft positions dropped while reconciling
-    # as the router saw the calls (queues and network included); 0 in the in-process engine
     k_asked: int = 0  # K the round asked for (a drafter may propose fewer, or fail)
-    draft_wall_ms: float = 0.0
-    verify_wall_ms: float = 0.0
-    commit_ms: float = 0.0  # waiting for the previous round's commit (pipelined: ADR 0010)
     predraft: str = ""  # the block was drafted ahead: "pushed" (no call) or "cached" (worker hit)
 
     @property
