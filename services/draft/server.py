@@ -20,9 +20,10 @@ from typing import Any
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import Drafter, DraftProposal
 from specserve.errors import SessionNotFound
+from specserve.params import check_k
 from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.telemetry import tracer
-from specserve.serving.wire import check_k, check_token_ids, sampling_from_proto
+from specserve.serving.wire import check_token_ids, sampling_from_proto
 from specserve.state.prefix import chain
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.worker.core import WorkerCore

@@ -12,7 +12,7 @@ from specserve.control.arms import NO_SPECULATION, RequestFacts
 from specserve.control.policy import CLASS_NAME
 from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.errors import InvalidRequest
-from specserve.params import MAX_K, GenerationParams, SamplingParams
+from specserve.params import GenerationParams, SamplingParams, check_k
 from specserve.structured.constraint import Constraint
 from specserve.v1 import generation_pb2
 
@@ -73,8 +73,8 @@ def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str
         raise InvalidRequest(f"unknown draft_pool {pinned_pool!r}; available: {', '.join(sorted(pools))}, "
                              f"{PREDICTION_POOL!r} (with a prediction) or {NO_SPECULATION!r}")
     pinned_k = int(req.num_draft_tokens) if req.HasField("num_draft_tokens") else None
-    if pinned_k is not None and pinned_k > MAX_K:
-        raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_K}], got {pinned_k}")
+    if pinned_k is not None:
+        check_k(pinned_k)
     if len(req.request_id) > 256:
         raise InvalidRequest("request_id is longer than 256 characters")
     sampling = SamplingParams(

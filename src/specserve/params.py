@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 from specserve.errors import InvalidRequest
 
 MAX_K = 32
+
+
+def check_k(k: int, what: str = "num_draft_tokens", low: int = 0) -> int:
+    """The one K limit: `k` in [low, MAX_K], else InvalidRequest naming `what`.
+
+    Example: check_k(33) raises "num_draft_tokens must be in [0, 32], got 33"."""
+    if not low <= k <= MAX_K:
+        raise InvalidRequest(f"{what} must be in [{low}, {MAX_K}], got {k}")
+    return k
 MAX_SEED = 1 << 64
 
 
@@ -52,8 +61,7 @@ class GenerationParams:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (0 <= self.num_draft_tokens <= MAX_K):
-            raise InvalidRequest(f"K (num_draft_tokens) must be in [0, {MAX_K}], got {self.num_draft_tokens}")
+        check_k(self.num_draft_tokens)
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
         if self.seed is not None and not (0 <= self.seed < MAX_SEED):

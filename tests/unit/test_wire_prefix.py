@@ -70,3 +70,18 @@ def test_incremental_text_never_shows_what_a_stop_string_takes_back():
     assert stop == (3, "stop")
     assert text.advance([1, 2, 3], "stop") == ""  # the stop string never appears
     assert text.published == "Hello "
+
+
+def test_one_k_limit_everywhere_a_k_comes_in():
+    """The request's K, a draft call's K and a policy's K are checked by the one `check_k`."""
+    import pytest
+
+    from specserve.control.policy import Policy
+    from specserve.errors import InvalidRequest
+    from specserve.params import MAX_K, GenerationParams, check_k
+
+    assert check_k(MAX_K) == MAX_K and check_k(0) == 0
+    for bad in (lambda: check_k(MAX_K + 1), lambda: GenerationParams(num_draft_tokens=MAX_K + 1),
+                lambda: Policy("code", k=MAX_K + 1).validate(), lambda: Policy("code", k=0).validate()):
+        with pytest.raises(InvalidRequest, match=rf"must be in \[[01], {MAX_K}\]"):
+            bad()

@@ -31,7 +31,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from specserve.errors import InvalidRequest
-from specserve.params import MAX_K
+from specserve.params import MAX_K, check_k
 
 log = logging.getLogger("specserve.control.policy")
 
@@ -92,8 +92,11 @@ class Policy:
         if self.adaptive_k:
             if not 1 <= self.k_min <= self.k_max <= MAX_K:
                 raise bad(f"adaptive K needs 1 <= k_min <= k_max <= {MAX_K}, got [{self.k_min}, {self.k_max}]")
-        elif not 1 <= self.k <= MAX_K:
-            raise bad(f"k must be in [1, {MAX_K}] (or use adaptive_k), got {self.k}")
+        else:
+            try:
+                check_k(self.k, "k", low=1)
+            except InvalidRequest as exc:
+                raise bad(f"{exc} (or use adaptive_k)") from None
         if self.temperature_ceiling is not None and not (0 <= self.temperature_ceiling <= 100
                                                          and math.isfinite(self.temperature_ceiling)):
             raise bad(f"temperature_ceiling must be in [0, 100], got {self.temperature_ceiling}")

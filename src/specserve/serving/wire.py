@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.errors import InvalidRequest
-from specserve.params import MAX_K, SamplingParams
+from specserve.params import SamplingParams
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2
 
@@ -35,12 +35,6 @@ def prefix_to_proto(committed: CommittedPrefix, base_len: int) -> common_pb2.Pre
     base_len = min(base_len, len(committed))
     return common_pb2.Prefix(base_len=base_len, base_hash=committed.hash_at(base_len),
                              tokens=committed.ids[base_len:])
-
-
-def check_k(k: int) -> int:
-    if not (0 <= k <= MAX_K):
-        raise InvalidRequest(f"k must be in [0, {MAX_K}], got {k}")
-    return k
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "token id") -> None:
