@@ -508,8 +508,13 @@ def policy_set(
         if err.code() != grpc.StatusCode.NOT_FOUND:
             typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
             raise typer.Exit(2) from None
-        current = policy_pb2.Policy(workload_class=workload_class, mode=policy_pb2.POLICY_MODE_ENABLED, k=4,
-                                    k_min=1, k_max=8, safety_margin=0.1, probe_fraction=0.05)
+        from specserve.control.policy import Policy
+
+        d = Policy(workload_class)  # a new class starts from the one set of policy defaults
+        current = policy_pb2.Policy(workload_class=workload_class, mode=policy_pb2.POLICY_MODE_ENABLED,
+                                    draft_pool=d.draft_pool, k=d.k, k_min=d.k_min, k_max=d.k_max,
+                                    safety_margin=d.safety_margin, probe_fraction=d.probe_fraction,
+                                    output_format=d.output_format)
         version = 0
     policy = policy_pb2.Policy()
     policy.CopyFrom(current)
