@@ -30,7 +30,7 @@ from specserve.worker.core import WorkerCore
 from specserve.worker.model_runner import Batching, DraftJob, draft_engine
 from specserve.worker.qcodec import q_to_proto
 from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Work
-from specserve.worker.sequence import Sequence
+from specserve.worker.sessions import WorkerSession
 from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 
 Push = Callable[[draft_pb2.Predraft], None]  # a block drafted ahead, on its way to the target
@@ -44,7 +44,7 @@ class _Ahead:
     task: asyncio.Task | None = None  # the pre-drafting task of its last round
 
 
-def _stop_ahead(seq: Sequence) -> None:
+def _stop_ahead(seq: WorkerSession) -> None:
     if seq.extra is not None:
         if seq.extra.task is not None:
             seq.extra.task.cancel()
@@ -76,7 +76,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             return 0.0
         return self.simulated_token_ms * max(1 if w.payload.guess else w.payload.k for w in batch) / 1e3
 
-    def _session(self, session_id: str) -> Sequence:
+    def _session(self, session_id: str) -> WorkerSession:
         seq = self.core.session(session_id)
         if seq.extra is None:
             seq.extra = _Ahead()
@@ -133,7 +133,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             tokens=proposal.tokens, q=q_to_proto(proposal.q), rollback_tokens=proposal.rollback_tokens,
             draft_ms=elapsed_s * 1e3, drafter=self.drafter.name, predrafted=predrafted, predraft_ms=ahead_s * 1e3)
 
-    async def _draft(self, seq: Sequence, ids: list[int], k: int, sampling: SamplingParams, seed: int,
+    async def _draft(self, seq: WorkerSession, ids: list[int], k: int, sampling: SamplingParams, seed: int,
                      priority: int = FOREGROUND, guess: bool = False, grammar: Any = None):
         """One block (or the bonus guess) through the scheduler: (result, its cost in seconds
         at the current batch size, worker/cost.py)."""
@@ -141,7 +141,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                    1 if guess else k, priority)
         return done.value, done.cost_s
 
-    async def _draft_ahead(self, session_id: str, seq: Sequence, ids: list[int], proposal: DraftProposal, k: int,
+    async def _draft_ahead(self, session_id: str, seq: WorkerSession, ids: list[int], proposal: DraftProposal, k: int,
                            sampling: SamplingParams, seed: int, branches: int, push: Push | None,
                            grammar: Any = None) -> None:
         """Blocks for the likely next prefixes, likeliest first (likely_outcomes: all accepted

@@ -14,7 +14,7 @@ from specserve.errors import KVBudgetExhausted, NeedsFullPrefix
 from specserve.v1 import common_pb2
 from specserve.worker.cost import CostModel
 from specserve.worker.scheduler import AGAIN, BACKGROUND, FOREGROUND, Scheduler, Work
-from specserve.worker.sequence import SessionTable
+from specserve.worker.sessions import SessionTable
 
 
 def _queue(sched: Scheduler, *items: tuple[str, int]) -> list[Work]:

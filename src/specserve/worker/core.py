@@ -12,14 +12,14 @@ from typing import Any
 from specserve.errors import KVBudgetExhausted, SessionNotFound
 from specserve.serving.metrics import WorkerMetrics
 from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
-from specserve.worker.sequence import Sequence, SessionTable
+from specserve.worker.sessions import SessionTable, WorkerSession
 
 
 class WorkerCore:
     def __init__(self, engine, metrics: WorkerMetrics, max_sessions: int, max_batch: int = 32,
                  max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
                  extra_s: Callable[[list[Work]], float] | None = None,
-                 on_close: Callable[[Sequence], None] | None = None, name: str = "worker") -> None:
+                 on_close: Callable[[WorkerSession], None] | None = None, name: str = "worker") -> None:
         self.engine = engine
         self.metrics = metrics
         self.extra_s = extra_s
@@ -42,7 +42,7 @@ class WorkerCore:
             m.kv_slots.labels("used").set(used)
             m.kv_slots.labels("free").set(free)
 
-    def session(self, session_id: str) -> Sequence:
+    def session(self, session_id: str) -> WorkerSession:
         """The session's entry (KVBudgetExhausted, counted, when there is no room for it)."""
         try:
             return self.sessions.get(session_id)
@@ -50,7 +50,7 @@ class WorkerCore:
             self.metrics.refused.inc()
             raise
 
-    async def run(self, seq: Sequence, job: Any, tokens: int, priority: int = FOREGROUND) -> Done:
+    async def run(self, seq: WorkerSession, job: Any, tokens: int, priority: int = FOREGROUND) -> Done:
         """Queue one item for `seq` and wait for its batch (the session is not evicted meanwhile)."""
         if self._loop is None or self._loop.done():
             self._loop = asyncio.create_task(self.scheduler.run(self.executor, self.engine.step, self.extra_s))

@@ -21,7 +21,7 @@ from specserve.state.prefix import CommittedPrefix
 
 
 @dataclass(eq=False)
-class Sequence:
+class WorkerSession:
     id: str
     handle: Any  # the backend's per-session state
     prefix: CommittedPrefix = field(default_factory=CommittedPrefix)
@@ -55,19 +55,19 @@ class SessionTable:
     once and frees its KV when its last item leaves the scheduler."""
 
     def __init__(self, open: Callable[[str], Any], close: Callable[[Any], None], max_sessions: int,
-                 evict_idle_s: float = 1.0, on_close: Callable[[Sequence], None] | None = None) -> None:
+                 evict_idle_s: float = 1.0, on_close: Callable[[WorkerSession], None] | None = None) -> None:
         self.open = open
         self.close = close
         self.max_sessions = max_sessions
         self.evict_idle_s = evict_idle_s
         self.on_close = on_close
-        self.sessions: OrderedDict[str, Sequence] = OrderedDict()
+        self.sessions: OrderedDict[str, WorkerSession] = OrderedDict()
 
-    def get(self, session_id: str) -> Sequence:
+    def get(self, session_id: str) -> WorkerSession:
         """The session, created on first use (evicting idle ones for room); marks it used."""
         seq = self.sessions.get(session_id)
         if seq is None:
-            seq = Sequence(session_id, self._open(session_id))
+            seq = WorkerSession(session_id, self._open(session_id))
             self.sessions[session_id] = seq
         self.sessions.move_to_end(session_id)
         seq.last_used = time.monotonic()
@@ -109,7 +109,7 @@ class SessionTable:
             self.close(seq.handle)
         return True
 
-    def holds(self, seq: Sequence) -> bool:
+    def holds(self, seq: WorkerSession) -> bool:
         """Whether `seq` is still this table's entry for its id (not released or evicted)."""
         return self.sessions.get(seq.id) is seq
 
