@@ -246,7 +246,8 @@ def test_sampled_first_position_follows_the_masked_target_distribution(demo_pair
         return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
     # fixed seeds; under a correct sampler p is uniform (seed bases 1000, 5000, 9000 gave
-    # n-gram 0.011, 0.365, 0.454; the model pool 0.877 at 1000), so p > 0.001 fails a correct
+    # n-gram 0.011, 0.365, 0.454; the model pool 0.877 at 1000, and 0.553 at 9000 once its q
+    # was masked too), so p > 0.001 fails a correct
     # sampler once in a thousand. The controls show the test has
     # the power to see a wrong distribution: the same samples against the target's without the
     # mask (what a mask applied only to the draft, or only at greedy, would sample), and
