@@ -9,10 +9,10 @@ from specserve.errors import InvalidRequest
 MAX_K = 32
 
 
-def check_k(k: int, what: str = "num_draft_tokens", low: int = 0) -> int:
+def check_k(k: int, what: str = "K (num_draft_tokens)", low: int = 0) -> int:
     """The one K limit: `k` in [low, MAX_K], else InvalidRequest naming `what`.
 
-    Example: check_k(33) raises "num_draft_tokens must be in [0, 32], got 33"."""
+    Example: check_k(33) raises "K (num_draft_tokens) must be in [0, 32], got 33"."""
     if not low <= k <= MAX_K:
         raise InvalidRequest(f"{what} must be in [{low}, {MAX_K}], got {k}")
     return k
