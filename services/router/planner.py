@@ -12,7 +12,7 @@ from services.router.classifier import CLASSES
 from services.router.plan import SessionPlan
 from services.router.validation import ValidRequest
 from specserve.algorithm.rng import fresh_seed
-from specserve.control.arms import Assessment, Choice, Decision, Fallback, assess, choose_arm
+from specserve.control.arms import Assessment, Choice, Decision, Fallback, assess, choose_arm, request_reason
 from specserve.control.controller import Controller
 from specserve.control.policy import Policy, PolicyCache
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL
@@ -70,7 +70,7 @@ class Planner:
         adaptive = policy.adaptive_k and choice.decision is Decision.SPECULATE and not choice.probe \
             and not choice.shadow and not (req.params.seed is not None and req.params.sampling.temperature > 0)
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
-                           policy.version, source, assessment.reason if assessment else "",
+                           policy.version, source, request_reason(choice, assessment),
                            req.prediction_ids if choice.pool == PREDICTION_POOL else (),
                            seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None,
                            constraint=req.constraint)

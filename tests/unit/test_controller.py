@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.control.arms import RequestFacts, assess, choose_arm
+from specserve.control.arms import RequestFacts, assess, choose_arm, request_reason
 from specserve.control.controller import Batch, Estimate, estimate
 from specserve.control.policy import Policy
 from specserve.errors import InvalidRequest
@@ -158,3 +158,27 @@ def test_a_plain_class_comes_back_when_its_probes_improve():
             state[f] = state.get(f, 0.0) + v
         decisions.append(_decide(policy, state).decision)
     assert decisions[0] == "plain" and decisions[-1] == "speculate"
+
+
+def test_a_requests_reason_agrees_with_its_arm_probes_included():
+    """The reason a request's stats carry (the demo's policy table shows it beside the arm):
+    the class's reason names the arm it chose, and a probe says it is one and which arm it
+    measured. Before, a plain probe under a `speculate` decision reported "S=... on p at K=4"
+    beside the arm `plain`."""
+    rng = random.Random(3)
+    policy = Policy("c", draft_pool="p", k=4, k_min=2, k_max=6, adaptive_k=True, probe_fraction=0.4)
+    good = _stats([0.9, 0.8, 0.7, 0.6], {4: (2.0, 12.0, 2.0)})
+    estimates = {"p": estimate(good, PLAIN, policy.k_range[1])}
+    kinds = set()
+    for _ in range(300):
+        c, a = choose_arm(RequestFacts(temperature=0.0, prompt_tokens=10), policy, {"p"}, estimates, rng, MIN_ROUNDS)
+        assert a is not None and a.decision == "speculate"
+        r = request_reason(c, a)
+        if c.probe:
+            ran = "plain decoding" if c.pool is None else f"p at K={c.k}"
+            assert r.startswith(f"a probe of {ran},") and a.reason in r, (c, r)
+            kinds.add("plain probe" if c.pool is None else "K probe")
+        else:
+            assert r == a.reason and f"on {c.pool} at K={c.k} " in r, (c, r)
+            kinds.add("chosen")
+    assert kinds == {"plain probe", "K probe", "chosen"}  # 300 draws at 0.4: every kind occurs

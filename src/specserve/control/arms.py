@@ -3,6 +3,7 @@ some K, or shadow (DESIGN §4, ADR 0006). Pure functions over facts, torch- and 
 
 - `assess(policy, estimates, min_rounds)`: the class's decision from the controller's
   estimates of every pool the policy allows (the one `GetEffectivePolicy` reports);
+- `request_reason(choice, assessment)`: the reason a request's stats report for its arm;
 - `choose_arm(facts, policy, pools_here, estimates, rng, min_rounds)`: one request's arm, by
   the precedence rules of ADR 0006, highest first:
     1. the request opts out (`draft_pool="none"` or K = 0)            -> plain, speculation_off
@@ -141,6 +142,17 @@ def assess(policy: Policy, estimates: Mapping[str, Estimate], min_rounds: float,
                           best, k, ests)
     return Assessment(Decision.PLAIN, f"S={s:.2f} < {threshold:.2f} at the best arm, {best} K={k} {costs}: plain "
                                       f"decoding, probing {policy.probe_fraction:.0%}", best, k, ests)
+
+
+def request_reason(choice: Choice, a: Assessment | None) -> str:
+    """Why this request runs its arm, in words that agree with the arm: the class's reason,
+    or, for a probe (an arm the class did not choose, measured again), that it is one."""
+    if a is None:
+        return ""
+    if not choice.probe:
+        return a.reason
+    ran = "plain decoding" if choice.pool is None else f"{choice.pool} at K={choice.k}"
+    return f"a probe of {ran}, measured again beside the class's decision ({a.decision.value}: {a.reason})"
 
 
 def choose_arm(facts: RequestFacts, policy: Policy, pools_here: Collection[str],
