@@ -79,8 +79,8 @@ bench: setup
 	cd bench && ../$(PY) bench_engine_loop.py --out results
 
 lint: setup
-	$(VENV)/bin/ruff check src services tests bench
-	$(VENV)/bin/mypy src/specserve services
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy src/specserve
 
 # The whole system on loopback: Redis, Ray + target, draft pools, router; then a demo client.
 run: setup

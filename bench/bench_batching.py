@@ -22,17 +22,16 @@ import json
 import os
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
-from common import parser
+from common import parser, run_threads
 
 CLASS = "bench"  # the controller arm's workload class (its policy below)
 
 
-ROLES = (("target", "ray::TargetWorker"), ("router", "services.router"), ("draft", "services.draft"),
+ROLES = (("target", "ray::TargetWorker"), ("router", "specserve.services.router"), ("draft", "specserve.services.draft"),
          ("redis", "redis-server"), ("ray", "ray"), ("bench", "bench_batching"))
 
 
@@ -75,14 +74,8 @@ def cell(stub, arm: str, k: int, prompts: list[str], conc: int, requests: int, m
                 continue
             log.append((time.perf_counter() - t0, len(resp.token_ids), len(resp.stats.round)))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(conc)]
     cpu0 = cpu_by_role()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(client, conc)
     cpu1 = cpu_by_role()
     cpu_share = {r: round((cpu1.get(r, 0) - cpu0.get(r, 0)) / wall, 3) for r in cpu1}  # cores busy, by role
     tpot = np.array([w / max(n, 1) * 1e3 for w, n, _ in log]) if log else np.array([np.nan])

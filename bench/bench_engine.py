@@ -56,6 +56,7 @@ if not sys.stdout.isatty():  # no progress bars from libraries in logs
 import numpy as np
 import torch
 import transformers
+from common import parser, warn_if_busy
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
@@ -69,9 +70,7 @@ SPEC = ("spec-model", "spec-ngram", "hf-assisted", "hf-lookup")  # methods that 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="models", help="pair dir (with target/) or a dir holding `default`")
-    p.add_argument("--out", default="bench/results")
+    p = parser(__doc__)
     p.add_argument("--prompts-per-class", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--ks", default="1,2,3,4,6,8")
@@ -405,10 +404,7 @@ def main(argv=None) -> None:
     pair = find_pair(args.models)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(f"[bench] warning: load average {load_before[0]:.2f} before the run: timings will be "
-              "noisy; run on an idle machine for numbers to publish", file=sys.stderr)
+    load_before = warn_if_busy()
     t0 = time.perf_counter()
     results, model_info = bench(args, pair)
     elapsed = time.perf_counter() - t0

@@ -33,12 +33,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
-from common import parser
+from common import parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
@@ -141,13 +140,7 @@ def run_cell(base_url: str, model: str, prompts: list[str], streams: int, reques
         except BaseException as exc:  # reported after the cell
             errors.append(exc)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(stream, streams)
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
     done = [r for rs in results for _, r in rs]
@@ -199,7 +192,7 @@ def main() -> None:
     prompts = [p["prompt"] for p in load_eval_prompts(pair)][: a.prompts]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
+    load_before = warn_if_busy()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="specserve-peer-") as tmp:
         if not a.no_vllm:

@@ -147,7 +147,7 @@ def run(stack: Stack, by_class, args, poor: Path, draft_env: dict) -> dict:
     while _alive(pid):
         time.sleep(0.05)
     swapped = time.time()
-    stack._spawn("draft-chatpool-0b", "services.draft", {
+    stack._spawn("draft-chatpool-0b", "specserve.services.draft", {
         "SPECSERVE_DRAFT_POOL": "chatpool", "SPECSERVE_DRAFT_MODEL": str(poor), "SPECSERVE_DRAFT_PORT": port,
         "SPECSERVE_DRAFT_METRICS_PORT": "-1", **draft_env})
     reaction = None

@@ -34,6 +34,7 @@ if not sys.stdout.isatty():
 
 import torch
 import transformers
+from common import parser, warn_if_busy
 from transformers import DynamicCache
 
 from specserve.models.kvcache import crop_cache
@@ -42,9 +43,7 @@ from specserve.models.runner import ModelRunner, Row
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="models", help="dir holding default/ or tiny/, or a pair dir")
-    p.add_argument("--out", default="bench/results")
+    p = parser(__doc__)
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--new", default="1,5", help="new tokens per row")
     p.add_argument("--context", type=int, default=200)
@@ -220,10 +219,7 @@ def main(argv=None) -> None:
     model = load_model(str(target))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
-    if load_before[0] > 0.5:
-        print(f"[bench] warning: load average {load_before[0]:.2f} before the run: timings "
-              "will be noisy; compare the methods' ratios, measured side by side", file=sys.stderr)
+    load_before = warn_if_busy("compare the methods' ratios, measured side by side")
     t0 = time.perf_counter()
     rows = bench(args, model)
     methods = ["hf"] + [m for t in args.tiles for m in

@@ -1,9 +1,15 @@
-"""What the benchmark scripts share: their common arguments. The scripts run from the
-repository root as `python bench/<name>.py`, so this directory is on their import path."""
+"""What the benchmark scripts share: their common arguments, the load check before a run
+and the clients' threads. The scripts run from the repository root as
+`python bench/<name>.py`, so this directory is on their import path."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -13,3 +19,24 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--models", default="models")
     ap.add_argument("--out", default="bench/results")
     return ap
+
+
+def warn_if_busy(advice: str = "run on an idle machine for numbers to publish") -> tuple[float, float, float]:
+    """The load average before a run (for the report), with a warning on stderr when the
+    machine is already busy: timings taken beside other work are noisy."""
+    load = os.getloadavg()
+    if load[0] > 0.5:
+        print(f"[bench] warning: load average {load[0]:.2f} before the run: timings will be noisy; {advice}",
+              file=sys.stderr)
+    return load
+
+
+def run_threads(client: Callable[[int], None], n: int) -> float:
+    """Run `client(i)` for i in 0..n-1 on n threads at once; the wall seconds until all end."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0

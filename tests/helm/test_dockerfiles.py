@@ -77,8 +77,8 @@ def test_runs_as_a_non_root_user(service):
 @pytest.mark.parametrize("service", SERVICES)
 def test_entrypoint_is_the_service_module(service):
     (entrypoint,) = [json.loads(rest) for op, rest in final_stage(service) if op == "ENTRYPOINT"]
-    assert entrypoint == ["python", "-m", f"services.{service}"]
-    assert (ROOT / "services" / service / "__main__.py").exists()
+    assert entrypoint == ["python", "-m", f"specserve.services.{service}"]
+    assert (ROOT / "src" / "specserve" / "services" / service / "__main__.py").exists()
     exposed = {int(p) for op, rest in final_stage(service) if op == "EXPOSE" for p in rest.split()}
     assert set(SERVICES[service]) <= exposed
 
@@ -91,7 +91,7 @@ def test_build_generates_the_stubs_like_make_proto(service):
     assert f"grpc_tools.protoc {protoc} proto/specserve/v1/*.proto" in runs
     assert "src/specserve/v1/__init__.py" in runs
     copied = {rest.split()[0] for op, rest in instructions(service) if op == "COPY"}
-    assert {"pyproject.toml", "proto/", "src/", "services/"} <= copied
+    assert {"pyproject.toml", "proto/", "src/"} <= copied
     ignore = (DOCKER / f"{service}.Dockerfile.dockerignore").read_text().splitlines()
     assert ignore[[line.startswith("#") for line in ignore].index(False)] == "*", \
         "the build context should be an allow-list (.venv, models and .cache stay out)"
@@ -140,7 +140,7 @@ def test_router_imports_without_what_its_image_leaves_out():
         "        if name.partition('.')[0] in BLOCKED:\n"
         "            raise ImportError(name + ' is not in the router image')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import services.router.__main__\n"
+        "import specserve.services.router.__main__\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)

@@ -170,7 +170,7 @@ def test_target_launcher_wiring(manifests):
     head_svc = f"{ray['metadata']['name']}-head-svc.{NAMESPACE}.svc.cluster.local:6379"
     assert env["RAY_ADDRESS"]["value"] == head_svc
     assert "SPECSERVE_TARGET_MAX_RESTARTS" in env
-    assert launcher["command"][-1].endswith("exec python -m services.target")
+    assert launcher["command"][-1].endswith("exec python -m specserve.services.target")
     # the launcher reaches the raylet's socket through the shared /tmp
     mounts = {m["name"]: m["mountPath"] for m in launcher["volumeMounts"]}
     worker_mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}

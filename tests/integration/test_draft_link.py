@@ -11,7 +11,6 @@ import threading
 import grpc
 import pytest
 
-from services.draft.server import DraftServicer
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter
 from specserve.engine.drafting import DRAFT_UNAVAILABLE
@@ -20,6 +19,7 @@ from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
+from specserve.services.draft.server import DraftServicer
 from specserve.v1 import draft_pb2_grpc
 from specserve.worker.model_runner import Batching, target_engine
 

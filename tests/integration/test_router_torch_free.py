@@ -21,7 +21,7 @@ BLOCK_AND_RUN = (
     "import sys, runpy\n"
     "for name in ('torch', 'transformers', 'safetensors'):\n"
     "    sys.modules[name] = None\n"
-    "runpy.run_module('services.router', run_name='__main__', alter_sys=True)\n"
+    "runpy.run_module('specserve.services.router', run_name='__main__', alter_sys=True)\n"
 )
 
 

@@ -11,9 +11,6 @@ import asyncio
 import grpc
 import pytest
 
-from services.router.plan import SessionPlan
-from services.target.engine_host import EngineHost
-from services.target.server import TargetServicer
 from specserve.algorithm.stops import StopChecker
 from specserve.control.arms import Choice, Decision, Fallback
 from specserve.drafters import HFDrafter
@@ -22,6 +19,9 @@ from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams, SamplingParams
+from specserve.services.router.plan import SessionPlan
+from specserve.services.target.engine_host import EngineHost
+from specserve.services.target.server import TargetServicer
 from specserve.serving.server import DomainErrorInterceptor
 from specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.worker.model_runner import Batching, target_engine

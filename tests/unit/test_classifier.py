@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.router.classifier import CLASSES, Classifier, Rule
+from specserve.services.router.classifier import CLASSES, Classifier, Rule
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "classify"
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from services.router.openai_api import OpenAIApp
 from specserve.errors import InvalidRequest, ResourceExhausted, Unavailable
+from specserve.services.router.openai_api import OpenAIApp
 from specserve.serving.chat import CHAT_TEMPLATE, ChatTemplate
 from specserve.v1 import generation_pb2
 

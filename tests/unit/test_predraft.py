@@ -11,13 +11,13 @@ import asyncio
 
 import pytest
 
-from services.draft.server import DraftServicer
 from specserve.algorithm.round import draft_budget, settle
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.models.verifier import verify_block
+from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import draft_pb2

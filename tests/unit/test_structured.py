@@ -262,7 +262,7 @@ def test_sampled_first_position_follows_the_masked_target_distribution(demo_pair
 
 # -- the API's constraint, and a class's default output --------------------------------------
 def test_openai_fields_name_one_constraint():
-    from services.router.openai_schema import CompletionRequest
+    from specserve.services.router.openai_schema import CompletionRequest
 
     def parse(**kw) -> Constraint | None:
         return CompletionRequest(model="m", prompt="p", **kw).constraint()
@@ -281,8 +281,8 @@ def test_openai_fields_name_one_constraint():
 
 
 def test_a_class_policy_names_its_default_output_and_it_survives_the_wire():
-    from services.router.admin import policy_from_pb, policy_to_pb
     from specserve.control.policy import Policy
+    from specserve.services.router.admin import policy_from_pb, policy_to_pb
 
     p = Policy("extraction", output_format="json_object").validate()
     assert policy_from_pb(policy_to_pb(p)).output_format == "json_object"
@@ -301,12 +301,12 @@ def test_json_object_means_an_object(cache):
 @pytest.mark.parametrize("name", ["small", "ngram"])
 def test_a_draft_replica_under_a_constraint_drafts_only_what_it_allows(demo_pair, demo_pair_dir, target_model,
                                                                      eval_prompts, name, batched):
-    """The remote draft path (services/draft): the session's constraint comes with its link's
+    """The remote draft path (specserve/services/draft): the session's constraint comes with its link's
     open, and every block (the batched model path, the per-session path, the n-gram) is drafted
     from the masked q or cut before the first forbidden draft."""
     import asyncio
 
-    from services.draft.server import DraftServicer
+    from specserve.services.draft.server import DraftServicer
     from specserve.v1 import common_pb2, draft_pb2
 
     drafter = HFDrafter(demo_pair.draft) if name == "small" else NgramDrafter(1 << 31)

@@ -21,10 +21,24 @@ class Purpose(IntEnum):
     BONUS = 4  # the bonus token (also every plain decode step)
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_MASK64 = (1 << 64) - 1
+# SplitMix64 (Steele, Lea and Flood, 2014): the golden-ratio increment and the finaliser's two
+# multipliers. The one mixer of the project: `mix64` for one integer (the committed prefix's
+# hash chain, state/prefix.py), `_mix` vectorised over numpy's wrapping uint64 (the uniforms).
+GOLDEN = 0x9E3779B97F4A7C15
+M1 = 0xBF58476D1CE4E5B9
+M2 = 0x94D049BB133111EB
+MASK64 = (1 << 64) - 1
+_GOLDEN, _M1, _M2 = np.uint64(GOLDEN), np.uint64(M1), np.uint64(M2)
+_MASK64 = MASK64
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser of one 64-bit integer (`_mix` of one element, as a Python int)."""
+    x ^= x >> 30
+    x = (x * M1) & MASK64
+    x ^= x >> 27
+    x = (x * M2) & MASK64
+    return x ^ (x >> 31)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -48,7 +48,7 @@ class EnginePlan:
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> EnginePlan:
         """The engine's part of a session's stored plan (the `params` the router wrote:
-        services/router/plan.py SessionPlan.encode)."""
+        specserve/services/router/plan.py SessionPlan.encode)."""
         sampling = SamplingParams(d["temperature"], d["top_k"], d["top_p"], tuple(d["banned"]))
         params = GenerationParams(max_tokens=int(d["max_tokens"]), sampling=sampling, num_draft_tokens=int(d["k"]),
                                   stop=tuple(d["stop"]), seed=int(d["seed"]))

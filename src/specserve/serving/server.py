@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,6 +28,9 @@ from specserve.errors import (
     SpecserveError,
     Unavailable,
 )
+from specserve.serving.handlers import rewrap
+
+S = TypeVar("S")
 
 log = logging.getLogger(__name__)
 
@@ -117,41 +121,16 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method
-        if handler.unary_unary:
-            inner_uu = handler.unary_unary
 
-            async def unary_unary(request, context):
-                await _refuse_corrupt(request, context)
-                try:
-                    return await inner_uu(request, context)
-                except Exception as exc:
-                    await _abort(exc, context, method)
+        @contextlib.asynccontextmanager
+        async def around(request, context):
+            await _refuse_corrupt(request, context)
+            try:
+                yield
+            except Exception as exc:
+                await _abort(exc, context, method)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, _lenient(handler.request_deserializer), handler.response_serializer)
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request, context):
-                await _refuse_corrupt(request, context)
-                try:
-                    async for item in inner_us(request, context):
-                        yield item
-                except Exception as exc:
-                    await _abort(exc, context, method)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, _lenient(handler.request_deserializer), handler.response_serializer)
-        if handler.stream_stream:
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(requests, context):
-                async for reply in inner_ss(_checked(requests, context), context):
-                    yield reply
-
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, _lenient(handler.request_deserializer), handler.response_serializer)
-        return handler
+        return rewrap(handler, around, _lenient(handler.request_deserializer), _checked)
 
 
 async def _abort(exc: Exception, context, method: str) -> None:
@@ -225,3 +204,14 @@ class GrpcServer:
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING: load balancers move away
         await self.server.stop(self.grace_s)  # in-flight RPCs get grace_s to finish
+
+
+def configure_logging() -> None:
+    """Every specserve process logs INFO lines with the time and the logger's name."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def run_main(main: Callable[[S], Coroutine[Any, Any, None]], settings: S) -> None:
+    """A service's `python -m` entry point: configure logging, then run `main(settings)`."""
+    configure_logging()
+    asyncio.run(main(settings))

@@ -12,6 +12,7 @@ per RPC as the child of the caller's CLIENT span.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from specserve.serving.handlers import rewrap
 
 log = logging.getLogger(__name__)
 
@@ -100,40 +103,22 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
             return handler
         carrier = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
         name = details.method.lstrip("/")
-        if handler.unary_unary:
-            inner_uu = handler.unary_unary
 
-            async def unary_unary(request, context):
-                token = otel_context.attach(propagate.extract(carrier))
-                try:
-                    with tracer().start_as_current_span(name, kind=SpanKind.SERVER,
-                                                        attributes={"specserve.api": "grpc"}) as span:
-                        try:
-                            return await inner_uu(request, context)
-                        except Exception as exc:
-                            span.set_status(Status(StatusCode.ERROR, str(exc)))
-                            raise
-                finally:
-                    otel_context.detach(token)
+        @contextlib.asynccontextmanager
+        async def around(_request, _context):
+            token = otel_context.attach(propagate.extract(carrier))
+            try:
+                with tracer().start_as_current_span(name, kind=SpanKind.SERVER,
+                                                    attributes={"specserve.api": "grpc"}) as span:
+                    try:
+                        yield
+                    except Exception as exc:
+                        span.set_status(Status(StatusCode.ERROR, str(exc)))
+                        raise
+            finally:
+                otel_context.detach(token)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request, context):
-                token = otel_context.attach(propagate.extract(carrier))
-                try:
-                    with tracer().start_as_current_span(name, kind=SpanKind.SERVER,
-                                                        attributes={"specserve.api": "grpc"}):
-                        async for item in inner_us(request, context):
-                            yield item
-                finally:
-                    otel_context.detach(token)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
-        return handler
+        return rewrap(handler, around)
 
 
 def start_metrics_server(registry, port: int, host: str = "127.0.0.1") -> int:

@@ -10,24 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specserve.algorithm.rng import GOLDEN, MASK64, mix64
 from specserve.errors import NeedsFullPrefix
-
-_MASK = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _mix(x: int) -> int:
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _MASK
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
 
 
 def chain(h: int, tokens: Sequence[int]) -> int:
     """Extend a chain hash by tokens; the empty prefix hashes to 0."""
     for t in tokens:
-        h = _mix((h ^ ((int(t) + 1) * _GOLDEN)) & _MASK)
+        h = mix64((h ^ ((int(t) + 1) * GOLDEN)) & MASK64)
     return h
 
 

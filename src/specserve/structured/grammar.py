@@ -225,19 +225,9 @@ class ConstrainedRow:
                 filled = i + 1
                 if illegal or i >= limit:
                     break
-                forced = _only_token(words[i]) if self.forced_drafts else None
-                model = drafts[i] if forced_from is None and i < len(drafts) else None
-                if forced is not None and model != forced:
-                    tok = forced
-                    pending = pending[1:] if pending and pending[0] == forced else []
-                elif model is not None:
-                    tok = model
-                else:
-                    if not pending and self.forced_drafts and self.encode is not None:
-                        pending = self._forced_string()
-                    if not pending:
-                        break
-                    tok = pending.pop(0)
+                tok, model, pending = self._pick(words[i], drafts if forced_from is None else [], i, pending)
+                if tok is None:
+                    break
                 if forced_from is None and (model is None or tok != model):
                     forced_from = i
                 if not _has(words[i], tok):  # an illegal draft
@@ -259,6 +249,21 @@ class ConstrainedRow:
         elif q is not None and len(out) < len(drafts):
             q = trim_q(q, len(out))
         return out, q, self._masks(buf, filled, len(out) + 1)
+
+    def _pick(self, row: np.ndarray, drafts: list[int], i: int,
+              pending: list[int]) -> tuple[int | None, int | None, list[int]]:
+        """Position i's draft (None: the drafts end here), the model's draft there (None past
+        them) and the forced string's tokens still to draft. The grammar's only legal token
+        wins over a model draft that differs; past the model's drafts, the forced string."""
+        forced = _only_token(row) if self.forced_drafts else None
+        model = drafts[i] if i < len(drafts) else None
+        if forced is not None and model != forced:
+            return forced, model, (pending[1:] if pending and pending[0] == forced else [])
+        if model is not None:
+            return model, model, pending
+        if not pending and self.forced_drafts and self.encode is not None:
+            pending = self._forced_string()
+        return (pending[0], None, pending[1:]) if pending else (None, None, pending)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         import xgrammar as xgr

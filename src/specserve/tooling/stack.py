@@ -147,9 +147,20 @@ class Stack:
         return self.info
 
     def _up(self, timeout_s: float) -> None:
-        spec, pair = self.spec, Path(self.spec.pair_dir)
-        if spec.redis_url:
-            self.info.redis_url = spec.redis_url
+        """Redis, then the draft replicas, then the target (its engine links to every replica,
+        ADR 0014: it starts once they serve), then the routers."""
+        self._start_redis()
+        self._start_pools(timeout_s)
+        self._start_target(timeout_s)
+        for i in range(self.spec.routers):
+            self._start_router(i, timeout_s)
+        self.info.router = self.info.routers[0]
+        self.info.http = self.info.https[0]
+        self._save()
+
+    def _start_redis(self) -> None:
+        if self.spec.redis_url:
+            self.info.redis_url = self.spec.redis_url
         else:
             from specserve.tooling.redis_server import start_redis
 
@@ -157,6 +168,9 @@ class Stack:
             self.info.redis_url = redis.url
             self.info.pids["redis"] = redis.pid
             self._save()
+
+    def _start_pools(self, timeout_s: float) -> None:
+        spec, pair = self.spec, Path(self.spec.pair_dir)
         ports: list[tuple[str, str, subprocess.Popen, Path, Path]] = []
         for pool, ps in spec.pools.items():
             for i in range(ps.replicas):
@@ -164,7 +178,7 @@ class Stack:
                 port_file = self.run_dir / f"{name}.port"
                 port_file.unlink(missing_ok=True)
                 model = ps.model if ps.model == "ngram" else str(pair / ps.model) if not Path(ps.model).is_absolute() else ps.model
-                p, lg = self._spawn(name, "services.draft", {
+                p, lg = self._spawn(name, "specserve.services.draft", {
                     "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model,
                     # the pair's tokenizer: an n-gram replica masks its drafts under a constraint too
                     "SPECSERVE_DRAFT_TOKENIZER": str(pair / "target"),
@@ -176,10 +190,12 @@ class Stack:
             wait_serving(f"127.0.0.1:{port}", "specserve.v1.Draft", timeout_s, spec.tls_dir)
             self.info.pools.setdefault(pool, []).append(f"127.0.0.1:{port}")
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
-        # the target's engine links to every draft replica (ADR 0014): it starts once they serve
+
+    def _start_target(self, timeout_s: float) -> None:
+        spec, pair = self.spec, Path(self.spec.pair_dir)
         target_info = self.run_dir / "target.json"
         target_info.unlink(missing_ok=True)
-        proc, log = self._spawn("target", "services.target", {
+        proc, log = self._spawn("target", "specserve.services.target", {
             "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
             "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
             "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
@@ -187,38 +203,37 @@ class Stack:
         })
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
         self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"
-        for i in range(spec.routers):
-            name = "router" if i == 0 else f"router-{i}"
-            router_port = self.run_dir / f"{name}.port"
-            http_port = self.run_dir / f"{name}.http.port"
-            router_port.unlink(missing_ok=True)
-            http_port.unlink(missing_ok=True)
-            p, lg = self._spawn(name, "services.router", {
-                "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
-                "SPECSERVE_ROUTER_HTTP_PORT": str(spec.http_port if i == 0 else 0),
-                "SPECSERVE_ROUTER_HTTP_PORT_FILE": str(http_port),
-                "SPECSERVE_ROUTER_METRICS_PORT": "0",
-                "SPECSERVE_ROUTER_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"),
-                "SPECSERVE_ROUTER_REDIS_URL": self.info.redis_url, "SPECSERVE_ROUTER_KEY_PREFIX": spec.key_prefix,
-                "SPECSERVE_ROUTER_TOKENIZER": str(pair / "target"),
-                "SPECSERVE_ROUTER_DRAFT_POOLS": json.dumps(self.info.pools),
-                "SPECSERVE_ROUTER_DEFAULT_POOL": next(iter(spec.pools), "none"), **spec.router_env,
-                **(spec.router_env_each[i] if i < len(spec.router_env_each) else {}),
-            })
-            address = f"127.0.0.1:{_wait_file(router_port, p, name, timeout_s, lg)}"
-            wait_serving(address, "specserve.v1.Generation", timeout_s, spec.tls_dir)
-            self.info.routers.append(address)
-            self.info.https.append(f"http://127.0.0.1:{_wait_file(http_port, p, name, timeout_s, lg)}")
-            self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
-        self.info.router = self.info.routers[0]
-        self.info.http = self.info.https[0]
-        self._save()
+
+    def _start_router(self, i: int, timeout_s: float) -> None:
+        spec, pair = self.spec, Path(self.spec.pair_dir)
+        name = "router" if i == 0 else f"router-{i}"
+        router_port = self.run_dir / f"{name}.port"
+        http_port = self.run_dir / f"{name}.http.port"
+        router_port.unlink(missing_ok=True)
+        http_port.unlink(missing_ok=True)
+        p, lg = self._spawn(name, "specserve.services.router", {
+            "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
+            "SPECSERVE_ROUTER_HTTP_PORT": str(spec.http_port if i == 0 else 0),
+            "SPECSERVE_ROUTER_HTTP_PORT_FILE": str(http_port),
+            "SPECSERVE_ROUTER_METRICS_PORT": "0",
+            "SPECSERVE_ROUTER_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"),
+            "SPECSERVE_ROUTER_REDIS_URL": self.info.redis_url, "SPECSERVE_ROUTER_KEY_PREFIX": spec.key_prefix,
+            "SPECSERVE_ROUTER_TOKENIZER": str(pair / "target"),
+            "SPECSERVE_ROUTER_DRAFT_POOLS": json.dumps(self.info.pools),
+            "SPECSERVE_ROUTER_DEFAULT_POOL": next(iter(spec.pools), "none"), **spec.router_env,
+            **(spec.router_env_each[i] if i < len(spec.router_env_each) else {}),
+        })
+        address = f"127.0.0.1:{_wait_file(router_port, p, name, timeout_s, lg)}"
+        wait_serving(address, "specserve.v1.Generation", timeout_s, spec.tls_dir)
+        self.info.routers.append(address)
+        self.info.https.append(f"http://127.0.0.1:{_wait_file(http_port, p, name, timeout_s, lg)}")
+        self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
 
     def restart(self, name: str, address: str, timeout_s: float = 120.0) -> None:
         """Start a draft replica or router again (after a crash) on its old `address`."""
         module, env = self.launched[name]
         port = address.rsplit(":", 1)[1]
-        kind = "ROUTER" if module == "services.router" else "DRAFT"
+        kind = "ROUTER" if module == "specserve.services.router" else "DRAFT"
         proc, log = self._spawn(name, module, {**env, f"SPECSERVE_{kind}_PORT": port})
         service = "specserve.v1.Generation" if kind == "ROUTER" else "specserve.v1.Draft"
         deadline = time.monotonic() + timeout_s

@@ -100,10 +100,13 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
 
 
 class _RunnerSessions:
-    """open/close of runner slots; `close` runs on the model thread (the caller's job)."""
+    """A model's runner (from the batching settings) and open/close of its slots; `close`
+    runs on the model thread (the caller's job)."""
 
-    runner: ModelRunner
-    chunk: int = 128
+    def __init__(self, model: torch.nn.Module, max_positions: int, b: Batching) -> None:
+        self.chunk = b.prefill_chunk
+        self.runner = make_runner(model, b)
+        self.max_positions = min(max_positions, self.runner.kv.max_len)
 
     def open(self, session_id: str) -> Any:
         handle = (session_id, next(_handles))  # unique: a reopened session never meets its old slot
@@ -135,9 +138,7 @@ class _RunnerSessions:
 class BatchedTarget(_RunnerSessions):
     def __init__(self, target: TargetModel, b: Batching) -> None:
         self.target = target
-        self.chunk = b.prefill_chunk
-        self.runner = make_runner(target.model, b)
-        self.max_positions = min(target.max_positions, self.runner.kv.max_len)
+        super().__init__(target.model, target.max_positions, b)
 
     def step(self, batch: list[Work]) -> list[Any]:
         results: list[Any] = [None] * len(batch)
@@ -172,9 +173,7 @@ class BatchedTarget(_RunnerSessions):
 class BatchedDraft(_RunnerSessions):
     def __init__(self, drafter: HFDrafter, b: Batching) -> None:
         self.drafter = drafter
-        self.chunk = b.prefill_chunk
-        self.runner = make_runner(drafter.model, b)
-        self.max_positions = min(drafter.max_positions, self.runner.kv.max_len)
+        super().__init__(drafter.model, drafter.max_positions, b)
 
     def step(self, batch: list[Work]) -> list[Any]:
         """Step 0 feeds each session's new committed tokens (1 logit), then one batched

@@ -54,18 +54,18 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_target(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr: float,
-                 on_step: Progress, bf16: bool = False) -> float:
+def _optimise(model: torch.nn.Module, steps: int, lr: float, weight_decay: float,
+              loss_of: Callable[[], torch.Tensor], on_step: Progress) -> float:
+    """The training loop both models share: AdamW, warm-up then cosine decay of the learning
+    rate, gradients clipped at 1; `loss_of()` draws a batch and returns its loss. The model is
+    left in eval mode; returns the last step's loss."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
     loss_val = float("nan")
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, max(steps // 20, 1))
-        batch = sampler.next()
-        with _autocast(bf16):
-            logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = loss_of()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -76,16 +76,25 @@ def train_target(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr:
     return loss_val
 
 
+def train_target(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr: float,
+                 on_step: Progress, bf16: bool = False) -> float:
+    """Next-token cross-entropy on the sampler's windows."""
+
+    def loss_of() -> torch.Tensor:
+        batch = sampler.next()
+        with _autocast(bf16):
+            logits = model(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    return _optimise(model, steps, lr, 0.1, loss_of, on_step)
+
+
 def distill_draft(draft: torch.nn.Module, target: torch.nn.Module, sampler: WindowSampler,
                   steps: int, lr: float, on_step: Progress, bf16: bool = False) -> float:
     """Align the draft to the target: minimise KL(p_target || q_draft) per position."""
-    draft.train()
     target.eval()
-    opt = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-    loss_val = float("nan")
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, steps, lr, max(steps // 20, 1))
+
+    def loss_of() -> torch.Tensor:
         inp = sampler.next()[:, :-1]
         with torch.no_grad(), _autocast(bf16):
             target_logits = target(input_ids=inp).logits
@@ -93,14 +102,8 @@ def distill_draft(draft: torch.nn.Module, target: torch.nn.Module, sampler: Wind
         with _autocast(bf16):
             draft_logits = draft(input_ids=inp).logits
         log_q = F.log_softmax(draft_logits.float(), dim=-1)
-        loss = F.kl_div(log_q.reshape(-1, log_q.shape[-1]), log_p.reshape(-1, log_p.shape[-1]),
+        return F.kl_div(log_q.reshape(-1, log_q.shape[-1]), log_p.reshape(-1, log_p.shape[-1]),
                         log_target=True, reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        loss_val = float(loss.detach())
-        on_step(step, loss_val)
-    draft.eval()
-    return loss_val
+
+    return _optimise(draft, steps, lr, 0.0, loss_of, on_step)
 

@@ -19,9 +19,9 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from services.router.plan import SessionPlan
-from services.router.targets import TargetDirectory
 from specserve.errors import SessionClosed, SessionNotFound, SpecserveError
+from specserve.services.router.plan import SessionPlan
+from specserve.services.router.targets import TargetDirectory
 from specserve.serving.metrics import RouterMetrics
 from specserve.state.store import REDIS_DOWN, SessionStore
 

@@ -1,13 +1,12 @@
-"""`python -m services.draft`: load the drafter, warm up, serve until SIGTERM (drained)."""
+"""`python -m specserve.services.draft`: load the drafter, warm up, serve until SIGTERM (drained)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
-from services.draft.server import DraftServicer
 from specserve.config import DraftSettings
-from specserve.serving.server import GrpcServer
+from specserve.services.draft.server import DraftServicer
+from specserve.serving.server import GrpcServer, run_main
 from specserve.serving.telemetry import (
     TracingServerInterceptor,
     publish_ports,
@@ -42,7 +41,7 @@ def _tokenizer(settings: DraftSettings) -> dict:
     one (it drafts free, and the target's masks keep the output exact)."""
     from pathlib import Path
 
-    from services.router.model_info import ModelInfo
+    from specserve.services.router.model_info import ModelInfo
 
     directory = settings.tokenizer or ("" if settings.model == "ngram" else settings.model)
     if not directory or not (Path(directory) / "tokenizer.json").exists():
@@ -85,5 +84,4 @@ async def main(settings: DraftSettings) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(main(DraftSettings()))
+    run_main(main, DraftSettings())

@@ -24,7 +24,14 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import RedisError
 
-from services.router.openai_schema import (
+from specserve.errors import (
+    InvalidRequest,
+    ResourceExhausted,
+    SessionLost,
+    SessionNotFound,
+    Unavailable,
+)
+from specserve.services.router.openai_schema import (
     ChatRequest,
     CompletionRequest,
     CompletionTokensDetails,
@@ -33,14 +40,7 @@ from services.router.openai_schema import (
     Usage,
     now,
 )
-from services.router.service import GenerationService
-from specserve.errors import (
-    InvalidRequest,
-    ResourceExhausted,
-    SessionLost,
-    SessionNotFound,
-    Unavailable,
-)
+from specserve.services.router.service import GenerationService
 from specserve.serving.chat import ChatTemplate
 from specserve.serving.metrics import RouterMetrics
 from specserve.serving.telemetry import API, tracer

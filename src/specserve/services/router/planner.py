@@ -8,14 +8,22 @@ import random
 from collections.abc import Collection
 from dataclasses import replace
 
-from services.router.classifier import CLASSES
-from services.router.plan import SessionPlan
-from services.router.validation import ValidRequest
 from specserve.algorithm.rng import fresh_seed
-from specserve.control.arms import Assessment, Choice, Decision, Fallback, assess, choose_arm, request_reason
+from specserve.control.arms import (
+    Assessment,
+    Choice,
+    Decision,
+    Fallback,
+    assess,
+    choose_arm,
+    request_reason,
+)
 from specserve.control.controller import Controller
 from specserve.control.policy import Policy, PolicyCache
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL
+from specserve.services.router.classifier import CLASSES
+from specserve.services.router.plan import SessionPlan
+from specserve.services.router.validation import ValidRequest
 from specserve.serving.metrics import RouterMetrics
 from specserve.structured.constraint import Constraint
 

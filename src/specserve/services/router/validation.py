@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.classifier import Classifier
-from services.router.model_info import ModelInfo
 from specserve.control.arms import NO_SPECULATION, RequestFacts
 from specserve.control.policy import CLASS_NAME
 from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.errors import InvalidRequest
 from specserve.params import GenerationParams, SamplingParams, check_k
+from specserve.services.router.classifier import Classifier
+from specserve.services.router.model_info import ModelInfo
 from specserve.structured.constraint import Constraint
 from specserve.v1 import generation_pb2
 

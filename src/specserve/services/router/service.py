@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from services.router.classifier import Classifier
-from services.router.model_info import ModelInfo
-from services.router.planner import Planner
-from services.router.sessions import Opened, Sessions
-from services.router.validation import ValidRequest, parse
 from specserve.config import RouterSettings
 from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.errors import Internal
+from specserve.services.router.classifier import Classifier
+from specserve.services.router.model_info import ModelInfo
+from specserve.services.router.planner import Planner
+from specserve.services.router.sessions import Opened, Sessions
+from specserve.services.router.validation import ValidRequest, parse
 from specserve.serving.telemetry import API, tracer
 from specserve.state.store import Chunk, SessionInfo, SessionStore
 from specserve.v1 import generation_pb2, generation_pb2_grpc

@@ -13,7 +13,6 @@ import math
 
 import grpc
 
-from services.router.planner import Planner
 from specserve.control.controller import ShadowLog
 from specserve.control.policy import (
     CLASS_NAME,
@@ -24,6 +23,7 @@ from specserve.control.policy import (
     PolicyStore,
 )
 from specserve.errors import InvalidRequest
+from specserve.services.router.planner import Planner
 from specserve.v1 import policy_pb2, policy_pb2_grpc
 
 MODE_TO_PB = {"enabled": policy_pb2.POLICY_MODE_ENABLED, "shadow": policy_pb2.POLICY_MODE_SHADOW,

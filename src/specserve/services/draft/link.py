@@ -45,7 +45,7 @@ class _Linked:
 
 
 class Link:
-    def __init__(self, servicer) -> None:  # services.draft.server.DraftServicer
+    def __init__(self, servicer) -> None:  # specserve.services.draft.server.DraftServicer
         self.servicer = servicer
         self.sessions: dict[str, _Linked] = {}
         self.out: asyncio.Queue[draft_pb2.LinkOut | None] = asyncio.Queue()

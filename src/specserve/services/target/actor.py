@@ -12,6 +12,7 @@ import os
 import threading
 
 from specserve.config import TargetSettings
+from specserve.serving.server import configure_logging
 
 log = logging.getLogger("specserve.target")
 
@@ -24,7 +25,7 @@ class TargetWorker:
     """Plain class (Ray wraps it with `ray.remote` in the launcher, options from settings)."""
 
     def __init__(self, settings_json: str, trace_carrier: dict[str, str] | None = None) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        configure_logging()
         self.settings = TargetSettings.model_validate_json(settings_json)
         self._carrier = trace_carrier or {}  # the launcher's span: context crosses into Ray explicitly
         self.metrics_port = -1
@@ -55,9 +56,9 @@ class TargetWorker:
     async def _serve(self) -> None:
         import torch
 
-        from services.target.server import TargetServicer
         from specserve.models.loading import load_model
         from specserve.models.verifier import TargetModel
+        from specserve.services.target.server import TargetServicer
         from specserve.serving.metrics import WorkerMetrics
         from specserve.serving.server import GrpcServer
         from specserve.serving.telemetry import (
@@ -96,6 +97,12 @@ class TargetWorker:
             await server.set_serving()
             self.metrics_port = start_metrics_server(metrics.registry, s.metrics_port, s.host)
         self.address = f"{s.host}:{server.port}"
+        await self._register_and_beat(redis, host)
+
+    async def _register_and_beat(self, redis, host) -> None:
+        """Registered under this target's name, the sessions it had adopted, then a heartbeat:
+        the entry expires registry_ttl_s after this process dies."""
+        s = self.settings
         key = registry_key(s.key_prefix, s.name)
 
         def entry() -> str:
@@ -110,7 +117,7 @@ class TargetWorker:
             await host.adopt_mine()
         except Exception:
             log.exception("adopting this target's sessions")
-        while True:  # heartbeat: the entry expires registry_ttl_s after this process dies
+        while True:
             await asyncio.sleep(s.heartbeat_s)
             try:
                 await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
@@ -120,12 +127,12 @@ class TargetWorker:
 
 def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
     """The engine beside the target: one remote draft source per configured pool."""
-    from services.router.model_info import ModelInfo
-    from services.target.engine_host import EngineHost
     from specserve.algorithm.stops import StopChecker
     from specserve.control.controller import Controller, ShadowLog
     from specserve.engine.link import RemoteDrafts
     from specserve.engine.scheduler import Budget
+    from specserve.services.router.model_info import ModelInfo
+    from specserve.services.target.engine_host import EngineHost
     from specserve.serving.metrics import RoundMetrics
 
     loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""`python -m services.target`: place the target actor with Ray and keep it there.
+"""`python -m specserve.services.target`: place the target actor with Ray and keep it there.
 
 With RAY_ADDRESS set (a KubeRay cluster) it joins that cluster; otherwise it starts a local
 Ray head on loopback (no dashboard) and owns it: on SIGTERM it kills the actor and calls
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config import TargetSettings
+from specserve.serving.server import configure_logging
 
 log = logging.getLogger("specserve.target.launcher")
 
@@ -38,7 +39,7 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
             os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
     import ray
 
-    from services.target.actor import TargetWorker
+    from specserve.services.target.actor import TargetWorker
 
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=settings.namespace, logging_level=logging.WARNING)
@@ -76,5 +77,5 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     launch(TargetSettings(), os.environ.get("SPECSERVE_TARGET_INFO_FILE", ""))

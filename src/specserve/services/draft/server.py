@@ -181,7 +181,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             span.end()
 
     async def Link(self, request_iterator, context):
-        from services.draft.link import Link
+        from specserve.services.draft.link import Link
 
         async for reply in Link(self).serve(request_iterator):
             yield reply

@@ -1,0 +1,13 @@
+"""The `specserve` command line, one module per command group:
+
+- `base`: the root app, the local stack's run directory, the channel to a router;
+- `models`: `specserve models build`;
+- `stack`: `specserve up | down`;
+- `demo`: `specserve demo | demo-local`;
+- `generate`: `specserve generate | trace`;
+- `policy`: `specserve policy list | get | set | delete | history`."""
+
+from specserve.tooling.cli import demo, generate, models, policy, stack  # noqa: F401 - they register their commands
+from specserve.tooling.cli.base import app
+
+__all__ = ["app"]

@@ -1,0 +1,5 @@
+"""`python -m specserve.tooling.cli`."""
+
+from specserve.tooling.cli import app
+
+app()

@@ -1,0 +1,45 @@
+"""`specserve models`: build the offline model pair from its recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from specserve.tooling.cli.base import app
+
+models_app = typer.Typer(no_args_is_help=True, help="Build and inspect the offline model pair.")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("build")
+def models_build(
+    out: Path = typer.Option(Path(".cache/models"), help="Directory that holds built pairs."),
+    preset: str = typer.Option("demo", help="demo (the shipped pair's recipe), default, tiny or micro."),
+    force: bool = typer.Option(False, help="Rebuild even if a cached pair matches the config."),
+    shipped: Path = typer.Option(Path("models") / "specserve-demo-v1", help="The committed pair to compare with."),
+) -> None:
+    """Build the tokenizer, target and distilled draft offline (cached by config hash). The
+    demo preset is the recipe of the committed pair: the build says whether this machine
+    reproduced its weights exactly (same sha256) or not (another CPU type rounds differently)."""
+    from specserve.tooling.modelbuild.build import PRESETS, build_pair
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    path = build_pair(PRESETS[preset], out, force=force, log=typer.echo)
+    meta = json.loads((path / "build.json").read_text())
+    typer.echo(f"pair ready: {path}")
+    # equal digests mean identical weights and tokenizer: compare them before comparing benchmarks
+    typer.echo(f"weights sha256: {meta['weights_sha256']}")
+    card = shipped / "build.json"
+    if preset == "demo" and card.exists():
+        committed = json.loads(card.read_text())
+        if committed["digest"] != meta["digest"]:
+            typer.echo(f"the committed pair was built from another config ({committed['digest']}): not comparable")
+        elif committed["weights_sha256"] == meta["weights_sha256"]:
+            typer.echo(f"identical to the committed pair ({shipped}): this machine reproduces it exactly")
+        else:
+            typer.echo(f"differs from the committed pair ({committed['weights_sha256'][:12]}...): same recipe, "
+                       "other rounding (bf16 autocast and thread splits differ by CPU type); every service "
+                       f"keeps serving the committed {shipped}")

@@ -1,0 +1,80 @@
+"""`specserve up` and `specserve down`: the whole system on loopback, started and stopped by
+PID (`specserve.tooling.stack` does the work)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from specserve.tooling.cli.base import RUN_DIR, app
+
+
+def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
+    import json
+    import secrets
+
+    from specserve.tooling.files import write_private
+    from specserve.tooling.modelbuild.build import find_pair
+    from specserve.tooling.stack import PoolSpec, StackSpec
+
+    pair = find_pair(models)
+    # PolicyAdmin's token for this local stack: the environment's, or a fresh one kept in
+    # run/admin.token (0600) where `specserve policy` finds it
+    token = os.environ.get("SPECSERVE_ROUTER_ADMIN_TOKEN") or secrets.token_urlsafe(24)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_private(run_dir / "admin.token", token)
+    # every class may use both pools: the controller moves each to the pool that pays
+    policies = {"code": {"draft_pool": "small", "draft_pools": ["ngram"], "adaptive_k": True, "k_min": 1, "k_max": 8},
+                "chat": {"draft_pool": "small", "draft_pools": ["ngram"], "k": 4},
+                "extraction": {"draft_pool": "ngram", "draft_pools": ["small"], "adaptive_k": True, "k_min": 2,
+                               "k_max": 12}}
+    return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
+                     pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1)},
+                     redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""), http_port=http_port,
+                     router_env={"SPECSERVE_ROUTER_ADMIN_TOKEN": token,
+                                 "SPECSERVE_ROUTER_POLICIES": json.dumps(policies)})
+
+
+@app.command("up")
+def up(
+    models: Path = typer.Option(Path("models"), help="The pair, or the directory holding specserve-demo-v1/."),
+    run_dir: Path = typer.Option(RUN_DIR, help="Logs, ports and PIDs of the local stack."),
+    tls: bool = typer.Option(False, "--tls", help="TLS on every hop (mTLS to workers), with a local CA in run/tls."),
+    http_port: int = typer.Option(8000, "--http-port", help="The router's OpenAI-compatible HTTP API port "
+                                  "(0 = a free one)."),
+) -> None:
+    """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, two draft pools
+    (small: 2 replicas, ngram: 1) and the router (gRPC, and the OpenAI HTTP API), all on
+    loopback."""
+    from specserve.serving.tls import make_local_ca
+    from specserve.tooling.stack import Stack, StackError, down_from
+
+    down_from(str(run_dir))  # a stale stack from an earlier `up` is stopped first
+    spec = _stack_spec(models, run_dir, http_port)
+    (run_dir / "router.tls").unlink(missing_ok=True)
+    if tls:
+        spec.tls_dir = str(make_local_ca(run_dir.resolve() / "tls"))
+        (run_dir / "router.tls").write_text(spec.tls_dir)  # where the CLI's clients find the CA
+    try:
+        info = Stack(spec).up()
+    except StackError as err:
+        typer.echo(f"specserve up failed: {err}", err=True)
+        raise typer.Exit(1) from err
+    typer.echo(f"router {info.router}  redis {info.redis_url}  target {info.target.get('address')}")
+    for pool, addrs in info.pools.items():
+        typer.echo(f"draft pool {pool}: {', '.join(addrs)}")
+    (run_dir / "router.address").write_text(info.router)
+    (run_dir / "router.http").write_text(info.http)
+    typer.echo(f"OpenAI-compatible API: {info.http}/v1 (model \"specserve\")")
+    typer.echo(f"policies: `specserve policy list` (admin token in {run_dir / 'admin.token'})")
+
+
+@app.command("down")
+def down(run_dir: Path = typer.Option(RUN_DIR, help="The run directory `up` used.")) -> None:
+    """Stop what `specserve up` started, by PID."""
+    from specserve.tooling.stack import down_from
+
+    stopped = down_from(str(run_dir))
+    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
