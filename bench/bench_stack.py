@@ -124,7 +124,7 @@ def main() -> None:
                 t, res = in_process(engine, p, a.k if pool != "none" else 0, a.max_tokens, tuple(banned), a.repeats)
                 ms += t
                 toks += len(res.token_ids)
-                per_prompt.append((t, len(res.token_ids), res.acceptance_lengths))
+                per_prompt.append((t, len(res.token_ids), res.accepted_per_round))
             rows.append({"path": "in-process", "class": cls, "pool": pool, "ms_per_token": ms / toks, "tokens": toks,
                          "mean_accepted": float(np.mean(sum((x[2] for x in per_prompt), []) or [np.nan]))
                          if pool != "none" else None, "per_prompt": per_prompt})

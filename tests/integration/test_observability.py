@@ -137,7 +137,7 @@ def test_metrics_agree_with_a_known_workload(stub, stack, eval_prompts):
         assert delta("specserve_accepted_tokens_total", **labels) == sum(r.stats.accepted_tokens for r in mine)
         assert delta("specserve_proposed_tokens_total", **labels) == sum(r.stats.draft_tokens for r in mine)
         speculative = sum(1 for r in mine for rd in r.stats.round if rd.k > 0)
-        assert delta("specserve_acceptance_length_count", **labels) == speculative
+        assert delta("specserve_accepted_drafts_count", **labels) == speculative
         assert delta("specserve_requests_total", **labels) == len(mine)
         assert delta("specserve_rollback_tokens_total", **labels) == sum(
             rd.k - rd.accepted for r in mine for rd in r.stats.round)

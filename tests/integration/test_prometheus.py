@@ -158,7 +158,7 @@ def _wait_for(prom: LocalPrometheus, expr: str, timeout_s: float) -> None:
 
 
 def test_every_panel_and_rule_answers_from_a_real_scrape(prometheus, load):
-    _wait_for(prometheus, 'sum(rate(specserve_acceptance_length_count{workload_class="code"}[30s])) > 0', 180)
+    _wait_for(prometheus, 'sum(rate(specserve_accepted_drafts_count{workload_class="code"}[30s])) > 0', 180)
     targets = prometheus.api("targets")["activeTargets"]
     assert {t["labels"]["instance"] for t in targets} >= {"router", "target", "draft-small-0", "draft-poor-0"}
     time.sleep(40)  # a rate window's worth of load behind every panel
@@ -190,7 +190,7 @@ def test_every_panel_and_rule_answers_from_a_real_scrape(prometheus, load):
 def test_acceptance_drop_goes_pending_then_firing(prom_stack, prometheus, load):
     from specserve.v1 import policy_pb2, policy_pb2_grpc
 
-    baseline = 'workload_class:specserve_acceptance_length_vllm:mean1h{workload_class="code"}'
+    baseline = 'workload_class:specserve_acceptance_length:mean1h{workload_class="code"}'
     _wait_for(prometheus, baseline + " > 1.5", 180)
     # the baseline's (shortened) 1h window full of healthy rounds, as in production after an hour
     time.sleep(max(0.0, load.started + promrules.seconds("1h") / FACTOR + 10 - time.monotonic()))
@@ -220,7 +220,7 @@ def test_acceptance_drop_goes_pending_then_firing(prom_stack, prometheus, load):
     print(f"SpecserveAcceptanceDrop after the switch (code's baseline {before:.2f} tokens/round): "
           f"inactive at 0 s, {seen}")
     inputs = {q: prometheus.query(q) for q in (
-        "workload_class_draft_pool:specserve_acceptance_length_vllm:mean5m", baseline,
+        "workload_class_draft_pool:specserve_acceptance_length:mean5m", baseline,
         "workload_class_draft_pool:specserve_speculative_rounds:rate5m")}
     assert "pending" in seen and "firing" in seen, f"{seen}; the alert's inputs now: {inputs}"
     assert seen["firing"] - seen["pending"] >= 9  # `for: 10s` in the shortened rules, 1s evaluations

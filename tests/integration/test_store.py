@@ -31,14 +31,20 @@ async def collect(store: SessionStore, session_id: str, offset: int = 0) -> list
     return [c async for c in store.read_chunks(session_id, offset, block_ms=50)]
 
 
-def test_retried_request_joins_its_session(store, run):
+async def _request_session(redis, store: SessionStore, request_id: str) -> str | None:
+    """The session a request id names, read from the store's layout (`<prefix>:req:<id>`)."""
+    value = await redis.get(f"{store.prefix}:req:{request_id}")
+    return None if value is None else value.decode() if isinstance(value, bytes) else value
+
+
+def test_retried_request_joins_its_session(store, redis_client, run):
     async def body():
         first = await store.create_or_join("req-1", PARAMS, PROMPT, owner="router-a")
         again = await store.create_or_join("req-1", {"other": 1}, PROMPT, owner="router-b")
         assert first.created and not again.created and again.joined
         assert again.session_id == first.session_id and again.epoch == first.epoch == 1
-        assert await store.request_session("req-1") == first.session_id
-        assert await store.request_session("req-2") is None
+        assert await _request_session(redis_client, store, "req-1") == first.session_id
+        assert await _request_session(redis_client, store, "req-2") is None
         info = await store.get(first.session_id)
         # The first request's params and owner win; a join changes nothing.
         assert (info.status, info.params, info.prompt_ids) == ("running", PARAMS, PROMPT)
@@ -254,7 +260,7 @@ def test_every_key_is_prefixed_and_has_a_refreshed_ttl(store, redis_client, run)
         # Another prefix is another namespace.
         other = SessionStore(redis_client, prefix=store.prefix + "x")
         assert await other.get(sid) is None
-        assert await other.request_session("req-ttl") is None
+        assert await _request_session(redis_client, other, "req-ttl") is None
 
     run(body())
 
@@ -282,7 +288,7 @@ def test_store_works_on_a_bytes_client(redis_server, run):
             store = SessionStore(client, prefix=f"b{uuid.uuid4().hex[:8]}")
             handle = await store.create_or_join("req-b", PARAMS, PROMPT, owner="router-a")
             await store.commit(handle.session_id, 0, handle.epoch, rid(), [7, 8], "hé", "stop")
-            assert await store.request_session("req-b") == handle.session_id
+            assert await _request_session(client, store, "req-b") == handle.session_id
             assert (await store.get(handle.session_id)).finish_reason == "stop"
             assert await collect(store, handle.session_id) == [Chunk(0, (7, 8), "hé", "stop")]
         finally:

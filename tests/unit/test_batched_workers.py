@@ -132,12 +132,15 @@ def test_tokens_are_identical_alone_and_batched_through_the_draft_servicer(pair,
     async def go():
         ts, ds = _workers(pair)
         assert isinstance(ts.engine, BatchedTarget) and isinstance(ds.engine, BatchedDraft)
+        sizes: list[int] = []  # the draft scheduler's batch sizes, as its metrics hook sees them
+        observe = ds.core.scheduler.on_batch
+        ds.core.scheduler.on_batch = lambda n, s: (sizes.append(n), observe and observe(n, s))
         alone = [await _generate(ts, ds, f"alone-{i}", p, params[i]) for i, p in enumerate(PROMPTS)]
         for i in range(len(PROMPTS)):
             ts.release(f"alone-{i}"), ds.sessions.release(f"alone-{i}")
-        before = ds.core.scheduler.stats.max_size
+        before, sizes[:] = max(sizes), []
         together = await asyncio.gather(*(_generate(ts, ds, f"b-{i}", p, params[i]) for i, p in enumerate(PROMPTS)))
-        return alone, together, before, ds.core.scheduler.stats.max_size, ds
+        return alone, together, before, max(sizes), ds
 
     alone, together, before, draft_max, ds = asyncio.run(go())
     assert [t for t, _ in alone] == [t for t, _ in together]

@@ -70,7 +70,7 @@ def _panels(dashboard: dict):
 
 def test_dashboard_queries_only_exported_metric_families(exprs):
     families = _families()
-    assert {"specserve_acceptance_length", "specserve_proposed_tokens", "specserve_draft_call_seconds",
+    assert {"specserve_accepted_drafts", "specserve_proposed_tokens", "specserve_draft_call_seconds",
             "specserve_target_sessions"} <= set(families)  # the registries really were collected
     queried = {SUFFIX.sub("", n) for e in exprs for n in NAME.findall(e)}
     assert queried, "no specserve_ metric found in any expr"
@@ -79,7 +79,7 @@ def test_dashboard_queries_only_exported_metric_families(exprs):
 
 def test_dashboard_reads_only_recorded_series_the_rules_record(exprs):
     used = {n for e in exprs for n in RECORDED.findall(e)}
-    assert "workload_class_draft_pool:specserve_acceptance_length_vllm:mean5m" in used
+    assert "workload_class_draft_pool:specserve_acceptance_length:mean5m" in used
     records, _ = promrules.names(promrules.load())
     assert used <= records, f"not recorded by deploy/prometheus/specserve-rules.yaml: {sorted(used - records)}"
 
@@ -95,7 +95,7 @@ def test_dashboard_uses_exposed_sample_names(dashboard):
 
 # DESIGN §6 metric -> families that show it (all must be queried)
 _COVERAGE = {
-    "acceptance length": {"specserve_acceptance_length"},
+    "acceptance length": {"specserve_accepted_drafts"},
     "per-position acceptance": {"specserve_accepted_tokens", "specserve_proposed_tokens"},
     "target passes per output token": {"specserve_target_passes", "specserve_output_tokens",
                                        "specserve_target_passes_per_token"},
@@ -117,7 +117,7 @@ def test_dashboard_covers_every_design_metric(exprs):
     # per position, fallbacks by reason: the breakdown label must be in the query
     assert any("specserve_accepted_tokens" in e and "position" in e for e in exprs)
     assert any("specserve_fallbacks" in e and "reason" in e for e in exprs)
-    assert any("histogram_quantile" in e and "specserve_acceptance_length_bucket" in e for e in exprs)
+    assert any("histogram_quantile" in e and "specserve_accepted_drafts_bucket" in e for e in exprs)
 
 
 def test_router_queries_filter_by_class_and_pool(dashboard, exprs):

@@ -57,7 +57,7 @@ def test_rollback_moves_the_length_and_touches_no_tensor():
     before = kv.keys[0].clone()
     ptr = kv.keys[0].data_ptr()
     assert kv.rollback("s", 2) == 3
-    assert kv.length("s") == 2 and kv.cached_ids("s") == [10, 11]
+    assert kv.length("s") == 2 and list(kv.ids[kv.slot("s")]) == [10, 11]
     assert torch.equal(kv.keys[0], before) and kv.keys[0].data_ptr() == ptr
     keys, values = kv.read(0, slot, kv.length("s"))
     assert keys.shape == (2, 2, 4) and torch.equal(keys, k[:2].transpose(0, 1))
@@ -104,7 +104,7 @@ def test_reconcile_keeps_the_agreeing_prefix_and_leaves_one_token_to_feed():
     kv.allocate("s")
     kv.append("s", [1, 2, 3, 4, 9, 9])  # 9, 9: provisional drafts
     assert kv.reconcile("s", [1, 2, 3, 4, 5]) == 2
-    assert kv.cached_ids("s") == [1, 2, 3, 4]  # feed [5]
+    assert list(kv.ids[kv.slot("s")]) == [1, 2, 3, 4]  # feed [5]
     assert kv.reconcile("s", [1, 2, 3, 4]) == 0
-    assert kv.cached_ids("s") == [1, 2, 3]  # nothing new: the last token is fed again
+    assert list(kv.ids[kv.slot("s")]) == [1, 2, 3]  # nothing new: the last token is fed again
     assert kv.reconcile("s", [7, 8]) == 3 and kv.length("s") == 0  # disagreement at 0

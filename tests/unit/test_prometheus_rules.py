@@ -81,7 +81,7 @@ def test_rules_read_only_exported_metric_families():
         exported |= {fam.name for fam in metrics.registry.collect()}
     exprs = " ".join(r["expr"] for g in promrules.load()["groups"] for r in g["rules"])
     read = {SUFFIX.sub("", n) for n in SPECSERVE_NAME.findall(exprs)}
-    assert "specserve_acceptance_length" in read
+    assert "specserve_accepted_drafts" in read
     assert read - exported == set(), "rules read metrics no service exports"
 
 

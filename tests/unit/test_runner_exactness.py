@@ -24,7 +24,7 @@ from transformers import (
 from specserve.errors import InvalidRequest
 from specserve.models.kv_slots import ContextTooLong, KVBudgetExhausted, prefill_chunks
 from specserve.models.loading import load_model
-from specserve.models.runner import ModelRunner, Row, choose_path, supports, unsupported_reason
+from specserve.models.runner import ModelRunner, Row, choose_path, unsupported_reason
 
 ATOL = 1e-4
 SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=88, num_hidden_layers=2,
@@ -89,7 +89,7 @@ def run_scenario(model, tile, vocab, seed=0):
             ref = hf_logits(model, seqs[row.session])[len(seqs[row.session]) - n:]
             assert logits.shape == (n, vocab) and logits.dtype == torch.float32
             assert torch.allclose(logits, ref, atol=ATOL), (row.session, (logits - ref).abs().max())
-            assert runner.kv.cached_ids(row.session) == seqs[row.session]
+            assert list(runner.kv.ids[runner.kv.slot(row.session)]) == seqs[row.session]
 
     def toks(n):
         return [rng.randrange(vocab) for _ in range(n)]
@@ -120,7 +120,7 @@ def test_demo_pair_matches_hf_per_sequence(demo_pair, tile):
 @pytest.mark.parametrize("tile", [8, None])
 def test_random_configs_match_hf_per_sequence(name, tile):
     model = RANDOM_MODELS[name]()
-    assert supports(model)
+    assert unsupported_reason(model) is None
     run_scenario(model, tile, SMALL["vocab_size"], seed=1)
 
 

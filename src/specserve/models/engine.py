@@ -29,7 +29,7 @@ class GenerationResult:
     rounds: list[RoundStats]
 
     @property
-    def acceptance_lengths(self) -> list[int]:
+    def accepted_per_round(self) -> list[int]:
         return [r.accepted for r in self.rounds if r.k > 0]
 
 

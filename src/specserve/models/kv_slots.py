@@ -124,9 +124,6 @@ class KVSlots:
     def length(self, session: Hashable) -> int:
         return len(self.ids[self.slot(session)])
 
-    def cached_ids(self, session: Hashable) -> list[int]:
-        return list(self.ids[self.slot(session)])
-
     def rollback(self, session: Hashable, length: int) -> int:
         """Keep the first `length` positions (drop rejected drafts); returns how many were
         dropped. Only the length moves: no tensor is touched."""

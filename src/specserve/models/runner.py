@@ -57,10 +57,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def supports(model: torch.nn.Module) -> bool:
-    return unsupported_reason(model) is None
-
-
 def choose_path(model: torch.nn.Module) -> Literal["runner", "hf"]:
     """Which path serves `model`; a fallback logs one line naming the architecture."""
     reason = unsupported_reason(model)
@@ -240,7 +236,7 @@ class ModelRunner:
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 tile: int | None = DEFAULT_TILE,
                 fuse_upto: int = DEFAULT_FUSE_UPTO) -> ModelRunner:
-        """A runner for an HF model (check `supports(model)` first). KV capacity: a byte
+        """A runner for an HF model (check `unsupported_reason(model)` first). KV capacity: a byte
         budget or a session count; each session holds up to `max_len` positions (default:
         the model's context length). `fuse_upto`: see `fused_tiles_agree`."""
         reason = unsupported_reason(model)

@@ -49,8 +49,8 @@ class RoundMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.acceptance_length = Histogram(
-            "specserve_acceptance_length", "Draft tokens accepted per speculative round.", LABELS,
+        self.accepted_drafts = Histogram(
+            "specserve_accepted_drafts", "Draft tokens accepted per speculative round.", LABELS,
             buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=r)
         self.proposed = Counter("specserve_proposed_tokens", "Draft tokens proposed, by position in the block.",
                                 (*LABELS, "position"), registry=r)

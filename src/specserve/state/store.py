@@ -282,10 +282,6 @@ class SessionStore:
             stats=json.loads(h["stats"]) if h.get("stats") else None,
         )
 
-    async def request_session(self, request_id: str) -> str | None:
-        value = await self._r.get(self._req_key(request_id))
-        return None if value is None else as_str(value)
-
     def read_chunks(
         self, session_id: str, from_offset: int = 0, block_ms: int = 1000,
         on_wait: Callable[[], Awaitable[None]] | None = None, outage_s: float = 0.0,

@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.errors import KVBudgetExhausted, SessionNotFound
 from specserve.serving.metrics import WorkerMetrics
 from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
 from specserve.worker.sessions import SessionTable, WorkerSession
 
+if TYPE_CHECKING:  # (the engines import torch; the protocol is for the type checker)
+    from specserve.worker.model_runner import WorkerEngine
+
 
 class WorkerCore:
-    def __init__(self, engine, metrics: WorkerMetrics, max_sessions: int, max_batch: int = 32,
+    def __init__(self, engine: WorkerEngine, metrics: WorkerMetrics, max_sessions: int, max_batch: int = 32,
                  max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
                  extra_s: Callable[[list[Work]], float] | None = None,
                  on_close: Callable[[WorkerSession], None] | None = None, name: str = "worker") -> None:
@@ -28,7 +31,7 @@ class WorkerCore:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.sessions = SessionTable(engine.open, engine.close, max_sessions, evict_idle_s, on_close)
         # a per-session engine runs items one by one: batches of one answer each call at once
-        self.scheduler = Scheduler(min(max_batch, getattr(engine, "max_batch", max_batch)), max_wait_ms / 1e3,
+        self.scheduler = Scheduler(min(max_batch, engine.max_batch or max_batch), max_wait_ms / 1e3,
                                    on_batch=self._observe)
         self._loop: asyncio.Task | None = None
 

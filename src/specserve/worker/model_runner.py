@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -99,9 +99,34 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
                                tile=b.tile, fuse_upto=b.fuse_upto)
 
 
+class WorkerEngine(Protocol):
+    """What `worker/core.py: WorkerCore` drives: the batched engines (`BatchedTarget`,
+    `BatchedDraft`) and the per-session ones (`SessionTarget`, `SessionDraft`)."""
+
+    max_batch: int | None  # the most items one step takes (None: the scheduler's limit)
+
+    def open(self, session_id: str) -> Any:
+        """A handle for a new session (its KV slot or its own state)."""
+        ...
+
+    def close(self, handle: Any) -> None:
+        ...
+
+    @property
+    def slots(self) -> tuple[int, int] | None:
+        """(used, free) KV slots, or None where the engine keeps no slot table."""
+        ...
+
+    def step(self, batch: list[Work]) -> list[Any]:
+        """One batch on the model thread: a result (or an exception, or AGAIN) per item."""
+        ...
+
+
 class _RunnerSessions:
     """A model's runner (from the batching settings) and open/close of its slots; `close`
     runs on the model thread (the caller's job)."""
+
+    max_batch: int | None = None
 
     def __init__(self, model: torch.nn.Module, max_positions: int, b: Batching) -> None:
         self.chunk = b.prefill_chunk
@@ -231,8 +256,8 @@ class _PerSession:
     """The per-session path: the backend's own state per session, items run one by one
     (nothing to share: each call answers as soon as its own forward is done)."""
 
-    max_batch = 1
-    slots = None
+    max_batch: int | None = 1
+    slots: tuple[int, int] | None = None
 
     def __init__(self, backend) -> None:
         self.backend = backend  # a TargetModel or a drafter: `start()` gives a session

@@ -75,16 +75,6 @@ class Done:
     cost_s: float = 0.0  # what a batch of rows like it takes at this batch size (worker/cost.py)
 
 
-@dataclass
-class BatchStats:
-    """What the last batches looked like, for metrics (the servicer reads it)."""
-
-    batches: int = 0
-    last_size: int = 0
-    last_s: float = 0.0
-    max_size: int = 0
-
-
 class Scheduler:
     def __init__(self, max_batch: int = 32, max_wait_s: float = 0.0,
                  on_batch: Callable[[int, float], None] | None = None) -> None:
@@ -96,7 +86,6 @@ class Scheduler:
         self.max_wait_s = max_wait_s
         self.on_batch = on_batch  # (batch size, seconds) after every batch
         self.queue: list[Work] = []
-        self.stats = BatchStats()
         self.cost = CostModel()
         self._wake: asyncio.Event | None = None
 
@@ -175,9 +164,6 @@ class Scheduler:
             self._finish(batch, results, elapsed)
 
     def _finish(self, batch: list[Work], results: list[Any], elapsed: float) -> None:
-        self.stats.batches += 1
-        self.stats.last_size, self.stats.last_s = len(batch), elapsed
-        self.stats.max_size = max(self.stats.max_size, len(batch))
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed)
         total = sum(max(w.tokens, 1) for w in batch)

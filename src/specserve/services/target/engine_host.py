@@ -297,7 +297,7 @@ class EngineHost:
         if r.k == 0:
             return
         m.draft_latency.labels(*labels).observe(r.draft_ms / 1e3)
-        m.acceptance_length.labels(*labels).observe(r.accepted)
+        m.accepted_drafts.labels(*labels).observe(r.accepted)
         if r.predraft:
             m.predraft_rounds.labels(*labels, r.predraft).inc()
         for i in range(r.k):

@@ -193,7 +193,7 @@ def demo_local(
         console.print(f"[dim]prompt:[/dim] {prompt[-160:]!r}")
         console.print(f"[dim]output:[/dim] {plain.text!r}")
         for name, (res, ms) in results.items():
-            acc = res.acceptance_lengths
+            acc = res.accepted_per_round
             table.add_row(cls, name, f"{ms:.1f}", f"{base_ms / ms:.2f}x",
                           f"{sum(acc) / len(acc):.2f}" if acc else "-", str(res.token_ids == plain.token_ids))
     console.print(table)
