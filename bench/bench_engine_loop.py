@@ -47,7 +47,7 @@ from specserve.engine.session import DraftBlock, EnginePlan, EngineSession, Outc
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.state.prefix import CommittedPrefix
-from specserve.worker.model_runner import Batching, target_engine
+from specserve.worker.engines import Batching, target_engine
 
 VOCAB = 512
 PROMPT_LEN = 16

@@ -81,7 +81,7 @@ def main() -> None:
     from specserve.params import GenerationParams
     from specserve.structured.constraint import Constraint
     from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
-    from specserve.worker.model_runner import Batching, target_engine
+    from specserve.worker.engines import Batching, target_engine
 
     torch.set_num_threads(2)
     pair_dir = Path(args.models) / args.pair
@@ -170,7 +170,7 @@ def _batched_cost(args, target, pair, cache, encode, prompts, plan) -> dict:
     from specserve.engine.drafting import LocalDrafts
     from specserve.engine.loop import EngineLoop
     from specserve.structured.grammar import ConstrainedRow
-    from specserve.worker.model_runner import Batching, target_engine
+    from specserve.worker.engines import Batching, target_engine
 
     n = len(prompts)
     model = target_engine(target, Batching(kv_budget_mb=16 * n, max_sessions=n, prefill_chunk=64, max_len=512))

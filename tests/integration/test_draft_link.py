@@ -21,7 +21,7 @@ from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.services.draft.server import DraftServicer
 from specserve.v1 import draft_pb2_grpc
-from specserve.worker.model_runner import Batching, target_engine
+from specserve.worker.engines import Batching, target_engine
 
 VOCAB = 96
 PROMPTS = [[(5 * i + 3 * j) % VOCAB for j in range(4 + 6 * i)] for i in range(4)]

@@ -19,7 +19,7 @@ from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan, Status
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
-from specserve.worker.model_runner import Batching, target_engine
+from specserve.worker.engines import Batching, target_engine
 
 VOCAB = 96
 

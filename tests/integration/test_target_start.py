@@ -24,7 +24,7 @@ from specserve.services.target.engine_host import EngineHost
 from specserve.services.target.server import TargetServicer
 from specserve.serving.server import DomainErrorInterceptor
 from specserve.v1 import target_pb2, target_pb2_grpc
-from specserve.worker.model_runner import Batching, target_engine
+from specserve.worker.engines import Batching, target_engine
 
 VOCAB = 96
 PROMPT = [(7 * j + 3) % VOCAB for j in range(9)]

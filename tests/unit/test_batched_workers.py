@@ -28,7 +28,7 @@ from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import draft_pb2
-from specserve.worker.model_runner import (
+from specserve.worker.engines import (
     BatchedDraft,
     BatchedTarget,
     Batching,

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve.config import DraftSettings, TargetSettings
 from specserve.models.device import resolve_device, resolve_dtype, to_host
 from specserve.models.runner import Row
-from specserve.worker.model_runner import Batching, make_runner
+from specserve.worker.engines import Batching, make_runner
 
 
 @pytest.mark.parametrize(("setting", "expected"), [("cpu", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda:1")])

@@ -25,7 +25,7 @@ from specserve.engine.scheduler import DRAFT_LATE, Budget
 from specserve.engine.session import DraftBlock, EnginePlan, Status
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
-from specserve.worker.model_runner import BatchedTarget, Batching, target_engine
+from specserve.worker.engines import BatchedTarget, Batching, target_engine
 
 VOCAB = 96
 PROMPTS = [[(7 * i + j * 3) % VOCAB for j in range(3 + 7 * i)] for i in range(6)]  # 3..38 tokens

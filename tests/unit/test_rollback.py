@@ -25,7 +25,7 @@ def test_target_rollback_matches_fresh_prefill(demo_pair, target_model, eval_pro
     logits = session.verify(ids, [good, wrong, wrong, wrong])
     assert logits.shape[0] == 5
     session.rollback(len(ids) + 1)
-    assert session.lm.length == len(ids) + 1 and session.rollback_tokens == 3
+    assert session.lm.length == len(ids) + 1 and session.dropped_positions == 3
     nxt = int(logits[1].argmax())
     after = session.verify(ids + [good, nxt], [])[-1]
     assert torch.allclose(after, _fresh_logits(demo_pair.target, ids + [good, nxt]), atol=ATOL)
@@ -42,7 +42,7 @@ def test_draft_reconcile_after_rejection_matches_fresh_prefill(demo_pair, eval_p
     recovered = (first.tokens[2] + 1) % drafter.vocab_size
     committed = ids + first.tokens[:2] + [recovered]
     second = session.propose(committed, 3, sp, seed=0)
-    assert second.rollback_tokens == 2  # drafts 3 and 4 were provisional and dropped
+    assert second.dropped_on_reconcile == 2  # drafts 3 and 4 were provisional and dropped
     fresh = drafter.start()
     assert fresh.propose(committed, 3, sp, seed=0).tokens == second.tokens
     session.lm.crop(len(committed))

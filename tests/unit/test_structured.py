@@ -22,7 +22,7 @@ from specserve.errors import InvalidRequest
 from specserve.params import GenerationParams
 from specserve.structured.constraint import Constraint
 from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
-from specserve.worker.model_runner import Batching, target_engine
+from specserve.worker.engines import Batching, target_engine
 
 xgr = pytest.importorskip("xgrammar")
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # torch-free at run time: the router imports the prediction d
 class DraftProposal:
     tokens: list[int]  # K' <= K draft tokens (a drafter may propose fewer, even none)
     q: QProbs  # their draft distributions; None = one-hot (deterministic drafter)
-    rollback_tokens: int = 0  # provisional positions dropped while reconciling
+    dropped_on_reconcile: int = 0  # provisional positions dropped while reconciling
     # per position, the drafter's runner-up token: its guess of the recovered token should the
     # target reject that position (pre-drafting, ADR 0010); None where it has none
     runner_up: list[int | None] | None = None

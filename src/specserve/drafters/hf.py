@@ -118,9 +118,9 @@ def draft_step(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: i
 
 def make_proposal(steps: Sequence[DraftStep], sampling: SamplingParams, dropped: int) -> DraftProposal:
     if not steps:
-        return DraftProposal([], None, rollback_tokens=dropped)
+        return DraftProposal([], None, dropped_on_reconcile=dropped)
     q = None if sampling.greedy else _pack_q(torch.stack([s.q for s in steps if s.q is not None]))
-    return DraftProposal([s.token for s in steps], q, rollback_tokens=dropped,
+    return DraftProposal([s.token for s in steps], q, dropped_on_reconcile=dropped,
                          runner_up=[s.runner_up for s in steps], confidence=[s.confidence for s in steps])
 
 

@@ -115,7 +115,7 @@ class LocalDrafts:
         n = len(local.prefix)
         self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
                                 draft_ms=(time.perf_counter() - t) * 1e3,
-                                rollback_tokens=proposal.rollback_tokens))
+                                dropped_on_reconcile=proposal.dropped_on_reconcile))
 
 
 class PredictionDrafts(LocalDrafts):

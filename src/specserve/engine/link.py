@@ -222,4 +222,4 @@ class RemoteDrafts:
         self.deliver(DraftBlock(b.session_id, b.prefix_len, b.prefix_hash, tokens,
                                 q_from_proto(b.block.q, len(tokens), self.vocab_size),
                                 draft_ms=b.block.draft_ms, predrafted=b.block.predrafted,
-                                rollback_tokens=b.block.rollback_tokens))
+                                dropped_on_reconcile=b.block.rollback_tokens))

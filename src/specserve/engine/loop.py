@@ -44,14 +44,14 @@ from specserve.engine.session import (
 from specserve.params import GenerationParams
 from specserve.structured.constraint import Constraint
 from specserve.worker.cost import CostModel
-from specserve.worker.model_runner import VerifyJob
+from specserve.worker.engines import VerifyJob
 from specserve.worker.scheduler import AGAIN, Work
 
 NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
 
 
 class ModelStep(Protocol):
-    """The batched target (worker/model_runner.py: BatchedTarget)."""
+    """The batched target (worker/engines.py: BatchedTarget)."""
 
     max_positions: int
 
@@ -334,7 +334,7 @@ class EngineLoop:
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
             verify_ms=forward_ms, fallback_reason="" if block else self._plain_reason(s, row, k_asked),
-            rollback_tokens=block.rollback_tokens if block else 0, k_asked=k_asked,
+            dropped_on_reconcile=block.dropped_on_reconcile if block else 0, k_asked=k_asked,
             predraft="pushed" if block is not None and block.predrafted else "")
         if s.plan.adaptive and not s.plan.exact:  # after the record: its fallback reason is this round's, not the next's
             self._choose_k(s, len(self.sessions), forward_ms / 1e3)

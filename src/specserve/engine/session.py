@@ -99,7 +99,7 @@ class DraftBlock:
     q: QProbs = None  # their draft distributions; None = one-hot
     draft_ms: float = 0.0  # the replica's compute for it (0 when it was drafted ahead)
     predrafted: bool = False
-    rollback_tokens: int = 0  # provisional positions the replica dropped to reconcile
+    dropped_on_reconcile: int = 0  # provisional positions the replica dropped to reconcile
 
 
 @dataclass(frozen=True)

@@ -107,5 +107,5 @@ class SpecEngine:
         rounds.append(RoundStats(
             k=len(drafts), accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3,
-            rollback_tokens=proposal.rollback_tokens if proposal else 0))
+            dropped_on_reconcile=proposal.dropped_on_reconcile if proposal else 0))
         return settled.finish_reason

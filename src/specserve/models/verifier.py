@@ -44,19 +44,19 @@ class TargetSession:
     def __init__(self, target: TargetModel) -> None:
         self.target = target
         self.lm = CachedLM(target.model)
-        self.rollback_tokens = 0  # provisional positions dropped so far (stats)
+        self.dropped_positions = 0  # KV positions dropped so far: to reconcile, and rejected drafts
 
     def verify(self, token_ids: Sequence[int], draft_tokens: Sequence[int]) -> torch.Tensor:
         """Logits [K+1, V]: row i is the target's distribution for the token after
         token_ids + draft_tokens[:i]. The first call also prefills the prompt."""
-        self.rollback_tokens += self.lm.reconcile(token_ids)
+        self.dropped_positions += self.lm.reconcile(token_ids)
         feed = list(token_ids[self.lm.length :]) + list(draft_tokens)
         logits = self.lm.extend(feed)
         return logits[-(len(draft_tokens) + 1) :]
 
     def rollback(self, keep: int) -> None:
         """Drop positions past `keep` (the rejected drafts of the last verify)."""
-        self.rollback_tokens += max(self.lm.length - keep, 0)
+        self.dropped_positions += max(self.lm.length - keep, 0)
         self.lm.crop(keep)
 
     def release(self) -> None:

@@ -113,8 +113,10 @@ class WorkerMetrics:
                                       ("method",), buckets=_MS, registry=r)
         self.sessions = Gauge(f"specserve_{service}_sessions", f"Sessions cached by the {service} worker.",
                               registry=r)
-        self.rollback_tokens = Counter(f"specserve_{service}_rollback_tokens",
-                                       f"Provisional positions the {service} worker dropped.", registry=r)
+        self.dropped_on_reconcile = Counter(
+            f"specserve_{service}_reconcile_dropped_tokens",
+            f"Provisional KV positions the {service} worker dropped to reconcile a session to its committed "
+            "prefix (the target's rejected drafts are specserve_rollback_tokens).", registry=r)
         # continuous batching (ADR 0013)
         self.batch_size = Histogram(f"specserve_{service}_batch_size", "Work items per batch the model ran.",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)

@@ -390,6 +390,6 @@ def propose_constrained(session: Any, ids: list[int], k: int, sampling: Any, see
     legal = grammar.legal_prefix(ids, proposal.tokens)
     if len(legal) == len(proposal.tokens):
         return proposal
-    return DraftProposal(legal, trim_q(proposal.q, len(legal)), rollback_tokens=proposal.rollback_tokens,
+    return DraftProposal(legal, trim_q(proposal.q, len(legal)), dropped_on_reconcile=proposal.dropped_on_reconcile,
                          runner_up=proposal.runner_up[:len(legal)] if proposal.runner_up else proposal.runner_up,
                          confidence=proposal.confidence[:len(legal)] if proposal.confidence else proposal.confidence)

@@ -1,4 +1,4 @@
-"""What the draft and target servicers share: an engine (worker/model_runner.py), its one
+"""What the draft and target servicers share: an engine (worker/engines.py), its one
 model thread, the session table and the scheduler, wired together. A servicer validates a
 call, queues one work item for its session (`run`) and answers from the result."""
 
@@ -15,7 +15,7 @@ from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
 from specserve.worker.sessions import SessionTable, WorkerSession
 
 if TYPE_CHECKING:  # (the engines import torch; the protocol is for the type checker)
-    from specserve.worker.model_runner import WorkerEngine
+    from specserve.worker.engines import WorkerEngine
 
 
 class WorkerCore:

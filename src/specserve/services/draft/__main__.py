@@ -61,7 +61,7 @@ async def warm_up(servicer: DraftServicer) -> None:
 
 async def main(settings: DraftSettings) -> None:
     setup_tracing(f"specserve-draft-{settings.pool}")
-    from specserve.worker.model_runner import Batching
+    from specserve.worker.engines import Batching
 
     servicer = DraftServicer(load_drafter(settings), settings.max_sessions,
                              simulated_token_ms=settings.simulated_token_ms, batching=Batching.from_settings(settings),

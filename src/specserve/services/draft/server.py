@@ -27,7 +27,7 @@ from specserve.serving.wire import check_token_ids, sampling_from_proto
 from specserve.state.prefix import chain
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.worker.core import WorkerCore
-from specserve.worker.model_runner import Batching, DraftJob, draft_engine
+from specserve.worker.engines import Batching, DraftJob, draft_engine
 from specserve.worker.qcodec import q_to_proto
 from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Work
 from specserve.worker.sessions import WorkerSession
@@ -120,7 +120,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             proposal, elapsed = await self._draft(seq, ids, k, sampling, seed, grammar=grammar)
             ahead_s = 0.0
         self.metrics.call_latency.labels("propose").observe(elapsed)
-        self.metrics.rollback_tokens.inc(proposal.rollback_tokens)
+        self.metrics.dropped_on_reconcile.inc(proposal.dropped_on_reconcile)
         branches = min(request.predraft_branches, self.max_predraft_branches)
         if branches and proposal.tokens:
             seq.extra.task = asyncio.create_task(self._draft_ahead(request.session_id, seq, ids, proposal, k,
@@ -130,7 +130,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def _response(self, proposal: DraftProposal, elapsed_s: float, predrafted: bool,
                   ahead_s: float) -> draft_pb2.ProposeResponse:
         return draft_pb2.ProposeResponse(
-            tokens=proposal.tokens, q=q_to_proto(proposal.q), rollback_tokens=proposal.rollback_tokens,
+            tokens=proposal.tokens, q=q_to_proto(proposal.q), rollback_tokens=proposal.dropped_on_reconcile,
             draft_ms=elapsed_s * 1e3, drafter=self.drafter.name, predrafted=predrafted, predraft_ms=ahead_s * 1e3)
 
     async def _draft(self, seq: WorkerSession, ids: list[int], k: int, sampling: SamplingParams, seed: int,

@@ -71,7 +71,7 @@ class TargetWorker:
         from specserve.serving.tls import load as load_tls
         from specserve.state.store import SessionStore, connect
         from specserve.v1 import target_pb2, target_pb2_grpc
-        from specserve.worker.model_runner import Batching, target_engine, warm_up
+        from specserve.worker.engines import Batching, target_engine, warm_up
 
         s = self.settings
         setup_tracing("specserve-target")

@@ -282,9 +282,9 @@ class SessionTarget(_PerSession):
 
     def _one(self, job: VerifyJob) -> VerifyResult:
         sess = job.handle
-        before = sess.rollback_tokens
+        before = sess.dropped_positions
         verdict = verify_block(sess, job.ids, job.drafts, job.q, job.sampling, job.seed, job.allowed)
-        return VerifyResult(verdict, sess.lm.length, sess.rollback_tokens - before)
+        return VerifyResult(verdict, sess.lm.length, sess.dropped_positions - before)
 
 
 class SessionDraft(_PerSession):
