@@ -46,6 +46,9 @@ class DraftSettings(WorkerSettings):
     # the draft's scheduler batches the calls of one instant (ADR 0013); the target's engine
     # loop builds its own steps and has neither setting
     max_wait_ms: float = Field(0.0, ge=0, le=1)  # wait this long for more calls (<= 1 ms)
+    # work per draft batch, in the scheduler's tokens (a block counts its K draft steps, a bonus
+    # guess 1): a batch stops at the first item that would pass it; its first item always goes
+    max_batched_tokens: int = Field(2048, ge=1)
     kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
     model: str = "ngram"  # "ngram", or a Hugging Face model directory / hub id
     # a model directory whose tokenizer.json masks this replica's drafts under a constraint

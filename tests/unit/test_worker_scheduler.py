@@ -39,6 +39,22 @@ def test_a_batch_takes_every_queued_item_once_per_session_up_to_max_batch():
     assert third == []
 
 
+def test_a_batch_stops_at_its_token_budget_in_arrival_order_and_always_takes_one_item():
+    async def go():
+        sched = Scheduler(max_batch=8, max_batched_tokens=10)
+        for i, (s, tokens) in enumerate((("a", 4), ("b", 5), ("c", 3), ("d", 1), ("e", 30), ("f", 2))):
+            sched.submit(Work(s, i, tokens=tokens))
+        return [[w.payload for w in sched.take()] for _ in range(4)]
+
+    first, second, third, fourth = asyncio.run(go())
+    assert first == [0, 1]  # 4 + 5; c's 3 would make 12: the batch ends there, d does not jump it
+    assert second == [2, 3]  # 3 + 1; e's 30 would pass the budget
+    assert third == [4]  # alone over the budget: a batch always takes its first item
+    assert fourth == [5]
+    with pytest.raises(ValueError, match="max_batched_tokens"):
+        Scheduler(max_batched_tokens=0)
+
+
 def test_background_items_run_only_when_no_call_waits_and_cancelled_items_are_dropped():
     async def go():
         sched = Scheduler(max_batch=8)

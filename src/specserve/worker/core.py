@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # (the engines import torch; the protocol is for the type che
 
 class WorkerCore:
     def __init__(self, engine: WorkerEngine, metrics: WorkerMetrics, max_sessions: int, max_batch: int = 32,
-                 max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
+                 max_wait_ms: float = 0.0, evict_idle_s: float = 1.0, max_batched_tokens: int = 2048,
                  extra_s: Callable[[list[Work]], float] | None = None,
                  on_close: Callable[[WorkerSession], None] | None = None, name: str = "worker") -> None:
         self.engine = engine
@@ -32,7 +32,7 @@ class WorkerCore:
         self.sessions = SessionTable(engine.open, engine.close, max_sessions, evict_idle_s, on_close)
         # a per-session engine runs items one by one: batches of one answer each call at once
         self.scheduler = Scheduler(min(max_batch, engine.max_batch or max_batch), max_wait_ms / 1e3,
-                                   on_batch=self._observe)
+                                   on_batch=self._observe, max_batched_tokens=max_batched_tokens)
         self._loop: asyncio.Task | None = None
 
     def _observe(self, size: int, seconds: float) -> None:

@@ -77,12 +77,15 @@ class Done:
 
 class Scheduler:
     def __init__(self, max_batch: int = 32, max_wait_s: float = 0.0,
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+                 on_batch: Callable[[int, float], None] | None = None, max_batched_tokens: int = 2048) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1, got {max_batched_tokens}")
         if not 0 <= max_wait_s <= MAX_WAIT_LIMIT_S:
             raise ValueError(f"max_wait_s must be within 0..{MAX_WAIT_LIMIT_S}, got {max_wait_s}")
         self.max_batch = max_batch
+        self.max_batched_tokens = max_batched_tokens
         self.max_wait_s = max_wait_s
         self.on_batch = on_batch  # (batch size, seconds) after every batch
         self.queue: list[Work] = []
@@ -107,18 +110,24 @@ class Scheduler:
 
     def take(self) -> list[Work]:
         """The next batch: foreground items in arrival order, one per session, at most
-        max_batch; background items only when no foreground item is queued."""
+        max_batch items and max_batched_tokens tokens fed (the first item always goes, and
+        the batch stops at the first that would pass the budget, so arrival order is kept);
+        background items only when no foreground item is queued."""
         self._prune()
         fg = any(w.priority == FOREGROUND for w in self.queue)
         batch: list[Work] = []
         seen: set[Hashable] = set()
+        fed = 0
         for w in self.queue:
             if len(batch) == self.max_batch:
                 break
             if (fg and w.priority != FOREGROUND) or w.session in seen:
                 continue
+            if batch and fed + max(w.tokens, 1) > self.max_batched_tokens:
+                break
             seen.add(w.session)
             batch.append(w)
+            fed += max(w.tokens, 1)
         taken = set(map(id, batch))
         self.queue = [w for w in self.queue if id(w) not in taken]
         return batch

@@ -66,6 +66,7 @@ async def main(settings: DraftSettings) -> None:
     servicer = DraftServicer(load_drafter(settings), settings.max_sessions,
                              simulated_token_ms=settings.simulated_token_ms, batching=Batching.from_settings(settings),
                              max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
+                             max_batched_tokens=settings.max_batched_tokens,
                              evict_idle_s=settings.kv_evict_idle_s, **_tokenizer(settings))
     server = GrpcServer(
         [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,

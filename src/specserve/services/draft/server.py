@@ -55,7 +55,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, max_sessions: int, metrics: WorkerMetrics | None = None,
                  simulated_token_ms: float = 0.0, max_predraft_branches: int = 4, batching: Batching | None = None,
                  max_batch: int = 32, max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
-                 tokenizer_json: str | None = None, eos_token_ids: frozenset[int] | None = None) -> None:
+                 max_batched_tokens: int = 2048, tokenizer_json: str | None = None, eos_token_ids: frozenset[int] | None = None) -> None:
         self.simulated_token_ms = simulated_token_ms
         # the pair's tokenizer: constraints compiled for draft-side masks (ADR 0017)
         self.tokenizer_json = tokenizer_json
@@ -67,7 +67,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         b = batching or Batching(enabled=False)
         self.engine = draft_engine(drafter, replace(b, max_sessions=min(b.max_sessions, max_sessions)))
         self.core = WorkerCore(self.engine, self.metrics, max_sessions, max_batch, max_wait_ms, evict_idle_s,
-                               extra_s=self._simulated_s, on_close=_stop_ahead, name="draft")
+                               max_batched_tokens, extra_s=self._simulated_s, on_close=_stop_ahead, name="draft")
         self.sessions = self.core.sessions
 
     def _simulated_s(self, batch: list[Work]) -> float:
