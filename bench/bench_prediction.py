@@ -172,20 +172,28 @@ def _plot(summary: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    # horizontal bars: the modes' names are long ("prediction, K=16, pinned"), and on a shared
+    # x axis they ran into each other
     names = [m["mode"] for m in summary]
-    ax1.bar(names, [m["speedup"] for m in summary], color="tab:blue")
-    ax1.axhline(1.0, color="grey", lw=0.8)
-    ax1.set_ylabel("speedup over plain decoding (greedy, same tokens)")
-    ax1.tick_params(axis="x", labelsize=7)
     pred = [m for m in summary if m["mode"].startswith("prediction")]
-    x = np.arange(len(pred))
-    ax2.bar(x, [m["accepted_prediction"] for m in pred], label="accepted", color="tab:green")
-    ax2.bar(x, [m["rejected_prediction"] for m in pred], bottom=[m["accepted_prediction"] for m in pred],
-            label="rejected", color="tab:red")
-    ax2.set_xticks(x, [m["mode"] for m in pred], fontsize=7)
-    ax2.set_ylabel("prediction tokens")
-    ax2.legend()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * max(len(names), 4) + 1.5))
+    y = np.arange(len(names))
+    ax1.barh(y, [m["speedup"] for m in summary], color="tab:blue")
+    ax1.set_yticks(y, names)
+    ax1.invert_yaxis()
+    ax1.axvline(1.0, color="grey", lw=0.8)
+    ax1.set_xlabel("speedup over plain decoding (greedy, same tokens)")
+    for yi, m in zip(y, summary, strict=True):
+        ax1.annotate(f"{m['speedup']:.2f}x", (m["speedup"], yi), xytext=(3, 0), textcoords="offset points",
+                     va="center", fontsize=8)
+    yp = np.arange(len(pred))
+    accepted = [m["accepted_prediction"] for m in pred]
+    ax2.barh(yp, accepted, label="accepted", color="tab:green")
+    ax2.barh(yp, [m["rejected_prediction"] for m in pred], left=accepted, label="rejected", color="tab:red")
+    ax2.set_yticks(yp, [m["mode"] for m in pred])
+    ax2.invert_yaxis()
+    ax2.set_xlabel("prediction tokens")
+    ax2.legend(loc="lower right")
     fig.suptitle("Predicted Outputs on a code-editing set")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
