@@ -22,10 +22,35 @@ from collections.abc import Sequence
 import numpy as np
 
 from specserve.drafters.base import DraftProposal, check_ngram_sizes, until_banned
+from specserve.errors import InvalidRequest
 from specserve.params import SamplingParams
 
 PREDICTION_POOL = "prediction"  # the draft_pool name of a request's own prediction
 PREDICTION_K = 16  # draft tokens per round from a prediction (measured in ADR 0012)
+
+
+# -- the request side (torch-free: the router validates, plans and reports with these) --------
+
+def check_prediction(prediction: Sequence[int], pinned_pool: str | None, context_len: int) -> None:
+    """INVALID_ARGUMENT for a prediction longer than the context, or the prediction pool
+    pinned without one."""
+    if len(prediction) > context_len:
+        raise InvalidRequest(f"the prediction has {len(prediction)} tokens; the limit is the context length "
+                             f"({context_len})")
+    if pinned_pool == PREDICTION_POOL and not prediction:
+        raise InvalidRequest(f"draft_pool {PREDICTION_POOL!r} needs a prediction (the expected output text)")
+
+
+def drafts_from_prediction(prediction: Sequence[int], pinned_pool: str | None, pinned_k: int | None) -> bool:
+    """A request with a prediction drafts from it unless it pins another pool or K = 0; the
+    prediction is the request's own, so no class policy or statistics apply (ADR 0012)."""
+    return bool(prediction) and pinned_pool in (None, PREDICTION_POOL) and pinned_k != 0
+
+
+def prediction_usage(pool: str | None, drafted: int, accepted: int) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens, OpenAI's usage fields, of a request whose
+    rounds drafted and accepted these many tokens: (0, 0) unless it drafted from its prediction."""
+    return (accepted, drafted - accepted) if pool == PREDICTION_POOL else (0, 0)
 
 
 class PredictionDrafter:

@@ -20,7 +20,7 @@ from specserve.control.arms import (
 )
 from specserve.control.controller import Controller
 from specserve.control.policy import Policy, PolicyCache
-from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL
+from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL, drafts_from_prediction
 from specserve.services.router.classifier import CLASSES
 from specserve.services.router.plan import SessionPlan
 from specserve.services.router.validation import ValidRequest
@@ -54,7 +54,7 @@ class Planner:
             stats_class += req.constraint.stats_suffix
         choice: Choice
         assessment: Assessment | None
-        if req.prediction_ids and req.pinned_pool in (None, PREDICTION_POOL) and req.pinned_k != 0:
+        if drafts_from_prediction(req.prediction_ids, req.pinned_pool, req.pinned_k):
             choice, assessment = prediction_choice(req.pinned_k), None  # no statistics to read
         else:
             pools = [req.pinned_pool] if req.pinned_pool in self.pools else [p for p in policy.pools if p in self.pools]
@@ -103,8 +103,6 @@ class Planner:
 
 
 def prediction_choice(pinned_k: int | None) -> Choice:
-    """A request with a prediction drafts from it (unless it pins another pool or K = 0): it
-    is the request's own, so neither the class's policy nor the controller's statistics
-    apply (ADR 0012)."""
+    """The arm of a request that drafts from its prediction (`drafts_from_prediction`)."""
     return Choice(PREDICTION_POOL, pinned_k if pinned_k is not None else PREDICTION_K, False, Decision.PINNED,
                   Fallback.NONE)

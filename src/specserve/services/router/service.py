@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from specserve.config import RouterSettings
-from specserve.drafters.prediction import PREDICTION_POOL
+from specserve.drafters.prediction import prediction_usage
 from specserve.errors import Internal
 from specserve.services.router.classifier import Classifier
 from specserve.services.router.model_info import ModelInfo
@@ -136,12 +136,11 @@ def stats_from(info: SessionInfo | None, joined: bool) -> generation_pb2.Generat
     rounds = [generation_pb2.RoundStats(k=r[0], accepted=r[1], emitted=r[2], rejected_position=r[3], draft_ms=r[4],
                                         verify_ms=r[5], overhead_ms=r[6], fallback_reason=r[7], predraft=r[8])
               for r in ((info.stats or {}).get("rounds", []) if info is not None else [])]
-    predicted = p.get("pool") == PREDICTION_POOL
     drafted, accepted = sum(r.k for r in rounds), sum(r.accepted for r in rounds)
+    accepted_prediction, rejected_prediction = prediction_usage(p.get("pool"), drafted, accepted)
     return generation_pb2.GenerationStats(
         seed=p.get("seed", 0), workload_class=p.get("workload_class", ""), draft_pool=p.get("pool") or "",
         rounds=len(rounds), draft_tokens=drafted, accepted_tokens=accepted, round=rounds, joined=joined,
-        accepted_prediction_tokens=accepted if predicted else 0,
-        rejected_prediction_tokens=drafted - accepted if predicted else 0,
+        accepted_prediction_tokens=accepted_prediction, rejected_prediction_tokens=rejected_prediction,
         k=p.get("k", 0) if p.get("pool") else 0, decision=p.get("decision", ""),
         decision_reason=p.get("decision_reason", ""))

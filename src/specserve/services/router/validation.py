@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from specserve.control.arms import NO_SPECULATION, RequestFacts
 from specserve.control.policy import CLASS_NAME
-from specserve.drafters.prediction import PREDICTION_POOL
+from specserve.drafters.prediction import PREDICTION_POOL, check_prediction
 from specserve.errors import InvalidRequest
 from specserve.params import GenerationParams, SamplingParams, check_k
 from specserve.services.router.classifier import Classifier
@@ -63,12 +63,8 @@ def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str
                              "'-', starting with a letter (at most 64); or leave it empty to classify the prompt")
     cls, reason = (req.workload_class, "explicit") if req.workload_class else classifier.classify(text)
     prediction = tuple(model.encode(req.prediction)) if req.prediction else ()
-    if len(prediction) > model.context_len:
-        raise InvalidRequest(f"the prediction has {len(prediction)} tokens; the limit is the context length "
-                             f"({model.context_len})")
     pinned_pool = req.draft_pool or None
-    if pinned_pool == PREDICTION_POOL and not prediction:
-        raise InvalidRequest(f"draft_pool {PREDICTION_POOL!r} needs a prediction (the expected output text)")
+    check_prediction(prediction, pinned_pool, model.context_len)
     if pinned_pool is not None and pinned_pool not in (NO_SPECULATION, PREDICTION_POOL, *pools):
         raise InvalidRequest(f"unknown draft_pool {pinned_pool!r}; available: {', '.join(sorted(pools))}, "
                              f"{PREDICTION_POOL!r} (with a prediction) or {NO_SPECULATION!r}")
