@@ -32,14 +32,23 @@ def test_enough_heldout_prompts(references):
     assert sum(len(set(ref)) > 4 for _, _, ref in references) >= len(references) // 2
 
 
+DRAFTERS = ["small", "ngram"]
+KS = [1, 2, 4, 8]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_name", ["small", "ngram"])
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("drafter_name", DRAFTERS)
+@pytest.mark.parametrize("k", KS)
 def test_greedy_equals_target_only(demo_pair, target_model, references, drafter_name, k):
     drafter = HFDrafter(demo_pair.draft) if drafter_name == "small" else NgramDrafter(target_model.vocab_size)
     engine = SpecEngine(target_model, drafter, demo_pair.tokenizer)
     accepted = 0
-    for item, ids, ref in references:
+    # half the prompts per (drafter, K), alternating, so every prompt still meets each drafter
+    # at two K values, every K sees prompts of all three classes, and the suite spends half
+    # the time
+    subset = references[(KS.index(k) + DRAFTERS.index(drafter_name)) % 2::2]
+    assert {item["workload_class"] for item, _, _ in subset} == {"code", "chat", "extraction"}
+    for item, ids, ref in subset:
         res = engine.generate(ids, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=k))
         # HF pads after EOS; the engine stops at it (EOS included)
         assert res.token_ids == ref[: len(res.token_ids)], item["prompt"][:60]
