@@ -105,7 +105,9 @@ def test_seeded_output_with_predrafting_on_and_off_equals_the_engine(demo_pair, 
     engine = SpecEngine(target_model, _drafter(demo_pair, target_model, name), demo_pair.tokenizer)
     stops = StopChecker(target_model.eos_token_ids, (), lambda ids: demo_pair.tokenizer.decode(list(ids)))
     total_hits = 0
-    for item in eval_prompts[::6]:
+    chosen = eval_prompts[::8]
+    assert {item["workload_class"] for item in chosen} == {"code", "chat", "extraction"}  # one of each
+    for item in chosen:
         expected = engine.generate(item["prompt"], params).token_ids
         prompt_ids = engine.encode_prompt(item["prompt"])
         for branches in (0, 2):
