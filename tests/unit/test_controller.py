@@ -182,3 +182,17 @@ def test_a_requests_reason_agrees_with_its_arm_probes_included():
             assert r == a.reason and f"on {c.pool} at K={c.k} " in r, (c, r)
             kinds.add("chosen")
     assert kinds == {"plain probe", "K probe", "chosen"}  # 300 draws at 0.4: every kind occurs
+
+
+def test_below_the_smallest_k_seen_a_round_costs_between_a_plain_step_and_k0():
+    """Measured at K = 4 and 8 only, a fitted line through them can run below a plain step at
+    K = 1 (the demo priced ngram K = 1 rounds at 2 ms beside a 31 ms plain step: S = 17.4, and
+    the class moved to K = 1). Below the smallest K seen, a component runs between its plain
+    step value (K = 0) and its cost at that K."""
+    spec = _stats([0.5], {4: (4.0, 20.0, 1.0), 8: (8.0, 40.0, 1.0)})  # verify 5 ms a token, intercept 0
+    est = estimate(spec, PLAIN, k_max=8)
+    assert est.round_ms[4] == pytest.approx(25.0) and est.round_ms[8] == pytest.approx(49.0)  # the fit, as seen
+    # K = 1: draft 1, verify 10 + (20 - 10) / 4, overhead 2 + (1 - 2) / 4
+    assert est.round_ms[1] == pytest.approx(1.0 + 12.5 + 1.75)
+    assert est.round_ms[1] > est.plain_step_ms  # a round verifies at least what a plain step does
+    assert est.speedup[1] <= est.emitted[1]

@@ -148,16 +148,19 @@ def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_we
     plain_v = plain.get("v:0", 0.0) / n0
     plain_o = plain.get("o:0", 0.0) / n0
 
+    at_zero = {"d": 0.0, "v": plain_v, "o": plain_o}  # K = 0 is a plain step: no draft
+
     def component(prefix: str, k: int) -> float:
         fit = comps[prefix]
-        if fit is not None:
+        if fit is not None and k >= k0:  # within and above the K values seen: the fitted line
             return max(fit[0] + fit[1] * k, 0.0)
-        m = mean(prefix, k0)
-        if prefix == "d":  # one K seen: drafting cost per token
-            return m * k / k0
-        if prefix == "v":  # between the plain step and what was seen at k0
-            return max(plain_v + (m - plain_v) * k / k0, 0.0)
-        return m if prefix == "o" else plain_o
+        # one K seen, or below the smallest seen: between the plain step (K = 0) and what K0
+        # cost, never the fitted line's intercept (a line through K = 4 and 8 can run below a
+        # plain step at K = 1, and priced K = 1 rounds at 2 ms beside a 31 ms plain step)
+        m = max(fit[0] + fit[1] * k0, 0.0) if fit is not None else mean(prefix, k0)
+        if prefix == "o" and fit is None:
+            return m
+        return max(at_zero[prefix] + (m - at_zero[prefix]) * k / k0, 0.0)
 
     prod, emitted = 1.0, 1.0
     for k in range(1, k_max + 1):
