@@ -55,7 +55,6 @@ class RoundStats:
     verify_ms: float  # the target's compute (its queue excluded)
     overhead_ms: float = 0.0  # round wall time outside draft_ms + verify_ms: network, queues, commit
     fallback_reason: str = ""  # why the round ran without drafts ("" when it had them)
-    dropped_on_reconcile: int = 0  # provisional draft positions dropped while reconciling
     k_asked: int = 0  # K the round asked for (a drafter may propose fewer, or fail)
     predraft: str = ""  # the block was drafted ahead: "pushed" (no call) or "cached" (worker hit)
 

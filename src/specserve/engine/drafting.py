@@ -114,8 +114,7 @@ class LocalDrafts:
         proposal = propose_constrained(local.draft, local.prefix.ids, k, local.sampling, local.seed, local.grammar)
         n = len(local.prefix)
         self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
-                                draft_ms=(time.perf_counter() - t) * 1e3,
-                                dropped_on_reconcile=proposal.dropped_on_reconcile))
+                                draft_ms=(time.perf_counter() - t) * 1e3))
 
 
 class PredictionDrafts(LocalDrafts):

@@ -221,5 +221,4 @@ class RemoteDrafts:
         tokens = tuple(int(t) for t in b.block.tokens)
         self.deliver(DraftBlock(b.session_id, b.prefix_len, b.prefix_hash, tokens,
                                 q_from_proto(b.block.q, len(tokens), self.vocab_size),
-                                draft_ms=b.block.draft_ms, predrafted=b.block.predrafted,
-                                dropped_on_reconcile=b.block.rollback_tokens))
+                                draft_ms=b.block.draft_ms, predrafted=b.block.predrafted))

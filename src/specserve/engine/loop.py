@@ -334,7 +334,7 @@ class EngineLoop:
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
             verify_ms=forward_ms, fallback_reason="" if block else self._plain_reason(s, row, k_asked),
-            dropped_on_reconcile=block.dropped_on_reconcile if block else 0, k_asked=k_asked,
+            k_asked=k_asked,
             predraft="pushed" if block is not None and block.predrafted else "")
         if s.plan.adaptive and not s.plan.exact:  # after the record: its fallback reason is this round's, not the next's
             self._choose_k(s, len(self.sessions), forward_ms / 1e3)

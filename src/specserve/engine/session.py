@@ -99,7 +99,6 @@ class DraftBlock:
     q: QProbs = None  # their draft distributions; None = one-hot
     draft_ms: float = 0.0  # the replica's compute for it (0 when it was drafted ahead)
     predrafted: bool = False
-    dropped_on_reconcile: int = 0  # provisional positions the replica dropped to reconcile
 
 
 @dataclass(frozen=True)

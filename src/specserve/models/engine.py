@@ -106,6 +106,5 @@ class SpecEngine:
         generated.extend(settled.tokens)
         rounds.append(RoundStats(
             k=len(drafts), accepted=verdict.num_accepted, emitted=len(settled.tokens),
-            rejected_position=verdict.rejected_position, draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3,
-            dropped_on_reconcile=proposal.dropped_on_reconcile if proposal else 0))
+            rejected_position=verdict.rejected_position, draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3))
         return settled.finish_reason
