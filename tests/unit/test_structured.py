@@ -20,6 +20,7 @@ from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
 from specserve.errors import InvalidRequest
 from specserve.params import GenerationParams
+from specserve.services.router.model_info import ModelInfo
 from specserve.structured.constraint import Constraint
 from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
 from specserve.worker.engines import Batching, target_engine
@@ -299,8 +300,8 @@ def test_json_object_means_an_object(cache):
 
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("name", ["small", "ngram"])
-def test_a_draft_replica_under_a_constraint_drafts_only_what_it_allows(demo_pair, demo_pair_dir, target_model,
-                                                                     eval_prompts, name, batched):
+def test_a_draft_replica_under_a_constraint_drafts_only_what_it_allows(demo_pair, demo_pair_dir, eval_prompts, name,
+                                                                     batched):
     """The remote draft path (specserve/services/draft): the session's constraint comes with its link's
     open, and every block (the batched model path, the per-session path, the n-gram) is drafted
     from the masked q or cut before the first forbidden draft."""
@@ -312,8 +313,7 @@ def test_a_draft_replica_under_a_constraint_drafts_only_what_it_allows(demo_pair
     drafter = HFDrafter(demo_pair.draft) if name == "small" else NgramDrafter(1 << 31)
     servicer = DraftServicer(drafter, max_sessions=4,
                              batching=Batching(enabled=batched, kv_budget_mb=32, max_sessions=4, max_len=512),
-                             tokenizer_json=str(demo_pair_dir / "target" / "tokenizer.json"),
-                             eos_token_ids=target_model.eos_token_ids)
+                             tokenizer=ModelInfo(str(demo_pair_dir / "target")))
     c = Constraint.json_schema(SCHEMA)
     ids = _prompts(demo_pair, eval_prompts, 1)[0]
     grammar = servicer.grammar(c.kind, c.value, len(ids))

@@ -35,7 +35,7 @@ def load_drafter(settings: DraftSettings):
                      q_max_entries=settings.q_max_entries)
 
 
-def _tokenizer(settings: DraftSettings) -> dict:
+def _tokenizer(settings: DraftSettings):
     """The tokenizer that masks the replica's drafts under a constraint (ADR 0017): the
     `tokenizer` setting's directory, else the model's own; none for an n-gram replica without
     one (it drafts free, and the target's masks keep the output exact)."""
@@ -44,10 +44,7 @@ def _tokenizer(settings: DraftSettings) -> dict:
     from specserve.services.router.model_info import ModelInfo
 
     directory = settings.tokenizer or ("" if settings.model == "ngram" else settings.model)
-    if not directory or not (Path(directory) / "tokenizer.json").exists():
-        return {}
-    info = ModelInfo(directory)
-    return {"tokenizer_json": str(info.path / "tokenizer.json"), "eos_token_ids": info.eos_token_ids}
+    return ModelInfo(directory) if directory and (Path(directory) / "tokenizer.json").exists() else None
 
 
 async def warm_up(servicer: DraftServicer) -> None:
@@ -67,7 +64,7 @@ async def main(settings: DraftSettings) -> None:
                              simulated_token_ms=settings.simulated_token_ms, batching=Batching.from_settings(settings),
                              max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                              max_batched_tokens=settings.max_batched_tokens,
-                             evict_idle_s=settings.kv_evict_idle_s, **_tokenizer(settings))
+                             evict_idle_s=settings.kv_evict_idle_s, tokenizer=_tokenizer(settings))
     server = GrpcServer(
         [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,
         settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),

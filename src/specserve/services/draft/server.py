@@ -21,6 +21,7 @@ from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import Drafter, DraftProposal
 from specserve.errors import SessionNotFound
 from specserve.params import check_k
+from specserve.services.router.model_info import ModelInfo
 from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.serving.wire import check_token_ids, sampling_from_proto
@@ -55,12 +56,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, max_sessions: int, metrics: WorkerMetrics | None = None,
                  simulated_token_ms: float = 0.0, max_predraft_branches: int = 4, batching: Batching | None = None,
                  max_batch: int = 32, max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
-                 max_batched_tokens: int = 2048, tokenizer_json: str | None = None, eos_token_ids: frozenset[int] | None = None) -> None:
+                 max_batched_tokens: int = 2048, tokenizer: ModelInfo | None = None) -> None:
         self.simulated_token_ms = simulated_token_ms
-        # the pair's tokenizer: constraints compiled for draft-side masks (ADR 0017)
-        self.tokenizer_json = tokenizer_json
-        self.eos_token_ids = eos_token_ids
-        self._grammars: Any = None
+        self.tokenizer = tokenizer  # the pair's tokenizer: constraints compiled for draft-side masks (ADR 0017)
         self.drafter = drafter
         self.max_predraft_branches = max_predraft_branches
         self.metrics = metrics or WorkerMetrics("draft")
@@ -86,19 +84,17 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         """A session's draft-side constraint (ADR 0017), compiled against this replica's
         tokenizer (once per constraint); None for an unconstrained session or a replica
         without a tokenizer (it then drafts free: the output is the same)."""
-        if not kind or self.tokenizer_json is None:
+        if not kind or self.tokenizer is None:
             return None
         from specserve.drafters.hf import HFDrafter
         from specserve.structured.constraint import Constraint
-        from specserve.structured.grammar import DraftGrammar, GrammarCache, tokenizer_info
+        from specserve.structured.grammar import DraftGrammar
 
         # a model's logits width; the tokenizer's own size for a model-free drafter
         width = self.drafter.vocab_size if isinstance(self.drafter, HFDrafter) else 0
-        if self._grammars is None:
-            eos = [] if self.eos_token_ids is None else sorted(self.eos_token_ids)
-            self._grammars = GrammarCache(tokenizer_info(self.tokenizer_json, width, eos))
-        compiled = self._grammars.compile(Constraint(kind, value))
-        return DraftGrammar(compiled, prompt_len, self._grammars.vocab_size, width or self._grammars.vocab_size)
+        grammars = self.tokenizer.grammars(width)
+        return DraftGrammar(grammars.compile(Constraint(kind, value)), prompt_len, grammars.vocab_size,
+                            width or grammars.vocab_size)
 
     async def propose(self, request: draft_pb2.ProposeRequest, push: Push | None = None,
                       grammar: Any = None) -> draft_pb2.ProposeResponse:

@@ -16,7 +16,7 @@ class ModelInfo:
     def __init__(self, model_dir: str) -> None:
         path = Path(model_dir)
         self.path = path
-        self._grammars: Any = None
+        self._grammars: dict[int, Any] = {}  # constraint compilers, by logits width
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
@@ -31,15 +31,18 @@ class ModelInfo:
         # K and V for every layer: what a rejected draft position costs in target KV cache
         self.kv_bytes_per_token = 2 * int(config.get("num_hidden_layers", 0)) * kv_heads * head_dim * width
 
-    def grammars(self) -> Any:
-        """The constraint compiler (structured/grammar.py), built on the first constrained
-        request: it imports xgrammar (and torch), which a router that never sees one skips."""
-        if self._grammars is None:
+    def grammars(self, logits_width: int = 0) -> Any:
+        """The constraint compiler (structured/grammar.py) for this tokenizer, its masks
+        `logits_width` wide (a model's logits may be wider than its vocabulary; 0 = the
+        tokenizer's size), built on first use: it imports xgrammar (and torch), which a router
+        that never sees a constraint skips. The router, the target and a draft replica share it."""
+        width = logits_width or self.vocab_size
+        if width not in self._grammars:
             from specserve.structured.grammar import GrammarCache, tokenizer_info
 
-            self._grammars = GrammarCache(tokenizer_info(str(self.path / "tokenizer.json"), self.vocab_size,
-                                                         sorted(self.eos_token_ids)))
-        return self._grammars
+            self._grammars[width] = GrammarCache(tokenizer_info(str(self.path / "tokenizer.json"), width,
+                                                                sorted(self.eos_token_ids)))
+        return self._grammars[width]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -146,15 +146,12 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
                for name, addrs in s.draft_pools.items()}
     controller = Controller(store.client, s.key_prefix, s.controller_half_life_s, ttl_s=s.stats_ttl_s)
     loop.create_task(controller.start())
-    grammars: list = []  # compiled on the first constrained session (xgrammar loads then)
 
-    def constrain(c):
-        from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
+    def constrain(c):  # (xgrammar loads on the first constrained session)
+        from specserve.structured.grammar import ConstrainedRow
 
-        if not grammars:
-            grammars.append(GrammarCache(tokenizer_info(str(info.path / "tokenizer.json"), target.vocab_size,
-                                                        sorted(info.eos_token_ids))))
-        return ConstrainedRow(grammars[0].compile(c), grammars[0].vocab_size, target.vocab_size, encode=info.encode)
+        grammars = info.grammars(target.vocab_size)
+        return ConstrainedRow(grammars.compile(c), grammars.vocab_size, target.vocab_size, encode=info.encode)
 
     return EngineHost(engine, stops_for, store, s.name, sources, loop,
                       budget=Budget(max_batch=s.max_batch, max_batched_tokens=s.max_batched_tokens,
