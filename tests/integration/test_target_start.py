@@ -156,3 +156,37 @@ def test_bad_starts_are_refused_with_a_status_a_caller_can_act_on(target, drafte
 
     assert run(go()) == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
                          grpc.StatusCode.INVALID_ARGUMENT]
+
+
+def test_a_constraint_is_compiled_off_the_engine_thread_before_the_session_is_taken_over(target, drafter, store, run):
+    """Compiling a constraint takes milliseconds (a new JSON schema; the tokenizer's tables on
+    first use). On the engine thread it stalled every session's step, on the event loop the
+    draft links and the commits: `start` compiles it on a thread of its own first. A
+    constraint that does not compile is then refused before the session is taken over."""
+    import threading
+    from dataclasses import replace
+
+    from specserve.errors import InvalidRequest
+    from specserve.structured.constraint import Constraint
+
+    threads: list[str] = []
+
+    def constrain(c):
+        threads.append(threading.current_thread().name)
+        raise InvalidRequest(f"no compiler for {c.kind} here")
+
+    plan = replace(_plan(8, None), constraint=Constraint.json_object())
+
+    async def go():
+        host = EngineHost(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
+                          {}, asyncio.get_running_loop(), constrain=constrain).start_loop()
+        handle = await store.create_or_join(None, plan.encode(), PROMPT, owner="router-0")
+        with pytest.raises(InvalidRequest, match="no compiler"):
+            await host.start(handle.session_id)
+        info = await store.get(handle.session_id)
+        await host.close()
+        return handle, info, threading.current_thread().name
+
+    handle, info, loop_thread = run(go())
+    assert len(threads) == 1 and threads[0] not in ("engine", loop_thread), threads
+    assert info.epoch == handle.epoch  # refused before the take-over: the router's epoch stands

@@ -176,6 +176,11 @@ class EngineHost:
         if info.status is not SessionStatus.RUNNING:
             raise SessionClosed(f"session {session_id} is {info.status.value}: nothing to drive")
         plan = EnginePlan.from_stored(info.params)
+        if plan.constraint is not None and self.engine.constrain is not None:
+            # compile the constraint here, on a thread of its own: the engine thread (every
+            # session's steps) and this event loop (the draft links, the commits) would stall
+            # for it; the engine's own call then finds it in the compiler's cache
+            await asyncio.to_thread(self.engine.constrain, plan.constraint)
         epoch = await self.store.take_over(session_id, self.incarnation)
         generated = await self.store.committed_tokens(session_id)
         await self.index.add(session_id)
