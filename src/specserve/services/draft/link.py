@@ -42,6 +42,7 @@ class _Linked:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     carrier: dict[str, str] = field(default_factory=dict)  # the session's trace (from its open)
     grammar: Any = None  # structured/grammar.py DraftGrammar: its blocks draft from the masked q
+    compiling: asyncio.Future | None = None  # the constraint, compiling on a thread (the grammar, when done)
 
 
 class Link:
@@ -81,15 +82,13 @@ class Link:
             return
         if kind == "open":
             o = msg.open
-            try:
-                grammar = self.servicer.grammar(o.constraint_kind, o.constraint_value, o.prompt_len)
-            except SpecserveError as exc:  # a constraint this replica cannot compile: the target runs it plain
-                self.out.put_nowait(draft_pb2.LinkOut(failed_session=o.session_id,
-                                                      error_code=status_for(exc).value[0], error=str(exc)))
-                return
-            self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
-                                                  o.predraft_branches, latest=len(o.committed),
-                                                  carrier=dict(msg.trace_context), grammar=grammar)
+            linked = self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
+                                                           o.predraft_branches, latest=len(o.committed),
+                                                           carrier=dict(msg.trace_context))
+            if o.constraint_kind:  # compiled on a thread: this loop carries every session's blocks
+                linked.compiling = asyncio.ensure_future(asyncio.to_thread(
+                    self.servicer.grammar, o.constraint_kind, o.constraint_value, o.prompt_len))
+                linked.compiling.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read in _compiled)
             sid, k, update = o.session_id, o.k, None
         elif kind == "outcome":
             linked_or_none = self.sessions.get(msg.outcome.session_id)
@@ -113,7 +112,7 @@ class Link:
                 linked.prefix.extend(outcome.emitted)
                 if outcome.committed_len < linked.latest:
                     return  # a newer outcome is queued behind: this block would be stale
-            if k <= 0 or sid not in self.sessions:
+            if k <= 0 or sid not in self.sessions or not await self._compiled(sid, linked):
                 return
             attach_carrier(carrier or linked.carrier)  # each block is a span of the session's trace
             n = len(linked.prefix)
@@ -126,11 +125,27 @@ class Link:
                                          "specserve.prefix_len": n})
                     block = await self._propose(request, linked)
             except SpecserveError as exc:  # bad parameters, no KV room: the target runs it plain
-                self.out.put_nowait(draft_pb2.LinkOut(failed_session=sid, error_code=status_for(exc).value[0],
-                                                      error=str(exc)))
+                self._fail(sid, exc)
                 return
             linked.held = n
             self._send(sid, n, linked.prefix.hash_at(n), k, block)
+
+    async def _compiled(self, sid: str, linked: _Linked) -> bool:
+        """The session's constraint is ready (or it has none); False when this replica cannot
+        compile it: the session leaves the link and the target runs it plain."""
+        if linked.compiling is None:
+            return True
+        try:
+            linked.grammar = await linked.compiling
+        except SpecserveError as exc:
+            self.sessions.pop(sid, None)
+            self._fail(sid, exc)
+            return False
+        linked.compiling = None
+        return True
+
+    def _fail(self, sid: str, exc: SpecserveError) -> None:
+        self.out.put_nowait(draft_pb2.LinkOut(failed_session=sid, error_code=status_for(exc).value[0], error=str(exc)))
 
     async def _propose(self, request: draft_pb2.ProposeRequest, linked: _Linked) -> draft_pb2.ProposeResponse:
         """Propose from what the worker holds; the whole prefix when it holds too little (an
