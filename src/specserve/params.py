@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from specserve.errors import InvalidRequest
 
 MAX_K = 32
+MAX_SEED = 1 << 64
 
 
 def check_k(k: int, what: str = "K (num_draft_tokens)", low: int = 0) -> int:
@@ -16,7 +17,6 @@ def check_k(k: int, what: str = "K (num_draft_tokens)", low: int = 0) -> int:
     if not low <= k <= MAX_K:
         raise InvalidRequest(f"{what} must be in [{low}, {MAX_K}], got {k}")
     return k
-MAX_SEED = 1 << 64
 
 
 @dataclass(frozen=True)

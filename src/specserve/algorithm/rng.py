@@ -29,7 +29,6 @@ M1 = 0xBF58476D1CE4E5B9
 M2 = 0x94D049BB133111EB
 MASK64 = (1 << 64) - 1
 _GOLDEN, _M1, _M2 = np.uint64(GOLDEN), np.uint64(M1), np.uint64(M2)
-_MASK64 = MASK64
 
 
 def mix64(x: int) -> int:
@@ -52,7 +51,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def _as_u64(x: int | np.ndarray | list[int]) -> np.ndarray:
     if isinstance(x, np.ndarray) and x.dtype != object:
         return x.astype(np.uint64)
-    return np.asarray([int(v) & _MASK64 for v in np.ravel(np.asarray(x, dtype=object))],
+    return np.asarray([int(v) & MASK64 for v in np.ravel(np.asarray(x, dtype=object))],
                       dtype=np.uint64).reshape(np.shape(x))
 
 

@@ -69,8 +69,8 @@ class HFDraftSession:
                 logits = masks.apply(logits)
             steps.append(draft_step(logits, sampling, seed, len(token_ids) + i, self.drafter.q_mass,
                                     self.drafter.q_max_entries))
-            if masks is not None and not masks.push(steps[-1].token):
-                masks = None  # (cannot happen: it was drawn from the masked q)
+            if masks is not None:
+                masks.push(steps[-1].token)
             if i + 1 < k:
                 logits = self.lm.extend([steps[-1].token])[-1]
         return make_proposal(steps, sampling, dropped)

@@ -302,6 +302,7 @@ def _only_token(words: np.ndarray) -> int | None:
         return None
     return int(nonzero[0]) * 32 + word.bit_length() - 1
 
+
 def trim_q(q: QProbs, n: int) -> QProbs:
     if isinstance(q, DenseQ):
         return DenseQ(q.probs[:n])
@@ -356,12 +357,13 @@ class DraftMasks:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.width = width
+        self.off = False  # a drafted token the grammar refused: the rest of the block drafts free
         self._mask = xgr.allocate_token_bitmask(1, vocab_size)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits [V] with the illegal tokens at -inf (unchanged once the grammar
         has ended: the block's later positions are never verified)."""
-        if self.matcher.is_terminated():
+        if self.off or self.matcher.is_terminated():
             return logits
         self.matcher.fill_next_token_bitmask(self._mask)
         allowed = unpack(self._mask, self.vocab_size)[0]
@@ -372,8 +374,13 @@ class DraftMasks:
         return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def push(self, token: int) -> bool:
-        """The drafted token; False when the grammar forbids it (or has ended)."""
-        return not self.matcher.is_terminated() and bool(self.matcher.accept_token(int(token)))
+        """The drafted token; False when the grammar forbids it (or has ended), and masking
+        stops there: the target rejects at or before that position, so what follows in the
+        block is never accepted."""
+        if not self.off and not self.matcher.is_terminated() and self.matcher.accept_token(int(token)):
+            return True
+        self.off = True
+        return False
 
 
 def propose_constrained(session: Any, ids: list[int], k: int, sampling: Any, seed: int,

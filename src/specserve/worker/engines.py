@@ -235,8 +235,8 @@ class BatchedDraft(_RunnerSessions):
                     results[i] = bonus_guess(lg, job.sampling, job.seed, len(job.ids))
                     continue
                 steps.append(self._pick(lg, job, len(steps)))
-                if masks is not None and not masks.push(steps[-1].token):
-                    masks = None
+                if masks is not None:
+                    masks.push(steps[-1].token)
                 if len(steps) == k:
                     results[i] = make_proposal(steps, job.sampling, dropped)
                     continue
