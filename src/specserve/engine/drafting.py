@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
 from specserve.state.prefix import CommittedPrefix
+from specserve.structured.grammar import DraftGrammar, propose_constrained
 
 if TYPE_CHECKING:
     from specserve.algorithm.rejection import QProbs
@@ -85,8 +86,6 @@ class LocalDrafts:
         self._propose(session.id, local, session.k_wanted)
 
     def _grammar(self, session: EngineSession) -> Any:
-        from specserve.structured.grammar import DraftGrammar
-
         g = session.grammar
         if g is None or not self.mask_drafts:
             return None
@@ -109,8 +108,6 @@ class LocalDrafts:
         if k <= 0 or self.deliver is None:
             return
         t = time.perf_counter()
-        from specserve.structured.grammar import propose_constrained
-
         proposal = propose_constrained(local.draft, local.prefix.ids, k, local.sampling, local.seed, local.grammar)
         n = len(local.prefix)
         self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
