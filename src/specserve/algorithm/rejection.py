@@ -42,16 +42,17 @@ QProbs = DenseQ | SparseQ | None  # None: one-hot at the draft tokens
 
 
 def q_to_dense(q: QProbs, draft_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Any q form -> dense [K, V] float32 (exact: sparse entries are scattered, not approximated)."""
-    k = draft_tokens.shape[0]
+    """Any q form -> dense [K, V] float32 on `draft_tokens`' device (exact: sparse entries are
+    scattered, not approximated; a host q is copied in, never read back)."""
+    k, device = draft_tokens.shape[0], draft_tokens.device
     if q is None:
         return torch.nn.functional.one_hot(draft_tokens.long(), vocab_size).float()
     if isinstance(q, DenseQ):
         if q.probs.shape != (k, vocab_size):
             raise ValueError(f"dense q has shape {tuple(q.probs.shape)}, expected ({k}, {vocab_size})")
-        return q.probs.float()
-    dense = torch.zeros(k, vocab_size, dtype=torch.float32)
-    return dense.scatter_add_(1, q.ids.long(), q.probs.float())
+        return q.probs.to(device=device, dtype=torch.float32)
+    dense = torch.zeros(k, vocab_size, dtype=torch.float32, device=device)
+    return dense.scatter_add_(1, q.ids.to(device=device, dtype=torch.long), q.probs.to(device=device, dtype=torch.float32))
 
 
 @dataclass
@@ -69,22 +70,115 @@ class Verdict:
         return self.rejected_position is None
 
 
-def greedy_verify(
+@dataclass
+class Judged:
+    """A batch's verdicts as tensors on the device (ADR 0016): what crosses to the host in the
+    step's one copy. Rows past a row's own number of drafts are padding."""
+
+    num_accepted: torch.Tensor  # [B] int64
+    final: torch.Tensor  # [B] int64: the recovered or bonus token
+    p_draft: torch.Tensor | None  # [B, K] float32: p(x̂_i); None on the greedy path
+    q_draft: torch.Tensor | None  # [B, K] float32: q(x̂_i)
+
+    def packed(self) -> torch.Tensor:
+        """[B, 2 + 2K] float64 (token ids are exact in float64): one tensor for one copy."""
+        cols = [self.num_accepted.unsqueeze(1), self.final.unsqueeze(1)]
+        if self.p_draft is not None and self.q_draft is not None:
+            cols += [self.p_draft, self.q_draft]
+        return torch.cat([c.double() for c in cols], dim=1)
+
+
+def verdicts_from_host(packed: list[list[float]], drafts: list[list[int]], with_probs: bool) -> list[Verdict]:
+    """`Judged.packed()` copied to the host (as lists) -> one Verdict per row."""
+    out = []
+    for row, d in zip(packed, drafts, strict=True):
+        a, n, k = int(row[0]), len(d), (len(row) - 2) // 2
+        p_x, q_x = (row[2:2 + n], row[2 + k:2 + k + n]) if with_probs else ([], [])
+        out.append(Verdict(a, d[:a] + [int(row[1])], a if a < n else None, p_x, q_x))
+    return out
+
+
+def greedy_judge(
     target_ids: torch.Tensor,  # [B, K+1] int64: argmax of the target at each block position
     draft: torch.Tensor,  # [B, K] int64, padded past num_draft
     num_draft: torch.Tensor,  # [B] int64
-) -> list[Verdict]:
-    """Greedy fast path: accept while the draft equals the target's argmax; no randomness."""
+) -> Judged:
+    """Greedy fast path on the tensors' device: accept while the draft equals the target's
+    argmax; no randomness."""
     k = draft.shape[1]
-    valid = torch.arange(k).unsqueeze(0) < num_draft.unsqueeze(1)
+    valid = torch.arange(k, device=draft.device).unsqueeze(0) < num_draft.unsqueeze(1)
     match = (draft == target_ids[:, :k]) & valid
     num_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)
-    out = []
-    for b in range(draft.shape[0]):
-        a, n = int(num_acc[b]), int(num_draft[b])
-        tokens = draft[b, :a].tolist() + [int(target_ids[b, a])]
-        out.append(Verdict(a, tokens, a if a < n else None))
-    return out
+    return Judged(num_acc, target_ids.gather(1, num_acc.unsqueeze(1)).squeeze(1), None, None)
+
+
+def greedy_verify(target_ids: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor) -> list[Verdict]:
+    """`greedy_judge`, read back as Verdicts."""
+    judged = greedy_judge(target_ids, draft, num_draft)
+    return verdicts_from_host(judged.packed().cpu().tolist(), _draft_lists(draft, num_draft), False)
+
+
+def _draft_lists(draft: torch.Tensor, num_draft: torch.Tensor) -> list[list[int]]:
+    return [row[:n] for row, n in zip(draft.cpu().tolist(), num_draft.cpu().tolist(), strict=True)]
+
+
+@dataclass(frozen=True)
+class StepUniforms:
+    """Every uniform a batch's rejection sampling may use, drawn on the host in one go
+    (ADR 0001 counters, so identical on every device) and copied in with the step: accept
+    draws at the K draft positions, recover and bonus draws at each of the K+1 places the
+    block may end. Which of those are used depends on the verdict, which stays on the device."""
+
+    accept: np.ndarray  # [B, K] float64
+    recover: np.ndarray  # [B, K+1]
+    bonus: np.ndarray  # [B, K+1]
+
+    @classmethod
+    def draw(cls, seeds: np.ndarray, start: np.ndarray, k: int) -> StepUniforms:
+        pos = start[:, None] + np.arange(k + 1)[None, :]  # [B, K+1]
+        s = seeds[:, None]
+        return cls(uniform(s, pos[:, :k], Purpose.ACCEPT), uniform(s, pos, Purpose.RECOVER), uniform(s, pos, Purpose.BONUS))
+
+
+def rejection_judge(
+    p: torch.Tensor,  # [B, K+1, V] float32 target probabilities (logits_to_probs)
+    draft: torch.Tensor,  # [B, K] int64 draft tokens, padded past num_draft
+    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= K
+    q: torch.Tensor | None,  # [B, K, V] float32 dense draft probabilities; None = one-hot
+    u: StepUniforms,
+) -> Judged:
+    """Batched rejection sampling on p's device, with no value read back to the host; see
+    the module docstring for the rule."""
+    bsz, k = draft.shape
+    dev = p.device
+    rows = torch.arange(bsz, device=dev)
+    valid = torch.arange(k, device=dev).unsqueeze(0) < num_draft.unsqueeze(1)  # [B, K]
+    if k > 0:
+        px = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
+        qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(px)
+        u_acc = torch.from_numpy(u.accept).to(dev)
+        accept = (u_acc * qx.double() < px.double()) & valid
+        num_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B]
+    else:
+        px = qx = torch.zeros(bsz, 0, device=dev)
+        num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
+    rejected = num_acc < num_draft  # [B]
+
+    p_final = p[rows, num_acc]  # [B, V]
+    dist = p_final
+    if k > 0:
+        j = num_acc.clamp(max=k - 1)
+        q_rej = q[rows, j] if q is not None else torch.nn.functional.one_hot(draft[rows, j], p.shape[-1]).float()
+        residual = torch.clamp(p_final - q_rej, min=0.0)
+        # p == q exactly leaves no residual; a rejection is then impossible in exact
+        # arithmetic, so fall back to p rather than divide by zero.
+        usable = rejected & (residual.sum(-1) > 0)
+        dist = torch.where(usable.unsqueeze(-1), residual, p_final)
+    at_end = num_acc.unsqueeze(1)
+    u_rec = torch.from_numpy(u.recover).to(dev).gather(1, at_end).squeeze(1)
+    u_bonus = torch.from_numpy(u.bonus).to(dev).gather(1, at_end).squeeze(1)
+    final = draw(dist, torch.where(rejected, u_rec, u_bonus))  # [B]
+    return Judged(num_acc, final, px, qx)
 
 
 def rejection_sample(
@@ -95,53 +189,9 @@ def rejection_sample(
     seeds: np.ndarray,  # [B] uint64 request seeds
     start: np.ndarray,  # [B] int64 absolute position of draft[:, 0]
 ) -> list[Verdict]:
-    """Batched rejection sampling; see the module docstring for the rule."""
-    bsz, k = draft.shape
-    vocab = p.shape[-1]
-    rows = torch.arange(bsz)
-    ar = torch.arange(k)
-    valid = ar.unsqueeze(0) < num_draft.unsqueeze(1)  # [B, K]
-    if k > 0:
-        px = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
-        qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(px)
-        u_acc = torch.from_numpy(
-            uniform(seeds[:, None], start[:, None] + ar.numpy()[None, :], Purpose.ACCEPT)
-        )
-        accept = (u_acc * qx.double() < px.double()) & valid
-        num_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B]
-    else:
-        px = qx = torch.zeros(bsz, 0)
-        num_acc = torch.zeros(bsz, dtype=torch.long)
-    rejected = num_acc < num_draft  # [B]
-
-    p_final = p[rows, num_acc]  # [B, V]
-    dist = p_final
-    if bool(rejected.any()):
-        j = num_acc.clamp(max=max(k - 1, 0))
-        if q is not None:
-            q_rej = q[rows, j]  # [B, V]
-        else:
-            q_rej = torch.nn.functional.one_hot(draft[rows, j], vocab).float()
-        residual = torch.clamp(p_final - q_rej, min=0.0)
-        # p == q exactly leaves no residual; a rejection is then impossible in exact
-        # arithmetic, so fall back to p rather than divide by zero.
-        usable = rejected & (residual.sum(-1) > 0)
-        dist = torch.where(usable.unsqueeze(-1), residual, p_final)
-
-    final_pos = start + num_acc.numpy()
-    u_rec = uniform(seeds, final_pos, Purpose.RECOVER)
-    u_bonus = uniform(seeds, final_pos, Purpose.BONUS)
-    u_final = torch.from_numpy(np.where(rejected.numpy(), u_rec, u_bonus))
-    final = draw(dist, u_final)  # [B]
-
-    out = []
-    for b in range(bsz):
-        a, n = int(num_acc[b]), int(num_draft[b])
-        tokens = draft[b, :a].tolist() + [int(final[b])]
-        out.append(
-            Verdict(a, tokens, a if a < n else None, px[b, :n].tolist(), qx[b, :n].tolist())
-        )
-    return out
+    """`rejection_judge` with the uniforms of (seeds, start), read back as Verdicts."""
+    judged = rejection_judge(p, draft, num_draft, q, StepUniforms.draw(seeds, start, draft.shape[1]))
+    return verdicts_from_host(judged.packed().cpu().tolist(), _draft_lists(draft, num_draft), True)
 
 
 def rejection_sample_reference(

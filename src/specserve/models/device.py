@@ -37,8 +37,9 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def to_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Rows [n_i, V] float32 on the runner's device -> the same rows on the host, in one
-    copy (the designated transfer of a forward: nothing else in a step reads the device)."""
+    """Rows [n_i, W] on the device -> the same rows on the host, in one copy: the designated
+    transfer (a target step copies its verdicts, `verifier.judge_rows`; a draft forward its
+    logits). Nothing else in a target step reads the device (tests/unit/test_device_audit.py)."""
     if not rows or rows[0].device.type == "cpu":
         return rows
     flat = torch.cat(rows).cpu()  # [sum n_i, V]

@@ -12,12 +12,15 @@ from transformers import PreTrainedModel
 
 from specserve.algorithm.rejection import (
     QProbs,
+    StepUniforms,
     Verdict,
-    greedy_verify,
+    greedy_judge,
     q_to_dense,
-    rejection_sample,
+    rejection_judge,
+    verdicts_from_host,
 )
 from specserve.algorithm.sampling import greedy_tokens, logits_to_probs
+from specserve.models.device import to_host
 from specserve.models.kvcache import CachedLM
 from specserve.params import SamplingParams
 
@@ -101,36 +104,54 @@ class JudgeRow:
 
 
 def judge_rows(rows: Sequence[JudgeRow]) -> list[Verdict]:
-    """Verdicts of several blocks (a batch of sessions, or one): one greedy_verify over the
-    greedy rows, one rejection_sample over the sampled rows with a q and one over those
-    without. The same code alone and in a batch, so a session's verdict does not depend on
-    who shares its batch."""
+    """Verdicts of several blocks (a batch of sessions, or one), judged on the logits' device
+    (`judge_on_device`) and read back in the one copy of `models/device.to_host`. The same
+    code alone and in a batch, so a session's verdict does not depend on who shares its batch."""
+    if not rows:
+        return []
+    groups, packed = judge_on_device(rows)
+    host = to_host([packed])[0].tolist()
     out: list[Verdict | None] = [None] * len(rows)
+    offset = 0
+    for (greedy, _), idx in groups.items():
+        width = 2 if greedy else 2 + 2 * max(len(rows[i].drafts) for i in idx)
+        part = [r[:width] for r in host[offset:offset + len(idx)]]
+        offset += len(idx)
+        for i, v in zip(idx, verdicts_from_host(part, [rows[i].drafts for i in idx], not greedy), strict=True):
+            out[i] = v
+    return out  # type: ignore[return-value]
+
+
+def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool], list[int]], torch.Tensor]:
+    """The rows grouped by kind (greedy; sampled with a q; sampled without), one
+    `greedy_judge` or `rejection_judge` per group on the logits' device, and every group's
+    `Judged.packed()` in one [B, W] float64 tensor there, in group order (ADR 0016: the step
+    reads nothing back before this tensor's one copy)."""
+    device = rows[0].logits.device
     groups: dict[tuple[bool, bool], list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault((r.sampling.greedy, r.q is None), []).append(i)
+    parts = []
     for (greedy, no_q), idx in groups.items():
         rs = [rows[i] for i in idx]
         kmax = max(len(r.drafts) for r in rs)
-        draft_t = torch.tensor([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], dtype=torch.long)
-        draft_t = draft_t.reshape(len(rs), kmax)
-        num = torch.tensor([len(r.drafts) for r in rs])
+        draft_t = torch.tensor([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], dtype=torch.long,
+                               device=device).reshape(len(rs), kmax)
+        num = torch.tensor([len(r.drafts) for r in rs], device=device)
         if greedy:
-            tgt = torch.zeros(len(rs), kmax + 1, dtype=torch.long)
-            for b, r in enumerate(rs):
-                tgt[b, :len(r.drafts) + 1] = greedy_tokens(r.masked_logits, r.sampling)
-            verdicts = greedy_verify(tgt, draft_t, num)
-        else:
-            vocab = rs[0].logits.shape[-1]
-            p = torch.zeros(len(rs), kmax + 1, vocab)
-            q = None if no_q else torch.zeros(len(rs), kmax, vocab)
-            for b, r in enumerate(rs):
-                k = len(r.drafts)
-                p[b, :k + 1] = logits_to_probs(r.masked_logits, r.sampling)
-                if q is not None and k:
-                    q[b, :k] = q_to_dense(r.q, draft_t[b, :k], vocab)
-            verdicts = rejection_sample(p, draft_t, num, q, np.array([r.seed for r in rs], dtype=np.uint64),
-                                        np.array([r.start for r in rs], dtype=np.int64))
-        for i, v in zip(idx, verdicts, strict=True):
-            out[i] = v
-    return out  # type: ignore[return-value]
+            tgt = torch.stack([_pad_rows(greedy_tokens(r.masked_logits, r.sampling), kmax + 1) for r in rs])
+            parts.append(greedy_judge(tgt, draft_t, num).packed())
+            continue
+        p = torch.stack([_pad_rows(logits_to_probs(r.masked_logits, r.sampling), kmax + 1) for r in rs])
+        q = None if no_q else torch.stack([
+            _pad_rows(q_to_dense(r.q, draft_t[b, :len(r.drafts)], p.shape[-1]), kmax) for b, r in enumerate(rs)])
+        uniforms = StepUniforms.draw(np.array([r.seed for r in rs], dtype=np.uint64),
+                                     np.array([r.start for r in rs], dtype=np.int64), kmax)
+        parts.append(rejection_judge(p, draft_t, num, q, uniforms).packed())
+    width = max(t.shape[1] for t in parts)
+    return groups, torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [m, ...] -> [n, ...], zero rows appended (a row with fewer drafts than the group's K)."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, n - x.shape[0])) if x.shape[0] < n else x

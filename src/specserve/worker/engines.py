@@ -180,7 +180,7 @@ class BatchedTarget(_RunnerSessions):
             rows.append(Row(job.handle, feed, num_logits=len(job.drafts) + 1 if last else 0))
             w.tokens = len(feed)
             live.append((i, job, last, dropped))
-        logits = to_host(self.runner.forward(rows))
+        logits = self.runner.forward(rows)  # on the runner's device: judged there, one copy back
         judged = []
         for (i, job, last, dropped), lg in zip(live, logits, strict=True):
             if not last:

@@ -1,0 +1,145 @@
+"""A fake CUDA device on the CPU-only torch build, for the device audit (issue 21, ADR 0016).
+
+`FakeTensorMode` gives tensors that carry a device, a shape and a dtype but no data. With it,
+a worker's step runs "on CUDA" here:
+- a host tensor meeting a CUDA one raises (`FakeTensorDeviceMismatchError`), as on a GPU;
+- reading a value back (`.item()`, `.tolist()`, `bool(t)`, `if t.any():`, a boolean-mask
+  index) raises: the data is not there, just as on a GPU it would be a device sync;
+- a copy to the host (`.cpu()`, `.to("cpu")`, `.numpy()`) is recorded by `HostCopies`, so the
+  audit can fail on any copy except through the one designated transfer.
+
+One thing the CPU-only build cannot do: Python indexing (`t[1:3]`, `t[:, None]`, `t[idx] = v`)
+takes a CUDA device guard in C++ before dispatch and raises "PyTorch is not linked with
+support for cuda devices" (ops called as functions never take it). `LowerIndexing` lowers
+`__getitem__` / `__setitem__` to the aten ops PyTorch's own indexing calls (select, slice,
+unsqueeze, index, index_put_), in the same order, so the step's code runs unchanged and every
+op still meets the fake-tensor checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+def _expand(t: torch.Tensor, idx) -> tuple:
+    """The index as a tuple with Ellipsis spelled out as whole-dimension slices."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    consumed = sum(i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1
+                   for i in idx if i is not None and i is not Ellipsis)
+    out: list = []
+    for i in idx:
+        out.extend([slice(None)] * (t.dim() - consumed) if i is Ellipsis else [i])
+    return tuple(out)
+
+
+def _basic(t: torch.Tensor, idx) -> tuple[torch.Tensor, list]:
+    """Basic indexing (int, slice, None) applied as views, in PyTorch's order; returns the
+    view and, per dimension of it, the advanced (tensor) index or None (taken whole)."""
+    out, dim, adv = t, 0, []
+    for i in _expand(t, idx):
+        if i is None:
+            out = aten.unsqueeze.default(out, dim)
+            adv.append(None)
+            dim += 1
+        elif isinstance(i, bool):
+            raise NotImplementedError("a boolean scalar index")
+        elif isinstance(i, int):
+            out = aten.select.int(out, dim, i)
+        elif isinstance(i, slice):
+            out = aten.slice.Tensor(out, dim, i.start, i.stop, 1 if i.step is None else i.step)
+            adv.append(None)
+            dim += 1
+        else:
+            adv.append(i if isinstance(i, torch.Tensor) else torch.tensor(i, device=t.device))
+            dim += 1
+    adv += [None] * (out.dim() - len(adv))
+    return out, adv
+
+
+def getitem(t: torch.Tensor, idx) -> torch.Tensor:
+    view, adv = _basic(t, idx)
+    if all(a is None for a in adv):
+        return view
+    return aten.index.Tensor(view, adv)
+
+
+def setitem(t: torch.Tensor, idx, value) -> None:
+    view, adv = _basic(t, idx)
+    if not isinstance(value, torch.Tensor):
+        value = torch.full((), value, dtype=t.dtype, device=t.device)
+    if all(a is None for a in adv):
+        aten.copy_.default(view, value.expand_as(view))
+    else:
+        aten.index_put_.default(view, adv, value)
+
+
+def to(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`Tensor.to` as aten's `_to_copy` (returns `t` itself when nothing changes, as torch does)."""
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, torch.Tensor):
+            device, dtype = a.device, a.dtype
+        elif isinstance(a, (str, torch.device, int)):
+            device = a
+    device = t.device if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    dtype = t.dtype if dtype is None else dtype
+    if device == t.device and dtype == t.dtype and not kwargs.get("copy", False):
+        return t
+    return aten._to_copy.default(t, dtype=dtype, device=device)
+
+
+class LowerIndexing(TorchFunctionMode):
+    """`t[...]`, `t[...] = v` and `t.to(cuda)` through aten ops (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__:
+            return getitem(*args)
+        if func is torch.Tensor.__setitem__:
+            return setitem(*args)
+        if func is torch.Tensor.to:
+            return to(*args, **kwargs)
+        if func is torch.Tensor.cuda:
+            return to(args[0], "cuda" if len(args) < 2 else args[1])
+        return func(*args, **kwargs)
+
+
+class HostCopies(TorchDispatchMode):
+    """Records every copy of a device tensor to the host (the op and the shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if (func in (aten._to_copy.default, aten.copy_.default) and src is not None
+                and isinstance(out, torch.Tensor)):
+            frm = args[1] if func is aten.copy_.default else src
+            if frm.device.type != "cpu" and out.device.type == "cpu":
+                self.copies.append((str(func), tuple(frm.shape)))
+        return out
+
+
+@contextmanager
+def fake_cuda() -> Iterator[tuple[FakeTensorMode, HostCopies]]:
+    """Fake CUDA tensors with indexing lowered and host copies recorded. Real host tensors
+    (a request's data from the wire) may enter: they become fake host tensors, so one that
+    meets a CUDA tensor without being copied in still raises."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, LowerIndexing(), HostCopies() as copies:
+        yield mode, copies

@@ -1,0 +1,133 @@
+"""The device audit (issue 21, ADR 0016): the batched target's step run on a fake CUDA device.
+
+`tests/fakedevice.py` gives fake CUDA tensors on this CPU-only build: a host tensor meeting a
+device one raises, reading a value back raises, and every copy to the host is recorded. A
+random-init model of each architecture the runner serves (Llama with GQA and biases, Qwen3
+with q/k norms) is loaded there in bf16, and one batched target step runs a prefill chunk, a
+plain row, greedy verify rows, sampled verify rows with and without a q, and their rollback.
+
+The rule checked: the step's only copy to the host is the designated one
+(`models/device.to_host`), once per step, and it carries the verdicts (emitted tokens,
+accepted counts, p and q of the drafts: at most 2 + 2K numbers per row), not logits. The
+audit replaces that copy with one that returns real host numbers of the same shape, so the
+host side of the step (verdicts, rollback, bookkeeping) runs for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakedevice import fake_cuda
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import specserve.models.verifier as verifier_module
+import specserve.worker.engines as engines_module
+from specserve.algorithm.rejection import SparseQ
+from specserve.models.verifier import TargetModel
+from specserve.params import SamplingParams
+from specserve.worker.engines import AGAIN, BatchedTarget, Batching, VerifyJob, VerifyResult
+from specserve.worker.scheduler import Work
+
+SHAPE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+ARCHITECTURES = {
+    "llama-gqa-bias": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True, tie_word_embeddings=False)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16)),
+}
+
+
+K_MAX = 4  # the most drafts of a row in `_jobs`
+
+
+class DesignatedCopy:
+    """Stands in for `to_host`: records what crossed and returns real zeros of its shape
+    (a verdict of 0 accepted drafts and token 0, valid for every row). A copy wider than a
+    verdict (2 + 2K numbers per row: logits, say) fails at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[str, tuple[int, ...]]]] = []
+
+    def __call__(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.calls.append([(r.device.type, tuple(r.shape)) for r in rows])
+        wide = [tuple(r.shape) for r in rows if r.shape[-1] > 2 + 2 * K_MAX]
+        assert not wide, f"the step copies {wide} to the host (logits?), not verdicts"
+        with unset_fake_temporarily():
+            return [torch.zeros(r.shape, dtype=r.dtype) for r in rows]
+
+
+def _jobs(engine: BatchedTarget, vocab: int) -> list[Work]:
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    with unset_fake_temporarily():
+        q = SparseQ(torch.tensor([[5, 6, 0], [7, 8, 0]]), torch.tensor([[0.6, 0.4, 0.0], [0.9, 0.1, 0.0]]))
+    prompt = [(3 * i) % vocab for i in range(1, 21)]
+    jobs = {
+        "prefill": VerifyJob(None, prompt, [], None, greedy, 1),  # 20 tokens, chunks of 8: AGAIN
+        "plain": VerifyJob(None, [1, 2, 3], [], None, greedy, 2),
+        "greedy-k3": VerifyJob(None, [4, 5, 6, 7], [8, 9, 10], None, greedy, 3),
+        "greedy-k1-banned": VerifyJob(None, [4, 5], [6], None, SamplingParams(banned_token_ids=(0, 7)), 4),
+        "sampled-sparse-q": VerifyJob(None, [9, 8, 7], [5, 7], q, sampled, 5),
+        "sampled-one-hot": VerifyJob(None, [11, 12], [13, 14, 15, 16], None, sampled, 6),
+    }
+    out = []
+    for name, job in jobs.items():
+        job.handle = engine.open(name)
+        out.append(Work(name, job, 1))
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to_the_host(arch, monkeypatch):
+    copy = DesignatedCopy()
+    monkeypatch.setattr(verifier_module, "to_host", copy, raising=False)
+    monkeypatch.setattr(engines_module, "to_host", copy)  # where the step copied its logits before
+    with fake_cuda() as (_, host_copies):
+        model = ARCHITECTURES[arch]().eval()
+        target = TargetModel(model)
+        engine = BatchedTarget(target, Batching(kv_budget_mb=1, max_sessions=8, max_len=64, prefill_chunk=8,
+                                                device="cuda", dtype="bf16", fuse_upto=0))
+        assert engine.runner.w.embed.device.type == "cuda" and engine.runner.kv.keys[0].device.type == "cuda"
+        assert engine.runner.w.embed.dtype is torch.bfloat16
+        batch = _jobs(engine, SHAPE["vocab_size"])
+        for _ in range(2):  # the second step: the prompt's next chunk beside the others' new rows
+            copy.calls.clear()
+            host_copies.copies.clear()
+            results = engine.step(batch)
+            assert host_copies.copies == [], f"copies to the host outside the designated one: {host_copies.copies}"
+            assert len(copy.calls) == 1, f"the designated copy ran {len(copy.calls)} times in one step"
+            ((device, shape),) = copy.calls[0]
+            judged = [w for w, r in zip(batch, results, strict=True) if isinstance(r, VerifyResult)]
+            kmax = max(len(w.payload.drafts) for w in judged)
+            assert device == "cuda" and shape[0] == len(judged) and shape[1] <= 2 + 2 * kmax, \
+                f"the step copied {shape} (logits?), not {len(judged)} verdicts"
+            for w, r in zip(batch, results, strict=True):
+                if w.session == "prefill":
+                    assert r is AGAIN
+                    continue
+                # the zeros that crossed mean "no draft accepted, token 0": the drafts left the KV
+                assert isinstance(r, VerifyResult), (w.session, r)
+                assert (r.verdict.num_accepted, r.verdict.tokens) == (0, [0])
+                assert r.cached_len == len(w.payload.ids) == engine.runner.length(w.payload.handle)
+                w.payload.ids = w.payload.ids + r.verdict.tokens  # committed: the next step's row
+
+
+INDICES = [1, -1, slice(0, 2), slice(None, None, 2), None, (Ellipsis, 1), (slice(None), None), (0, slice(1, 3)),
+           (Ellipsis, None), [0, 2], (slice(None), [1, 3]), ([0, 2], slice(None), [1, 4]), (1, [0, 3]),
+           ([0, 1], 2), (1, slice(None), [0, 4]), (Ellipsis, [4, 0])]
+
+
+@pytest.mark.parametrize("idx", INDICES, ids=[repr(i) for i in INDICES])
+def test_the_audits_lowered_indexing_is_pytorchs_own(idx):
+    """The harness must not change what a step computes: its lowering of t[idx] and
+    t[idx] = v gives PyTorch's own results on real tensors."""
+    from fakedevice import getitem, setitem
+
+    x = torch.arange(60.0).view(3, 4, 5)
+    ix = tuple(torch.tensor(i) if isinstance(i, list) else i for i in (idx if isinstance(idx, tuple) else (idx,)))
+    want = x[ix]
+    got = getitem(x, ix)
+    assert got.shape == want.shape and torch.equal(got, want)
+    a, b = x.clone(), x.clone()
+    a[ix] = -1.0
+    setitem(b, ix, -1.0)
+    assert torch.equal(a, b)
