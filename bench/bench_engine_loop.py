@@ -63,6 +63,14 @@ class SyntheticDrafts:
         self.reference, self.alpha, self.profile = reference, alpha, profile
         self.prompt_len = {sid: len(p) for sid, p in prompts.items()}
         self.prefix = {sid: CommittedPrefix([*p, *reference[sid]]) for sid, p in prompts.items()}  # hashes once
+        # Every draw decided up front, so the engine thread (which calls `outcome`) pays for
+        # a slice and a heap push, as with the real pool's link (a call_soon_threadsafe), and
+        # not for the simulation: the drafted token at each position, and whether the
+        # all-accepted branch is drafted ahead from there.
+        self.drafted = {sid: [t if uniform(7, i, Purpose.DRAFT) < alpha else (t + 1) % VOCAB for i, t in enumerate(ref)]
+                        for sid, ref in reference.items()}
+        self.ahead = {sid: [uniform(11, i, Purpose.DRAFT) < alpha for i in range(len(ref) + 1)]
+                      for sid, ref in reference.items()}
         self.deliver = None
         self.due: list[tuple[float, int, DraftBlock]] = []
         self.wake = threading.Condition()
@@ -85,9 +93,7 @@ class SyntheticDrafts:
         pass
 
     def _block(self, sid: str, n: int, k: int) -> tuple[int, ...]:
-        ref = self.reference[sid]
-        return tuple(ref[n + i] if uniform(7, n + i, Purpose.DRAFT) < self.alpha else (ref[n + i] + 1) % VOCAB
-                     for i in range(min(k, len(ref) - n)))
+        return tuple(self.drafted[sid][n:n + k])
 
     def _draft(self, sid: str, n: int, k: int) -> None:
         """The block after n generated tokens, due when the simulated draft is done; and the
@@ -100,7 +106,7 @@ class SyntheticDrafts:
         self._at(now + delay, self._make(sid, n, tokens, False, delay * 1e3))
         nxt = n + len(tokens) + 1
         if tokens == tuple(self.reference[sid][n:n + len(tokens)]) and nxt < len(self.reference[sid]) \
-                and uniform(11, nxt, Purpose.DRAFT) < self.alpha:
+                and self.ahead[sid][nxt]:
             ahead = self._block(sid, nxt, k)
             self._at(now + delay + self.profile.draft_ms(len(ahead) + 1) / 1e3, self._make(sid, nxt, ahead, True, 0.0))
 
@@ -136,8 +142,15 @@ def _stops(p):
     return StopChecker(frozenset(), p.stop, lambda ids: "")
 
 
+# The stand-in forward's own CPU time is not what a cell measures (the profile's step time is),
+# so it runs the fast runner (one attention call for the decode and verify rows, as a GPU
+# kernel would): with one call per row, 64 rows' real forward outran the h100 profile's step.
+TILE: int | None = None
+
+
 def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float]) -> EngineLoop:
-    model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=max(streams, 4), prefill_chunk=128))
+    model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=max(streams, 4), prefill_chunk=128,
+                                           tile=TILE))
 
     def step_ms(works) -> float:
         ms = profile.target_ms(sum(w.tokens for w in works), sum(len(w.payload.ids) for w in works))
@@ -201,8 +214,12 @@ def main() -> None:
     ap.add_argument("--arms", default="plain,K=1,K=2,K=3,K=4,K=6,K=8,adaptive")
     ap.add_argument("--alpha", type=float, default=0.7)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--exact-batching", choices=("fast", "invariant"), default="fast",
+                    help="the stand-in forward's runner (see TILE)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
+    global TILE
+    TILE = None if a.exact_batching == "fast" else Batching.tile
     torch.set_num_threads(1)
     target = _model(0)
     streams = [int(s) for s in a.streams.split(",")]
@@ -221,7 +238,7 @@ def main() -> None:
                       f"  K {r['mean_k']:.1f}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "rows": rows}, indent=1))
+    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "exact_batching": a.exact_batching, "rows": rows}, indent=1))
     _plot(rows, out / "engine_loop.png")
 
 

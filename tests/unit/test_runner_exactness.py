@@ -108,6 +108,8 @@ def run_scenario(model, tile, vocab, seed=0):
     del seqs["a"][20:]
     step([Row("a", toks(2)), Row("b", toks(6)), Row("c", toks(1))])
     step([Row("b", toks(1))])
+    # a row longer than SHORT_ROW beside short ones ("fast" attends to it alone, the rest together)
+    step([Row("c", toks(2)), Row("b", toks(20), num_logits=3), Row("a", toks(1))])
 
 
 @pytest.mark.parametrize("tile", [8, 5, None])

@@ -167,6 +167,12 @@ class KVSlots:
         self.keys[layer][slots, :, positions] = k
         self.values[layer][slots, :, positions] = v
 
+    def read_many(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of positions 0 .. length-1 of several slots: two [len(slots), num_kv_heads,
+        length, head_dim] (positions past a slot's own length hold stale or zero entries)."""
+        return (self.keys[layer][:, :, :length].index_select(0, slots),
+                self.values[layer][:, :, :length].index_select(0, slots))
+
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of positions 0 .. length-1: two [num_kv_heads, length, head_dim]."""
         return (self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length])

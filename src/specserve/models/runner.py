@@ -156,6 +156,38 @@ def load_weights(config, state: Mapping[str, torch.Tensor], device: torch.device
     )
 
 
+SHORT_ROW = 16  # rows of at most this many tokens (decode, verify) share one attention call in "fast"
+
+
+@dataclass(frozen=True)
+class ShortRows:
+    """The short rows of a batch laid out for one padded attention call (exact_batching
+    "fast": one call instead of one per row; its last bits then depend on the batch)."""
+
+    slots: torch.Tensor  # [B] the rows' KV slots
+    keys: int  # L: the longest row's length after this step
+    width: int  # W: the most new tokens of a short row
+    tokens: torch.Tensor  # [T] positions of the short rows' tokens in the batch
+    padded: torch.Tensor  # [T] the same tokens' places in the [B * W] padded layout
+    mask: torch.Tensor  # [B, 1, W, L] bool: query i of row b sees keys 0 .. start_b + i
+
+    @classmethod
+    def of(cls, slots: list[int], starts: list[int], offsets: list[int], sizes: list[int],
+           device: torch.device) -> ShortRows | None:
+        picked = [i for i, n in enumerate(sizes) if n <= SHORT_ROW]
+        if not picked:
+            return None
+        width = max(sizes[i] for i in picked)
+        keys = max(starts[i] + sizes[i] for i in picked)
+        tokens = [offsets[i] + j for i in picked for j in range(sizes[i])]
+        padded = [b * width + j for b, i in enumerate(picked) for j in range(sizes[i])]
+        # a padding query sees key 0 only (its output is dropped; a row of -inf would give NaN)
+        last = [[starts[i] + min(j, sizes[i] - 1) if j < sizes[i] else 0 for j in range(width)] for i in picked]
+        mask = torch.arange(keys, device=device)[None, None, :] <= torch.tensor(last, device=device)[:, :, None]
+        return cls(torch.tensor([slots[i] for i in picked], device=device), keys, width,
+                   torch.tensor(tokens, device=device), torch.tensor(padded, device=device), mask.unsqueeze(1))
+
+
 @dataclass(frozen=True)
 class Row:
     """New tokens of one session, appended at its cached length. `num_logits`: logits for
@@ -312,7 +344,9 @@ class ModelRunner:
         slot_of_token = torch.tensor([s for s, n in zip(slots, sizes, strict=True) for _ in range(n)],
                                      device=self.device)  # [M]
         cos, sin = self.w.cos[pos].unsqueeze(1), self.w.sin[pos].unsqueeze(1)  # [Mp, 1, D]
-        masks = [self._mask(start, n) for start, n in zip(starts, sizes, strict=True)]
+        short = ShortRows.of(slots, starts, offsets, sizes, self.device) if self.tile is None else None
+        masks = [None if short is not None and n <= SHORT_ROW else self._mask(start, n)
+                 for start, n in zip(starts, sizes, strict=True)]
         hq, hkv = self.w.num_heads, self.w.num_kv_heads
 
         h = self.w.embed[ids]  # [Mp, H]
@@ -322,7 +356,10 @@ class ModelRunner:
             self.kv.write(li, slot_of_token, pos[:m], k[:m], v[:m])
             o = torch.zeros(mp, hq * self.w.head_dim, dtype=h.dtype, device=self.device)
             for slot, start, off, n, mask in zip(slots, starts, offsets, sizes, masks, strict=True):
-                o[off:off + n] = self._attend(li, slot, start + n, q[off:off + n], mask)
+                if short is None or n > SHORT_ROW:
+                    o[off:off + n] = self._attend(li, slot, start + n, q[off:off + n], mask)
+            if short is not None:
+                o.index_copy_(0, short.tokens, self._attend_short(li, short, q))
             for t in self._tiles(mp):
                 self._mlp_block(layer, h[t], o[t])
 
@@ -361,6 +398,19 @@ class ModelRunner:
             is_causal=n > 1 and mask is None, scale=d ** -0.5, enable_gqa=hq != keys.shape[0],
         )  # [1, Hq, n, D]
         return out[0].transpose(0, 1).reshape(n, hq * d)
+
+    def _attend_short(self, layer: int, rows: ShortRows, q: torch.Tensor) -> torch.Tensor:
+        """The short rows' attention in one call (exact_batching "fast"): each row's queries
+        padded to the longest short row, its keys to the longest slot length among them,
+        masked. q [Mp, Hq, D] -> [len(rows.tokens), Hq D], in `rows.tokens` order."""
+        hq, d = q.shape[1], q.shape[2]
+        keys, values = self.kv.read_many(layer, rows.slots, rows.keys)  # [B, Hkv, L, D]
+        qp = q.new_zeros(rows.slots.shape[0] * rows.width, hq, d)
+        qp.index_copy_(0, rows.padded, q.index_select(0, rows.tokens))
+        qp = qp.view(-1, rows.width, hq, d).transpose(1, 2)  # [B, Hq, W, D]
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=rows.mask, scale=d ** -0.5,
+                                             enable_gqa=hq != keys.shape[1])  # [B, Hq, W, D]
+        return out.transpose(1, 2).reshape(-1, hq * d).index_select(0, rows.padded)
 
     def _mlp_block(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> None:
         """h [T, H] (a view of the residual stream, updated in place), o [T, Hq D]."""
