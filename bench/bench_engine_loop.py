@@ -33,6 +33,7 @@ import json
 import statistics
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -67,9 +68,13 @@ class SyntheticDrafts:
         # a slice and a heap push, as with the real pool's link (a call_soon_threadsafe), and
         # not for the simulation: the drafted token at each position, and whether the
         # all-accepted branch is drafted ahead from there.
-        self.drafted = {sid: [t if uniform(7, i, Purpose.DRAFT) < alpha else (t + 1) % VOCAB for i, t in enumerate(ref)]
-                        for sid, ref in reference.items()}
-        self.ahead = {sid: [uniform(11, i, Purpose.DRAFT) < alpha for i in range(len(ref) + 1)]
+        # Seeded per session: with one seed, every session would meet the same accepted and
+        # rejected positions at the same step, and the engine's acceptance table would learn
+        # from a handful of correlated draws.
+        seeds = {sid: zlib.crc32(sid.encode()) for sid in reference}
+        self.drafted = {sid: [t if uniform(seeds[sid], i, Purpose.DRAFT) < alpha else (t + 1) % VOCAB
+                              for i, t in enumerate(ref)] for sid, ref in reference.items()}
+        self.ahead = {sid: [uniform(seeds[sid] + 1, i, Purpose.DRAFT) < alpha for i in range(len(ref) + 1)]
                       for sid, ref in reference.items()}
         self.deliver = None
         self.due: list[tuple[float, int, DraftBlock]] = []

@@ -121,9 +121,10 @@ class EngineLoop:
         self.cost = CostModel()  # step time by rows and tokens: prices K at the current load
         self.acceptance: dict[tuple[str, str], Acceptance] = {}  # per (class, pool)
         self.estimates: dict[tuple[str, str], dict[int, float]] = {}  # S(K) per (class, pool), last computed
-        # per pool: seconds from asking for a block to its arrival, per draft token (0 for one
-        # drafted ahead): what a round waits for its drafts, beside the verify
+        # per pool: seconds from asking for a block to its arrival, per draft token, over the
+        # blocks not drafted ahead: what a round waits for its drafts, beside the verify
         self.draft_latency: dict[str, float] = {}
+        self.ahead_share: dict[str, float] = {}  # per pool: the share of blocks drafted ahead (no wait)
         self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
         self.keep_ended = keep_ended
         self._wake_at: float | None = None
@@ -146,7 +147,9 @@ class EngineLoop:
         return done
 
     def offer(self, block: DraftBlock) -> None:
-        self._post("block", block)
+        # stamped on arrival: the loop applies it at its next step boundary, and that wait
+        # is the step's, not the draft's (the K choice prices step boundaries itself)
+        self._post("block", (block, self.clock()))
 
     def acked(self, session_ids: Sequence[str]) -> None:
         """The committer's answer for rounds it was handed: one id per round (applied or
@@ -248,9 +251,10 @@ class EngineLoop:
             if kind == "add":
                 self._open(*payload)
             elif kind == "block":
-                s = self.sessions.get(payload.session_id)
-                if s is not None and s.offer(payload):  # a stale block (another prefix) is dropped here
-                    self._block_arrived(s, payload)
+                block, arrived = payload
+                s = self.sessions.get(block.session_id)
+                if s is not None and s.offer(block):  # a stale block (another prefix) is dropped here
+                    self._block_arrived(s, block, arrived)
             elif kind == "acked":
                 for sid in payload:
                     if (s := self.sessions.get(sid)) is not None and s.unacked > 0:
@@ -347,14 +351,16 @@ class EngineLoop:
             source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), s.k_wanted))
         return s, stats
 
-    def _block_arrived(self, s: EngineSession, block: DraftBlock) -> None:
-        """The wait the session's round had for this block (none when it came ahead)."""
+    def _block_arrived(self, s: EngineSession, block: DraftBlock, arrived: float) -> None:
+        """What the session's round waited for this block: nothing when it was drafted
+        ahead (the pool's `ahead_share`), else its drafting time per token (`draft_latency`)."""
         if s.asked_at is None or block.base_len != len(s.committed) or not block.tokens:
             return
-        waited = 0.0 if block.predrafted else max(self.clock() - s.asked_at, 0.0)
         pool = s.plan.pool or ""
-        per_token = waited / len(block.tokens)
-        self.draft_latency[pool] = self.draft_latency.get(pool, per_token) * 0.8 + per_token * 0.2
+        self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if block.predrafted else 0.0)
+        if not block.predrafted:
+            per_token = max(arrived - s.asked_at, 0.0) / len(block.tokens)
+            self.draft_latency[pool] = self.draft_latency.get(pool, per_token) * 0.8 + per_token * 0.2
         s.asked_at = None
 
     def _acceptance(self, s: EngineSession) -> Acceptance:
@@ -380,15 +386,17 @@ class EngineLoop:
         alphas = self._acceptance(s).alphas()
         step = prior_cost(step_s) if self.cost.coef is None else (lambda n: self.cost.row_cost(batch, n, step_s))
         per_token = self.draft_latency.get(s.plan.pool or "", 0.0)
+        drafted_after = 1.0 - self.ahead_share.get(s.plan.pool or "", 0.0)
 
         def cost(n: int) -> float:
             """A round with n - 1 drafts: the wait for them, then the verify. Alone, the next
             step starts when the block lands; among others, a row joins only at a step
-            boundary, so a block that lands mid-step costs the session whole steps."""
+            boundary, so a block that lands mid-step costs the session whole steps. A block
+            drafted ahead (during the previous verify) costs no wait at all."""
             wait = per_token * (n - 1)
             if batch > 1 and wait > 0:
                 wait = math.ceil(wait / step(n)) * step(n)
-            return step(n) + wait
+            return step(n) + drafted_after * wait
 
         estimates = speedups(alphas, s.plan.k, cost)
         self.estimates[(s.plan.workload_class, s.plan.pool or "")] = estimates
