@@ -48,6 +48,7 @@ from specserve.worker.engines import VerifyJob
 from specserve.worker.scheduler import AGAIN, Work
 
 NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
+MAX_ASKS = 8  # asks remembered per session, by committed length, until their block arrives
 
 
 class ModelStep(Protocol):
@@ -124,7 +125,8 @@ class EngineLoop:
         # per pool: seconds from asking for a block to its arrival, per draft token, over the
         # blocks not drafted ahead: what a round waits for its drafts, beside the verify
         self.draft_latency: dict[str, float] = {}
-        self.ahead_share: dict[str, float] = {}  # per pool: the share of blocks drafted ahead (no wait)
+        # per pool: the share of rounds whose block was drafted ahead, ready at the commit (no wait)
+        self.ahead_share: dict[str, float] = {}
         self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
         self.keep_ended = keep_ended
         self._wake_at: float | None = None
@@ -252,9 +254,9 @@ class EngineLoop:
                 self._open(*payload)
             elif kind == "block":
                 block, arrived = payload
-                s = self.sessions.get(block.session_id)
-                if s is not None and s.offer(block):  # a stale block (another prefix) is dropped here
+                if (s := self.sessions.get(block.session_id)) is not None:
                     self._block_arrived(s, block, arrived)
+                    s.offer(block)  # a stale block (another prefix) is dropped here
             elif kind == "acked":
                 for sid in payload:
                     if (s := self.sessions.get(sid)) is not None and s.unacked > 0:
@@ -288,7 +290,7 @@ class EngineLoop:
             s.k_choice = self._k_last.get(self._k_key(s), plan.params.num_draft_tokens)
         source = self.sources.get(plan.pool or "")
         if source is not None and (s.k_wanted > 0 or plan.adaptive):  # (held plain, it still probes)
-            s.asked_at = self.clock()
+            self._ask(s)
             source.open(s)
         done.set_result(s)
 
@@ -347,21 +349,28 @@ class EngineLoop:
         if settled.finish_reason is not None:
             self._end(s, Status.FINISHED, settled.finish_reason)
         elif (source := self.sources.get(s.plan.pool or "")) is not None and (s.k_wanted > 0 or s.plan.adaptive):
-            s.asked_at = self.clock()
+            if s.k_wanted > 0:  # its next round waits for nothing when its block came ahead
+                pool = s.plan.pool or ""
+                self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if s.block is not None else 0.0)
+            self._ask(s)
             source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), s.k_wanted))
         return s, stats
 
+    def _ask(self, s: EngineSession) -> None:
+        s.asks[len(s.committed)] = self.clock()
+        while len(s.asks) > MAX_ASKS:  # blocks that never came (a replica lost)
+            s.asks.pop(next(iter(s.asks)))
+
     def _block_arrived(self, s: EngineSession, block: DraftBlock, arrived: float) -> None:
-        """What the session's round waited for this block: nothing when it was drafted
-        ahead (the pool's `ahead_share`), else its drafting time per token (`draft_latency`)."""
-        if s.asked_at is None or block.base_len != len(s.committed) or not block.tokens:
+        """The pool's drafting time per token, from the ask for this block's prefix to its
+        arrival; a late block counts too (timing only those that came in time would learn
+        that drafting is fast). Blocks drafted ahead were not asked for."""
+        asked = s.asks.pop(block.base_len, None)
+        if asked is None or block.predrafted or not block.tokens:
             return
         pool = s.plan.pool or ""
-        self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if block.predrafted else 0.0)
-        if not block.predrafted:
-            per_token = max(arrived - s.asked_at, 0.0) / len(block.tokens)
-            self.draft_latency[pool] = self.draft_latency.get(pool, per_token) * 0.8 + per_token * 0.2
-        s.asked_at = None
+        per_token = max(arrived - asked, 0.0) / len(block.tokens)
+        self.draft_latency[pool] = self.draft_latency.get(pool, per_token) * 0.8 + per_token * 0.2
 
     def _acceptance(self, s: EngineSession) -> Acceptance:
         return self.acceptance.setdefault((s.plan.workload_class, s.plan.pool or ""), Acceptance())
