@@ -3,7 +3,9 @@ SPECSERVE_TARGET_). The Helm chart's values map one to one onto these names (DES
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+import math
+
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -32,6 +34,10 @@ class WorkerSettings(BaseSettings):
     # auto = CUDA when torch sees one, else the CPU; dtype auto = bf16 on CUDA, fp32 on the CPU
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16)$")
+    # on CUDA the KV budget is what this fraction of the device's memory leaves after the weights,
+    # the CUDA context and a step's activations (like vLLM's setting of the same name); 0 = use
+    # kv_budget_mb there too. The CPU always uses kv_budget_mb.
+    gpu_memory_utilization: float = Field(0.9, ge=0, le=1)
     # invariant: every row's bits are the same in any batch (tiled GEMMs, ADR 0008), so greedy
     # output never depends on who shares a step; fast: one plain batched forward, cheaper for a
     # lone row (a 1-token decode row is not padded to a tile) but a row's logits may move in
@@ -130,6 +136,17 @@ class TargetSettings(WorkerSettings):
     @classmethod
     def _pools_have_replicas(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
         return pools_have_replicas(v)
+
+    @model_validator(mode="after")
+    def _device_within_the_gpus_ray_gives(self) -> TargetSettings:
+        """Ray shows an actor the GPUs it asked for (num_gpus), numbered from 0, and hides every
+        GPU from one that asked for none: a `cuda` device must fit in that request."""
+        if self.device.startswith("cuda"):
+            index = int(self.device.partition(":")[2] or 0)
+            if index >= math.ceil(self.num_gpus):
+                raise ValueError(f"device {self.device!r} needs num_gpus > {index} (got {self.num_gpus}): Ray "
+                                 "shows the target actor only the GPUs it asks for, as cuda:0 upwards")
+        return self
 
 
 class RouterSettings(BaseSettings):

@@ -58,9 +58,22 @@ def default_values() -> dict:
     (("tracing.samplerArg=1.5",), "tracing.samplerArg"),
     (("podSecurityContext.runAsNonRoot=false",), "podSecurityContext.runAsNonRoot"),
     (("draft.pools=null",), "draft: pools is required"),
+    # a worker's GPU request and its device agree (ADR 0016)
+    (("target.gpu=0", "target.settings.device=cuda:0"), 'target: settings.device "cuda:0" needs gpu >= 1'),
+    (("target.settings.device=cpu",), 'target: gpu is 1 but settings.device is "cpu"'),
 ])
 def test_schema_rejects(helm, tmp_path, sets, message):
     assert message in rejected(helm, tmp_path, sets=sets)
+
+
+@pytest.mark.parametrize(("pool", "device", "message"), [
+    (1, "cuda", 'draft.pools "ngram": settings.device "cuda" needs gpu >= 1'),
+    (0, "cpu", 'draft.pools "small": gpu is 1 but settings.device is "cpu"'),
+])
+def test_a_pools_gpu_request_and_its_device_agree(helm, tmp_path, pool, device, message):
+    values = default_values()
+    values["draft"]["pools"][pool].setdefault("settings", {})["device"] = device
+    assert message in rejected(helm, tmp_path, values)
 
 
 def test_pool_without_a_name_is_rejected(helm, tmp_path):

@@ -81,6 +81,8 @@ def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to
     copy = DesignatedCopy()
     monkeypatch.setattr(verifier_module, "to_host", copy, raising=False)
     monkeypatch.setattr(engines_module, "to_host", copy)  # where the step copied its logits before
+    # the KV budget on CUDA is what the device's memory leaves after the weights: a 1 GiB device
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
     with fake_cuda() as (_, host_copies):
         model = ARCHITECTURES[arch]().eval()
         target = TargetModel(model)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.config import DraftSettings, TargetSettings
-from specserve.models.device import resolve_device, resolve_dtype, to_host
+from specserve.models.device import activation_reserve_bytes, kv_budget_bytes, resolve_device, resolve_dtype, to_host
 from specserve.models.runner import Row
 from specserve.worker.engines import Batching, make_runner
 
@@ -99,3 +99,80 @@ def test_to_host_copies_device_rows_to_the_host_with_their_shapes():
         rows = [torch.empty(2, 5, device="cuda:0"), torch.empty(3, 5, device="cuda:0")]
         out = to_host(rows)
     assert [(o.device.type, tuple(o.shape)) for o in out] == [("cpu", (2, 5)), ("cpu", (3, 5))]
+
+
+GIB = 2**30
+
+
+def test_the_cpu_kv_budget_is_kv_budget_mb_and_so_is_cudas_at_utilization_zero():
+    def untouched(device):
+        raise AssertionError("the CPU budget must not ask CUDA for its memory")
+
+    assert kv_budget_bytes(torch.device("cpu"), 256, 0.9, mem_get_info=untouched) == 256 * 2**20
+    assert kv_budget_bytes(torch.device("cuda:0"), 64, 0.0, mem_get_info=untouched) == 64 * 2**20
+
+
+def test_the_cuda_kv_budget_is_the_utilization_share_left_after_what_is_in_use():
+    # 80 GiB device, 18 GiB in use after the weights and the context: 0.9 x 80 - 18 - 2 = 52 GiB
+    got = kv_budget_bytes(torch.device("cuda:0"), 256, 0.9, reserve_bytes=2 * GIB,
+                          mem_get_info=lambda d: (62 * GIB, 80 * GIB))
+    assert got == int(0.9 * 80 * GIB) - 18 * GIB - 2 * GIB
+
+
+def test_a_cuda_device_too_full_for_any_kv_says_what_to_change():
+    with pytest.raises(ValueError, match="gpu_memory_utilization") as err:
+        kv_budget_bytes(torch.device("cuda:0"), 256, 0.5, reserve_bytes=GIB, mem_get_info=lambda d: (40 * GIB, 80 * GIB))
+    assert "40.0 GiB in use" in str(err.value)
+
+
+def test_the_activation_reserve_grows_with_the_step_and_the_logit_rows():
+    cfg = _tiny_llama().config
+    one = activation_reserve_bytes(cfg, 1, 0, torch.bfloat16)
+    assert one == 2 * (3 * 48 + 12 * 32)
+    assert activation_reserve_bytes(cfg, 10, 0, torch.bfloat16) == 10 * one
+    assert activation_reserve_bytes(cfg, 1, 3, torch.bfloat16) == one + 3 * 4 * 61
+    assert activation_reserve_bytes(cfg, 1, 0, torch.float32) == 2 * one
+
+
+def test_a_runner_on_cuda_sizes_its_kv_from_the_memory_its_weights_leave(monkeypatch):
+    """make_runner asks for the free memory after the weights are on the device (the fake
+    device's memory query below sees them there) and sizes the slots from it."""
+    from fakedevice import fake_cuda
+
+    import specserve.models.runner as runner_module
+
+    seen = []
+    load_weights = runner_module.load_weights
+
+    def loading(*args, **kwargs):
+        seen.append("weights")
+        return load_weights(*args, **kwargs)
+
+    def mem_get_info(device):
+        seen.append(f"memory of {torch.device(device).type}")
+        return 30 * 2**20 + 8 * 2**20, 40 * 2**20  # 40 MiB device, 2 MiB in use
+
+    monkeypatch.setattr(runner_module, "load_weights", loading)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    with fake_cuda():
+        model = _tiny_llama()
+        b = Batching(kv_budget_mb=1, max_sessions=10_000, max_len=64, device="cuda", dtype="bf16",
+                     gpu_memory_utilization=0.5, max_batch=4, prefill_chunk=8, fuse_upto=0)
+        runner = make_runner(model, b)
+    assert seen == ["weights", "memory of cuda"]
+    reserve = activation_reserve_bytes(model.config, 4 * 8, 4 * 16, torch.bfloat16)
+    budget = int(0.5 * 40 * 2**20) - 2 * 2**20 - reserve
+    slot = runner.kv.layout.bytes_per_token * 64
+    assert runner.kv.num_slots == budget // slot > 1 * 2**20 // slot  # not kv_budget_mb's 1 MiB
+
+
+@pytest.mark.parametrize(("device", "num_gpus"), [("cuda", 0), ("cuda:1", 0.5), ("cuda:1", 1)])
+def test_a_target_on_cuda_asks_ray_for_the_gpus_it_uses(device, num_gpus):
+    with pytest.raises(ValidationError, match="needs num_gpus"):
+        TargetSettings(device=device, num_gpus=num_gpus)
+
+
+@pytest.mark.parametrize(("device", "num_gpus"), [("cuda", 1), ("cuda:1", 2), ("cuda:0", 0.5), ("auto", 0),
+                                                  ("cpu", 0)])
+def test_devices_within_the_actors_gpus_are_accepted(device, num_gpus):
+    assert TargetSettings(device=device, num_gpus=num_gpus).device == device

@@ -359,6 +359,7 @@ affinity:
 {{- $_ := set $pool "settings" (mergeOverwrite (deepCopy ($.Values.draft.settings | default dict)) ($p.settings | default dict)) -}}
 {{- $gpu := int ($p.gpu | default 0) -}}
 {{- $_ := set $pool "gpu" $gpu -}}
+{{- include "specserve.deviceAgrees" (dict "what" (printf "draft.pools %q" $p.name) "gpu" $gpu "device" ($pool.settings.device | default "auto")) -}}
 {{- if not (hasKey $p "nodeSelector") -}}
 {{- $_ := set $pool "nodeSelector" (ternary $.Values.draft.gpuNodeSelector (dict) (gt $gpu 0)) -}}
 {{- end -}}
@@ -384,4 +385,16 @@ affinity:
 {{- $_ := set $m $p.name (list (printf "%s:%d" $host (int $.Values.draft.port))) -}}
 {{- end -}}
 {{- toJson $m -}}
+{{- end -}}
+
+{{/* A worker's GPU request and its `device` setting agree (ADR 0016): a pod without a GPU
+     sees none, so `cuda` there cannot start; a GPU asked for and `cpu` set wastes it. `auto`
+     follows the GPU. Fails the render; returns nothing. */}}
+{{- define "specserve.deviceAgrees" -}}
+{{- if and (hasPrefix "cuda" .device) (eq (int .gpu) 0) -}}
+{{- fail (printf "%s: settings.device %q needs gpu >= 1 (without a GPU request the pod sees no GPU)" .what .device) -}}
+{{- end -}}
+{{- if and (eq .device "cpu") (gt (int .gpu) 0) -}}
+{{- fail (printf "%s: gpu is %d but settings.device is \"cpu\": set device to auto or cuda, or gpu to 0" .what (int .gpu)) -}}
+{{- end -}}
 {{- end -}}

@@ -36,6 +36,38 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return DTYPES[setting]
 
 
+def kv_budget_bytes(device: torch.device, cpu_budget_mb: float, memory_fraction: float,
+                    reserve_bytes: int = 0, mem_get_info=None) -> int:
+    """The KV store's byte budget on `device`, taken after the weights are there.
+
+    CPU, or `memory_fraction` 0: `cpu_budget_mb` (the `kv_budget_mb` setting). CUDA: like
+    vLLM's `gpu_memory_utilization`, this worker may use `memory_fraction` of the device's
+    total memory; what is in use already (the weights, the CUDA context, anything else on the
+    device) and `reserve_bytes` (a step's activations) are subtracted, the rest holds KV.
+    A budget that holds nothing is an error that says what to change."""
+    if device.type != "cuda" or memory_fraction <= 0:
+        return int(cpu_budget_mb * 2**20)
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+    used = total - free
+    budget = int(memory_fraction * total) - used - reserve_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"no device memory left for the KV cache on {device}: {memory_fraction:.2f} of "
+            f"{total / 2**30:.1f} GiB allowed, {used / 2**30:.1f} GiB in use after the weights, "
+            f"{reserve_bytes / 2**30:.2f} GiB reserved for a step's activations; raise "
+            "gpu_memory_utilization, or set it to 0 and give kv_budget_mb")
+    return budget
+
+
+def activation_reserve_bytes(cfg, step_tokens: int, logit_rows: int, dtype: torch.dtype) -> int:
+    """A step's peak working memory beyond weights and KV, over-estimated: `step_tokens`
+    tokens each holding the MLP's three intermediate tensors and a dozen hidden-size tensors
+    in the model's dtype, and float32 logits for `logit_rows` positions."""
+    elem = torch.finfo(dtype).bits // 8
+    per_token = elem * (3 * cfg.intermediate_size + 12 * cfg.hidden_size)
+    return int(step_tokens * per_token + logit_rows * 4 * cfg.vocab_size)
+
+
 def to_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """Rows [n_i, W] on the device -> the same rows on the host, in one copy: the designated
     transfer (a target step copies its verdicts, `verifier.judge_rows`; a draft forward its

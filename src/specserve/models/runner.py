@@ -17,7 +17,7 @@ tokens, shapes vary with the batch), kept for the benchmark. ADR 0008 has the me
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -263,14 +263,16 @@ class ModelRunner:
             self.fuse_upto, self.fused_threads = fuse_upto // tile * tile, torch.get_num_threads()
 
     @classmethod
-    def from_hf(cls, model: torch.nn.Module, *, kv_budget_bytes: int | None = None,
+    def from_hf(cls, model: torch.nn.Module, *, kv_budget_bytes: int | Callable[[], int] | None = None,
                 max_sessions: int | None = None, max_len: int | None = None,
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 tile: int | None = DEFAULT_TILE,
                 fuse_upto: int = DEFAULT_FUSE_UPTO) -> ModelRunner:
         """A runner for an HF model (check `unsupported_reason(model)` first). KV capacity: a byte
-        budget or a session count; each session holds up to `max_len` positions (default:
-        the model's context length). `fuse_upto`: see `fused_tiles_agree`."""
+        budget (or a function giving it, called once the weights are on the device: the CUDA
+        budget is what they leave, `device.kv_budget_bytes`) or a session count; each session
+        holds up to `max_len` positions (default: the model's context length). `fuse_upto`:
+        see `fused_tiles_agree`."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the batched runner cannot serve this model: {reason}")
@@ -280,7 +282,8 @@ class ModelRunner:
         if max_len > weights.cos.shape[0]:
             raise ValueError(f"max_len {max_len} exceeds the model's {weights.cos.shape[0]} positions")
         layout = KVLayout(cfg.num_hidden_layers, weights.num_kv_heads, weights.head_dim, dtype)
-        kv = KVSlots(layout, max_len, kv_budget_bytes, max_sessions, device)
+        budget = kv_budget_bytes() if callable(kv_budget_bytes) else kv_budget_bytes
+        kv = KVSlots(layout, max_len, budget, max_sessions, device)
         return cls(weights, kv, tile, fuse_upto)
 
     @property

@@ -30,9 +30,9 @@ from specserve.algorithm.rejection import QProbs, Verdict
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import DraftStep, HFDrafter, bonus_guess, draft_step, make_proposal
-from specserve.models.device import resolve_device, resolve_dtype, to_host
+from specserve.models.device import activation_reserve_bytes, kv_budget_bytes, resolve_device, resolve_dtype, to_host
 from specserve.models.kv_slots import prefill_chunks
-from specserve.models.runner import ModelRunner, Row, choose_path
+from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
 from specserve.models.verifier import JudgeRow, TargetModel, judge_rows, verify_block
 from specserve.structured.grammar import propose_constrained
 from specserve.worker.scheduler import AGAIN, Work
@@ -51,12 +51,15 @@ class Batching:
     fuse_upto: int = 128
     device: str = "auto"  # models/device.py: auto, cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16, fp16
+    gpu_memory_utilization: float = 0.9  # CUDA: the KV budget's share of device memory (device.kv_budget_bytes)
+    max_batch: int = 32  # work items per step: with prefill_chunk, bounds a step's activations
 
     @classmethod
     def from_settings(cls, s) -> Batching:
         """From DraftSettings or TargetSettings (same field names)."""
         return cls(enabled=s.batching, kv_budget_mb=s.kv_budget_mb, max_sessions=s.max_sessions, max_len=s.max_len,
                    prefill_chunk=s.prefill_chunk, device=s.device, dtype=s.dtype,
+                   gpu_memory_utilization=s.gpu_memory_utilization, max_batch=s.max_batch,
                    tile=None if s.exact_batching == "fast" else cls.tile)
 
 
@@ -94,9 +97,14 @@ _handles = itertools.count()
 
 def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
     device = resolve_device(b.device)
-    return ModelRunner.from_hf(model, kv_budget_bytes=int(b.kv_budget_mb * 2**20), max_sessions=b.max_sessions,
-                               max_len=b.max_len or None, device=device, dtype=resolve_dtype(b.dtype, device),
-                               tile=b.tile, fuse_upto=b.fuse_upto)
+    dtype = resolve_dtype(b.dtype, device)
+
+    def budget() -> int:  # called once the weights are on the device
+        reserve = activation_reserve_bytes(model.config, b.max_batch * b.prefill_chunk, b.max_batch * SHORT_ROW, dtype)
+        return kv_budget_bytes(device, b.kv_budget_mb, b.gpu_memory_utilization, reserve)
+
+    return ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions, max_len=b.max_len or None,
+                               device=device, dtype=dtype, tile=b.tile, fuse_upto=b.fuse_upto)
 
 
 class WorkerEngine(Protocol):

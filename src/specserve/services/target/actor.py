@@ -17,6 +17,17 @@ from specserve.serving.server import configure_logging
 log = logging.getLogger("specserve.target")
 
 
+def _ray_gpu_ids() -> list:
+    """The GPUs Ray gave this actor (it sets CUDA_VISIBLE_DEVICES to them: they are cuda:0
+    upwards here); empty outside Ray or without num_gpus."""
+    try:
+        import ray
+
+        return list(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return []
+
+
 def registry_key(prefix: str, name: str) -> str:
     return f"{prefix}:target:{name}"
 
@@ -83,6 +94,10 @@ class TargetWorker:
             torch.set_num_threads(s.torch_threads)
             target = TargetModel(load_model(s.model))
             engine = target_engine(target, Batching.from_settings(s))
+            runner = getattr(engine, "runner", None)
+            device = str(runner.w.embed.device) if runner is not None else "cpu"
+            span.set_attribute("specserve.device", device)
+            log.info("target model on %s (Ray GPU ids %s, num_gpus %s)", device, _ray_gpu_ids(), s.num_gpus)
             warm_up(engine)  # the batched step once, before the engine loop owns the model
             metrics = WorkerMetrics("target")
             store = SessionStore(redis, prefix=s.key_prefix, ttl_s=s.session_ttl_s, lease_s=s.lease_s)
