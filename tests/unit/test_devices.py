@@ -10,7 +10,13 @@ from pydantic import ValidationError
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.config import DraftSettings, TargetSettings
-from specserve.models.device import activation_reserve_bytes, kv_budget_bytes, resolve_device, resolve_dtype, to_host
+from specserve.models.device import (
+    activation_reserve_bytes,
+    kv_budget_bytes,
+    resolve_device,
+    resolve_dtype,
+    to_host,
+)
 from specserve.models.runner import Row
 from specserve.worker.engines import Batching, make_runner
 

@@ -30,7 +30,13 @@ from specserve.algorithm.rejection import QProbs, Verdict
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import DraftStep, HFDrafter, bonus_guess, draft_step, make_proposal
-from specserve.models.device import activation_reserve_bytes, kv_budget_bytes, resolve_device, resolve_dtype, to_host
+from specserve.models.device import (
+    activation_reserve_bytes,
+    kv_budget_bytes,
+    resolve_device,
+    resolve_dtype,
+    to_host,
+)
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
 from specserve.models.verifier import JudgeRow, TargetModel, judge_rows, verify_block
