@@ -13,7 +13,8 @@ takes a CUDA device guard in C++ before dispatch and raises "PyTorch is not link
 support for cuda devices" (ops called as functions never take it). `LowerIndexing` lowers
 `__getitem__` / `__setitem__` to the aten ops PyTorch's own indexing calls (select, slice,
 unsqueeze, index, index_put_), in the same order, so the step's code runs unchanged and every
-op still meets the fake-tensor checks.
+op still meets the fake-tensor checks. `torch.tensor(data, device="cuda")` is lowered the
+same way, to a host tensor and a copy in (a one-element list takes the guard otherwise).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -114,6 +115,14 @@ class LowerIndexing(TorchFunctionMode):
             return to(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return to(args[0], "cuda" if len(args) < 2 else args[1])
+        if func is torch.Tensor.numpy and not isinstance(args[0], FakeTensor):
+            with unset_fake_temporarily():  # a real host tensor's data (the designated copy's stand-in)
+                return func(*args, **kwargs)
+        if func is torch.tensor and torch.device(kwargs.get("device") or "cpu").type == "cuda":
+            # data from Python made on the host, then copied in (what CUDA does); the build's own
+            # path for a one-element list takes the CUDA guard
+            device = kwargs.pop("device")
+            return to(func(*args, **kwargs), device)
         return func(*args, **kwargs)
 
 

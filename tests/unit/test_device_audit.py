@@ -26,7 +26,9 @@ import specserve.worker.engines as engines_module
 from specserve.algorithm.rejection import SparseQ
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
-from specserve.worker.engines import AGAIN, BatchedTarget, Batching, VerifyJob, VerifyResult
+from specserve.drafters.base import DraftProposal
+from specserve.drafters.hf import HFDrafter
+from specserve.worker.engines import AGAIN, BatchedDraft, BatchedTarget, Batching, DraftJob, VerifyJob, VerifyResult
 from specserve.worker.scheduler import Work
 
 SHAPE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -45,13 +47,14 @@ class DesignatedCopy:
     (a verdict of 0 accepted drafts and token 0, valid for every row). A copy wider than a
     verdict (2 + 2K numbers per row: logits, say) fails at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_width: int = 2 + 2 * K_MAX) -> None:
         self.calls: list[list[tuple[str, tuple[int, ...]]]] = []
+        self.max_width = max_width
 
     def __call__(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         self.calls.append([(r.device.type, tuple(r.shape)) for r in rows])
-        wide = [tuple(r.shape) for r in rows if r.shape[-1] > 2 + 2 * K_MAX]
-        assert not wide, f"the step copies {wide} to the host (logits?), not verdicts"
+        wide = [tuple(r.shape) for r in rows if r.shape[-1] > self.max_width]
+        assert not wide, f"the step copies {wide} to the host (logits?), not its results"
         with unset_fake_temporarily():
             return [torch.zeros(r.shape, dtype=r.dtype) for r in rows]
 
@@ -133,3 +136,68 @@ def test_the_audits_lowered_indexing_is_pytorchs_own(idx):
     a[ix] = -1.0
     setitem(b, ix, -1.0)
     assert torch.equal(a, b)
+
+
+Q_ENTRIES = 16  # the draft's q cap in the audit: sparse on the wire (16 <= 0.25 x 211)
+
+
+def _draft_jobs(engine: BatchedDraft) -> list[Work]:
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    prompt = [(5 * i) % SHAPE["vocab_size"] for i in range(1, 21)]
+    jobs = {
+        "prefill": DraftJob(None, prompt, 3, greedy, 1),  # 20 tokens, chunks of 8: AGAIN
+        "greedy-k3": DraftJob(None, [1, 2, 3], 3, greedy, 2),
+        "greedy-k2-banned": DraftJob(None, [4, 5], 2, SamplingParams(banned_token_ids=(0, 7)), 3),
+        "sampled-k4": DraftJob(None, [9, 8, 7], 4, sampled, 4),
+        "sampled-k1": DraftJob(None, [6], 1, SamplingParams(temperature=1.0), 5),
+        "guess-greedy": DraftJob(None, [11, 12], 1, greedy, 6, guess=True),
+        "guess-sampled": DraftJob(None, [13, 14, 15], 1, sampled, 7, guess=True),
+    }
+    out = []
+    for name, job in jobs.items():
+        job.handle = engine.open(name)
+        out.append(Work(name, job, 1))
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_batched_draft_step_on_a_fake_cuda_device_copies_only_its_picks_to_the_host(arch, monkeypatch):
+    """K forwards, each fed the previous picks from the device; one copy at the end of at
+    most 4 + 2E numbers per drafted position (token, runner-up, two confidences, q's E
+    entries), not logits."""
+    copy = DesignatedCopy(max_width=4 + 2 * Q_ENTRIES)
+    monkeypatch.setattr(engines_module, "to_host", copy)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
+    with fake_cuda() as (_, host_copies):
+        model = ARCHITECTURES[arch]().eval()
+        engine = BatchedDraft(HFDrafter(model, q_max_entries=Q_ENTRIES),
+                              Batching(kv_budget_mb=1, max_sessions=8, max_len=64, prefill_chunk=8, device="cuda",
+                                       dtype="bf16", fuse_upto=0))
+        assert engine.runner.w.embed.device.type == "cuda"
+        batch = _draft_jobs(engine)
+        for _ in range(3):  # the prompt's chunks of 8 (8, 16, its last 5) beside the others' next blocks
+            copy.calls.clear()
+            host_copies.copies.clear()
+            results = engine.step(batch)
+            assert host_copies.copies == [], f"copies to the host outside the designated one: {host_copies.copies}"
+            assert len(copy.calls) == 1, f"the designated copy ran {len(copy.calls)} times in one step"
+            shapes = copy.calls[0]
+            finished = [(w, r) for w, r in zip(batch, results, strict=True) if r is not AGAIN]
+            # one [k, width] row block per finished job (in the step's own order), on the device
+            assert all(d == "cuda" for d, _ in shapes)
+            assert sorted(shape[0] for _, shape in shapes) == sorted(w.payload.k for w, _ in finished)
+            for w, r in finished:
+                job = w.payload
+                if job.guess:
+                    assert r == 0, (w.session, r)
+                    continue
+                # the zeros that crossed: token 0 at every position, runner-up 0, an empty q
+                assert isinstance(r, DraftProposal), (w.session, r)
+                assert r.tokens == [0] * job.k and r.runner_up == [0] * job.k
+                assert (r.q is None) == job.sampling.greedy
+                # the KV holds the committed tokens and the k - 1 picks fed from the device,
+                # named once they crossed
+                assert engine.runner.kv.ids[engine.runner.kv.slot(job.handle)] == job.ids + [0] * (job.k - 1)
+            for w in batch:
+                w.payload.ids = w.payload.ids + [1]  # one more committed token for the next step
+        assert results[0] is not AGAIN  # the prompt's last chunk went in the third step: drafted there

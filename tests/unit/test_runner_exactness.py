@@ -210,3 +210,31 @@ def test_half_precision_smoke_on_cpu(demo_pair_dir, demo_pair, dtype, atol):
     assert (out - hf_logits(model, ids)).abs().max() < atol
     full = hf_logits(demo_pair.target, ids)
     assert (out.argmax(-1) == full.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("tile", [4, None])
+def test_tokens_fed_from_the_device_give_the_logits_of_the_same_tokens_from_the_host(tile):
+    """A draft feeds its picks back as device tensors (issue 21): spliced between host rows,
+    they give bit-identical logits, and the KV records them as unknown until settled."""
+    from specserve.models.kv_slots import UNKNOWN
+
+    model = RANDOM_MODELS["qwen3"]()
+    runs = []
+    for as_tensor in (False, True):
+        runner = ModelRunner.from_hf(model, max_sessions=3, max_len=64, tile=tile, fuse_upto=0)
+        for s in "abc":
+            runner.allocate(s)
+        runner.forward([Row("a", [5, 6, 7]), Row("b", [8, 9]), Row("c", [10, 11, 12, 13])])
+        picks = {"a": [14], "c": [15]}
+        rows = [Row("a", torch.tensor(picks["a"]) if as_tensor else picks["a"]), Row("b", [16, 17]),
+                Row("c", torch.tensor(picks["c"]) if as_tensor else picks["c"])]
+        runs.append(runner.forward(rows))
+        if as_tensor:
+            assert runner.kv.ids[runner.kv.slot("a")] == [5, 6, 7, UNKNOWN]
+            assert runner.kv.ids[runner.kv.slot("b")] == [8, 9, 16, 17]
+            runner.kv.settle("a", 3, [14])
+            assert runner.kv.ids[runner.kv.slot("a")] == [5, 6, 7, 14]
+            # an unsettled position agrees with no token: reconciling drops it
+            assert runner.reconcile("c", [10, 11, 12, 13, 15, 2]) == 1 and runner.length("c") == 4
+    for host, device in zip(*runs, strict=True):
+        assert torch.equal(host, device)

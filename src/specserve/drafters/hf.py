@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -92,69 +93,136 @@ class HFDraftSession:
 
 @dataclass
 class DraftStep:
-    """One drafted position: the token, its truncated q (None at T = 0), the runner-up and
-    the draft's (p(token), p(runner-up))."""
+    """One drafted position, on the host: the token, its truncated q (None at T = 0), the
+    runner-up and the draft's (p(token), p(runner-up)).
+
+    q is the truncated distribution's entries (`q_ids` [E] and `q` [E] float32, most likely
+    first, zero-padded) when the truncation caps them (`q_entries`), else dense [V]. numpy:
+    the step's single copy is read once, and the proposal is built without torch ops."""
 
     token: int
-    q: torch.Tensor | None
+    q: np.ndarray | None
     runner_up: int | None
     confidence: tuple[float, float]
+    q_ids: np.ndarray | None = None
+
+
+@dataclass
+class DevicePick:
+    """The same for one row, on the logits' device: nothing read back (issue 21). `pack`
+    lays it out as one float64 row for the step's single copy to the host."""
+
+    token: torch.Tensor  # [] int64
+    runner_up: torch.Tensor  # [] int64, -1 = none
+    confidence: torch.Tensor  # [2] float64
+    q: torch.Tensor | None  # [E] entries or [V] dense, float32; None at T = 0
+    q_ids: torch.Tensor | None  # [E] int64 with entries; None when dense or at T = 0
+
+    def pack(self, width: int) -> torch.Tensor:
+        """[width] float64: token, runner-up, the two confidences, then q's ids and probs
+        (entries) or q (dense), zero-padded. Token ids are exact in float64, and so are
+        float32 probabilities."""
+        parts = [self.token.double().view(1), self.runner_up.double().view(1), self.confidence]
+        if self.q is not None:
+            if self.q_ids is not None:
+                parts.append(self.q_ids.double())
+            parts.append(self.q.double())
+        row = torch.cat(parts)
+        return torch.nn.functional.pad(row, (0, width - row.shape[0]))
+
+    @staticmethod
+    def unpack(row: np.ndarray, sampling: SamplingParams, entries: int | None, vocab: int) -> DraftStep:
+        """The host row `pack` wrote ([width] float64) -> a DraftStep."""
+        token, alt = int(row[0]), int(row[1])
+        q = q_ids = None
+        if not sampling.greedy:
+            if entries is not None:
+                q_ids, q = row[4:4 + entries].astype(np.int64), row[4 + entries:4 + 2 * entries].astype(np.float32)
+            else:
+                q = row[4:4 + vocab].astype(np.float32)
+        return DraftStep(token, q, alt if alt >= 0 else None, (float(row[2]), float(row[3])), q_ids)
+
+
+def q_entries(q_max_entries: int, vocab: int) -> int | None:
+    """How many entries carry a truncated q: the cap when it makes q sparse on the wire
+    (`_pack_q`), else None (q is kept dense)."""
+    return q_max_entries if 0 < q_max_entries <= SPARSE_MAX_SHARE * vocab else None
+
+
+def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tensor | None, q_mass: float,
+                   q_max_entries: int) -> DevicePick:
+    """The draft token from the draft's logits [V] at one position, on their device: argmax at
+    T = 0, else a draw with the uniform `u` ([1] float64 on the device: uniform(seed, pos,
+    DRAFT)) from q truncated to q_mass. Shared by the per-session path and the batched draft
+    worker, so both draft the same from the same logits."""
+    dev = logits.device
+    q = q_ids = None
+    if sampling.greedy:
+        tok = greedy_tokens(logits, sampling)
+        scores = torch.softmax(logits.float(), -1)
+    else:
+        probs = truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
+        tok = draw(probs.unsqueeze(0), u)[0]
+        scores = q = probs
+        entries = q_entries(q_max_entries, probs.shape[-1])
+        if entries is not None:
+            q, q_ids = torch.topk(probs, entries)
+    masked = logits if not sampling.banned_token_ids else logits.index_fill(
+        0, torch.tensor(sampling.banned_token_ids, device=dev), float("-inf"))
+    top = torch.topk(masked, 2)
+    first_is_drafted = top.indices[0] == tok
+    alt = torch.where(first_is_drafted, top.indices[1], top.indices[0])
+    alt_ok = torch.where(first_is_drafted, top.values[1], top.values[0]) != float("-inf")
+    alt = torch.where(alt_ok, alt, torch.full_like(alt, -1))
+    conf = torch.stack([scores[tok], torch.where(alt_ok, scores[alt.clamp(min=0)], torch.zeros_like(scores[0]))])
+    return DevicePick(tok.long(), alt.long(), conf.double(), q, q_ids)
 
 
 def draft_step(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int, q_mass: float,
                q_max_entries: int) -> DraftStep:
-    """The draft token at absolute position `pos` from the draft's logits [V] there: argmax
-    at T = 0, else a draw from q truncated to q_mass with uniform(seed, pos, DRAFT). Shared by
-    the per-session path and the batched draft worker, so both draft the same from the same
-    logits."""
-    probs = None if sampling.greedy else truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
-    if probs is None:
-        tok = int(greedy_tokens(logits, sampling))
-    else:
-        tok = int(draw(probs.unsqueeze(0), torch.from_numpy(uniform(seed, [pos], Purpose.DRAFT)))[0])
-    alt = _runner_up(logits, tok, sampling)
-    return DraftStep(tok, probs, alt, _confidence(logits if probs is None else probs, probs is None, tok, alt))
+    """`pick_on_device` read back at once: the per-session path, which feeds each token to
+    its own next forward."""
+    u = None if sampling.greedy else torch.from_numpy(uniform(seed, [pos], Purpose.DRAFT)).to(logits.device)
+    pick = pick_on_device(logits, sampling, u, q_mass, q_max_entries)
+    entries = q_entries(q_max_entries, logits.shape[-1]) if not sampling.greedy else None
+    width = 4 + (0 if sampling.greedy else 2 * entries if entries is not None else logits.shape[-1])
+    return DevicePick.unpack(pick.pack(width).cpu().numpy(), sampling, entries, logits.shape[-1])
 
 
 def make_proposal(steps: Sequence[DraftStep], sampling: SamplingParams, dropped: int) -> DraftProposal:
     if not steps:
         return DraftProposal([], None, dropped_on_reconcile=dropped)
-    q = None if sampling.greedy else _pack_q(torch.stack([s.q for s in steps if s.q is not None]))
+    q = None if sampling.greedy else _pack_q(steps)
     return DraftProposal([s.token for s in steps], q, dropped_on_reconcile=dropped,
                          runner_up=[s.runner_up for s in steps], confidence=[s.confidence for s in steps])
 
 
+def bonus_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tensor | None) -> torch.Tensor:
+    """The draft's guess of the target's token ([] int64 on the logits' device); `u`: [1]
+    float64, uniform(seed, pos, BONUS), at T > 0 (see HFDraftSession.guess_next)."""
+    if sampling.greedy:
+        return greedy_tokens(logits, sampling).long()
+    return draw(logits_to_probs(logits, sampling).unsqueeze(0), u)[0].long()
+
+
 def bonus_guess(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int) -> int:
     """The draft's guess of the target's token at `pos` (see HFDraftSession.guess_next)."""
-    if sampling.greedy:
-        return int(greedy_tokens(logits, sampling))
-    probs = logits_to_probs(logits, sampling)
-    return int(draw(probs.unsqueeze(0), torch.from_numpy(uniform(seed, [pos], Purpose.BONUS)))[0])
+    u = None if sampling.greedy else torch.from_numpy(uniform(seed, [pos], Purpose.BONUS)).to(logits.device)
+    return int(bonus_on_device(logits, sampling, u))
 
 
-def _confidence(scores: torch.Tensor, are_logits: bool, drafted: int, alt: int | None) -> tuple[float, float]:
-    """(probability of the drafted token, of the runner-up) under the draft; at T = 0 the
-    softmax of its logits."""
-    probs = torch.softmax(scores.float(), -1) if are_logits else scores
-    return float(probs[drafted]), float(probs[alt]) if alt is not None else 0.0
-
-
-def _runner_up(logits: torch.Tensor, drafted: int, sampling: SamplingParams) -> int | None:
-    """The most likely token other than the drafted one (banned tokens excluded)."""
-    top = torch.topk(logits if not sampling.banned_token_ids else logits.index_fill(
-        0, torch.tensor(sampling.banned_token_ids), float("-inf")), 2)
-    for value, idx in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-        if idx != drafted and value != float("-inf"):
-            return int(idx)
-    return None
-
-
-def _pack_q(q: torch.Tensor) -> DenseQ | SparseQ:
-    """q [K, V] -> sparse when truncation left few tokens with mass, else dense. Exact."""
-    support = int((q > 0).sum(-1).max())
-    if support <= SPARSE_MAX_SHARE * q.shape[-1]:
-        probs, ids = torch.topk(q, support, dim=-1)
-        return SparseQ(ids=ids, probs=probs)
-    return DenseQ(probs=q)
-
-
+def _pack_q(steps: Sequence[DraftStep]) -> DenseQ | SparseQ:
+    """The steps' q [K, ...] -> sparse when truncation left few tokens with mass, else dense.
+    Exact. Sparse entries are the most likely first, cut to the widest position's support
+    (ties in probability by token id)."""
+    probs = np.stack([s.q for s in steps if s.q is not None])
+    support = int((probs > 0).sum(-1).max())
+    if steps[0].q_ids is not None:
+        ids = np.stack([s.q_ids for s in steps if s.q_ids is not None])
+    elif support <= SPARSE_MAX_SHARE * probs.shape[-1]:
+        ids = np.argsort(-probs, axis=-1, kind="stable")
+        probs = np.take_along_axis(probs, ids, -1)
+    else:
+        return DenseQ(probs=torch.from_numpy(probs))
+    return SparseQ(ids=torch.from_numpy(np.ascontiguousarray(ids[:, :support])),
+                   probs=torch.from_numpy(np.ascontiguousarray(probs[:, :support])))

@@ -31,6 +31,9 @@ class ContextTooLong(InvalidRequest):
     """A session would grow past its slot's capacity (gRPC INVALID_ARGUMENT)."""
 
 
+UNKNOWN = -1  # a cached position whose token id the host has not read yet (KVSlots.append)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one token's KV across the model."""
@@ -148,9 +151,20 @@ class KVSlots:
         self.rollback(session, min(common, max(len(token_ids) - feed_at_least, 0)))
         return rolled_back
 
-    def append(self, session: Hashable, token_ids: Sequence[int]) -> None:
-        """Record tokens whose KV a forward has just written."""
-        self.ids[self.slot(session)].extend(int(t) for t in token_ids)
+    def append(self, session: Hashable, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Record tokens whose KV a forward has just written. Tokens still on the device (a
+        draft's own picks, not yet read back) are recorded as UNKNOWN until `settle` names
+        them; an UNKNOWN position matches no token, so reconciling drops it."""
+        if isinstance(token_ids, torch.Tensor):
+            self.ids[self.slot(session)].extend([UNKNOWN] * token_ids.shape[0])
+        else:
+            self.ids[self.slot(session)].extend(int(t) for t in token_ids)
+
+    def settle(self, session: Hashable, start: int, token_ids: Sequence[int]) -> None:
+        """Name the tokens cached from `start` on, appended while they were on the device."""
+        ids = self.ids[self.slot(session)]
+        end = min(len(ids), start + len(token_ids))
+        ids[start:end] = [int(t) for t in token_ids[:end - start]]
 
     def check_room(self, session: Hashable, new_tokens: int) -> None:
         have = self.length(session)

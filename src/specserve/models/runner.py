@@ -195,7 +195,7 @@ class Row:
     not the last); None = all."""
 
     session: Hashable
-    tokens: Sequence[int]
+    tokens: Sequence[int] | torch.Tensor  # a 1-D int64 tensor on the device: a draft's own picks
     num_logits: int | None = None
 
 
@@ -328,7 +328,7 @@ class ModelRunner:
         if len(set(sessions)) != len(sessions):
             raise ValueError("a session appears twice in one batch")
         for r in rows:
-            if not r.tokens:
+            if len(r.tokens) == 0:
                 raise ValueError(f"row for session {r.session!r} has no tokens")
             self.kv.check_room(r.session, len(r.tokens))
         slots = [self.kv.slot(s) for s in sessions]
@@ -337,11 +337,8 @@ class ModelRunner:
         offsets = [sum(sizes[:i]) for i in range(len(rows))]
         m = sum(sizes)
         mp = self._padded(m)
-        flat = [int(t) for r in rows for t in r.tokens]
-        if min(flat) < 0 or max(flat) >= self.vocab_size:
-            raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
         # Padding tokens (id 0 at position 0) fill the last tile; their KV is never written.
-        ids = torch.tensor(flat + [0] * (mp - m), device=self.device)  # [Mp]
+        ids = self._token_ids(rows, mp - m)  # [Mp]
         pos = torch.tensor([p for s, n in zip(starts, sizes, strict=True) for p in range(s, s + n)]
                            + [0] * (mp - m), device=self.device)  # [Mp]
         slot_of_token = torch.tensor([s for s, n in zip(slots, sizes, strict=True) for _ in range(n)],
@@ -369,6 +366,28 @@ class ModelRunner:
         for r in rows:
             self.kv.append(r.session, r.tokens)
         return self._logits(h, rows, offsets, sizes)
+
+    def _token_ids(self, rows: Sequence[Row], pad: int) -> torch.Tensor:
+        """The rows' tokens and `pad` zeros as one [Mp] tensor on the device. Host tokens are
+        checked against the vocabulary; device ones (picked from this model's logits) are
+        spliced in where they stand, never read back."""
+        host = [int(t) for r in rows if not isinstance(r.tokens, torch.Tensor) for t in r.tokens]
+        if host and (min(host) < 0 or max(host) >= self.vocab_size):
+            raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
+        if not any(isinstance(r.tokens, torch.Tensor) for r in rows):
+            return torch.tensor(host + [0] * pad, device=self.device)
+        parts, run = [], []
+        for r in rows:
+            if isinstance(r.tokens, torch.Tensor):
+                if run:
+                    parts.append(torch.tensor(run, device=self.device))
+                    run = []
+                parts.append(r.tokens.to(device=self.device, dtype=torch.long).view(-1))
+            else:
+                run.extend(int(t) for t in r.tokens)
+        if run or pad:
+            parts.append(torch.tensor(run + [0] * pad, dtype=torch.long, device=self.device))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [Mp, H] -> q, k, v stacked [Mp, Hq + 2 Hkv, D], tile by tile."""

@@ -21,15 +21,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from specserve.algorithm.rejection import QProbs, Verdict
+from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
-from specserve.drafters.hf import DraftStep, HFDrafter, bonus_guess, draft_step, make_proposal
+from specserve.drafters.hf import (
+    DevicePick,
+    HFDrafter,
+    bonus_on_device,
+    make_proposal,
+    pick_on_device,
+    q_entries,
+)
 from specserve.models.device import (
     activation_reserve_bytes,
     kv_budget_bytes,
@@ -209,6 +218,19 @@ class BatchedTarget(_RunnerSessions):
         return results
 
 
+@dataclass
+class _Drafting:
+    """A draft job in the middle of a batched step: its picks so far, on the device."""
+
+    index: int
+    job: DraftJob
+    k: int
+    dropped: int
+    masks: Any
+    u: torch.Tensor | None = None  # its uniforms on the device ([k], or [1] for a guess); None at T = 0
+    picks: list[DevicePick] = field(default_factory=list)
+
+
 class BatchedDraft(_RunnerSessions):
     def __init__(self, drafter: HFDrafter, b: Batching) -> None:
         self.drafter = drafter
@@ -216,10 +238,13 @@ class BatchedDraft(_RunnerSessions):
 
     def step(self, batch: list[Work]) -> list[Any]:
         """Step 0 feeds each session's new committed tokens (1 logit), then one batched
-        1-token step per further draft position."""
+        1-token step per further draft position. The picks stay on the device, each fed to
+        the next forward from there; the step's results cross to the host in one copy at the
+        end (issue 21). A constrained row reads its token at each position: its grammar runs
+        on the host."""
         results: list[Any] = [None] * len(batch)
         rows: list[Row] = []
-        live: list[tuple[int, DraftJob, int, int, list, Any]] = []
+        live: list[_Drafting] = []
         for i, w in enumerate(batch):
             job: DraftJob = w.payload
             k = 1 if job.guess else min(job.k, self.max_positions - len(job.ids))
@@ -235,35 +260,75 @@ class BatchedDraft(_RunnerSessions):
             w.tokens = len(feed)
             if last:
                 masks = job.grammar.start(job.ids) if job.grammar is not None else None
-                live.append((i, job, k, dropped, [], masks))
+                live.append(_Drafting(i, job, k, dropped, masks))
             else:
                 results[i] = AGAIN
-        logits = dict(zip((r.session for r in rows), to_host(self.runner.forward(rows)), strict=True))
+        self._uniforms(live)
+        done: list[_Drafting] = []
+        logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
         while live:
             rows, still = [], []
-            for i, job, k, dropped, steps, masks in live:
-                lg = logits[job.handle][-1]
-                if masks is not None:
-                    lg = masks.apply(lg)
-                if job.guess:
-                    results[i] = bonus_guess(lg, job.sampling, job.seed, len(job.ids))
+            for d in live:
+                lg = logits[d.job.handle][-1]
+                if d.masks is not None:
+                    lg = d.masks.apply(lg)
+                if d.job.guess:
+                    tok = bonus_on_device(lg, d.job.sampling, d.u)
+                    d.picks.append(DevicePick(tok, torch.full_like(tok, -1), torch.zeros(2, dtype=torch.float64,
+                                                                                         device=tok.device), None, None))
+                    done.append(d)
                     continue
-                steps.append(self._pick(lg, job, len(steps)))
-                if masks is not None:
-                    masks.push(steps[-1].token)
-                if len(steps) == k:
-                    results[i] = make_proposal(steps, job.sampling, dropped)
+                n = len(d.picks)
+                u = None if d.u is None else d.u[n:n + 1]
+                pick = pick_on_device(lg, d.job.sampling, u, self.drafter.q_mass, self.drafter.q_max_entries)
+                d.picks.append(pick)
+                if d.masks is not None:
+                    d.masks.push(int(pick.token))
+                if len(d.picks) == d.k:
+                    done.append(d)
                     continue
-                rows.append(Row(job.handle, [steps[-1].token], num_logits=1))
-                batch[i].tokens += 1
-                still.append((i, job, k, dropped, steps, masks))
-            logits = dict(zip((r.session for r in rows), to_host(self.runner.forward(rows)), strict=True))
+                rows.append(Row(d.job.handle, pick.token.view(1), num_logits=1))
+                batch[d.index].tokens += 1
+                still.append(d)
+            logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
             live = still
+        self._finish(done, results)
         return results
 
-    def _pick(self, logits: torch.Tensor, job: DraftJob, i: int) -> DraftStep:
-        return draft_step(logits, job.sampling, job.seed, len(job.ids) + i, self.drafter.q_mass,
-                          self.drafter.q_max_entries)
+    def _uniforms(self, live: list[_Drafting]) -> None:
+        """Every sampled row's uniforms for the step, drawn on the host (ADR 0001: the same
+        on every device) and copied in at once: uniform(seed, pos, DRAFT) for its k
+        positions, or uniform(seed, pos, BONUS) for a guess."""
+        sampled = [d for d in live if not d.job.sampling.greedy]
+        if not sampled:
+            return
+        draws = [uniform(d.job.seed, [len(d.job.ids)], Purpose.BONUS) if d.job.guess else
+                 uniform(d.job.seed, list(range(len(d.job.ids), len(d.job.ids) + d.k)), Purpose.DRAFT)
+                 for d in sampled]
+        flat = torch.from_numpy(np.concatenate(draws)).to(self.runner.device)
+        at = 0
+        for d, u in zip(sampled, draws, strict=True):
+            d.u = flat[at:at + len(u)]
+            at += len(u)
+
+    def _finish(self, done: list[_Drafting], results: list[Any]) -> None:
+        """The one copy of the step's picks to the host (`to_host`), then the proposals, and
+        the KV's record of the tokens that were fed from the device."""
+        if not done:
+            return
+        vocab = self.runner.vocab_size
+        entries = q_entries(self.drafter.q_max_entries, vocab)
+        q_width = 2 * entries if entries is not None else vocab
+        width = 4 + max((q_width for d in done if not d.job.sampling.greedy and not d.job.guess), default=0)
+        packed = [torch.stack([p.pack(width) for p in d.picks]) for d in done]
+        for d, host in zip(done, to_host(packed), strict=True):
+            job = d.job
+            if job.guess:
+                results[d.index] = int(host.numpy()[0, 0])
+                continue
+            steps = [DevicePick.unpack(r, job.sampling, entries, vocab) for r in host.numpy()]
+            self.runner.kv.settle(job.handle, len(job.ids), [s.token for s in steps[:-1]])
+            results[d.index] = make_proposal(steps, job.sampling, d.dropped)
 
 
 class _PerSession:
