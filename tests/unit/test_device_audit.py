@@ -24,11 +24,19 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 import specserve.models.verifier as verifier_module
 import specserve.worker.engines as engines_module
 from specserve.algorithm.rejection import SparseQ
-from specserve.models.verifier import TargetModel
-from specserve.params import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import HFDrafter
-from specserve.worker.engines import AGAIN, BatchedDraft, BatchedTarget, Batching, DraftJob, VerifyJob, VerifyResult
+from specserve.models.verifier import TargetModel
+from specserve.params import SamplingParams
+from specserve.worker.engines import (
+    AGAIN,
+    BatchedDraft,
+    BatchedTarget,
+    Batching,
+    DraftJob,
+    VerifyJob,
+    VerifyResult,
+)
 from specserve.worker.scheduler import Work
 
 SHAPE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
