@@ -182,3 +182,35 @@ def test_a_target_on_cuda_asks_ray_for_the_gpus_it_uses(device, num_gpus):
                                                   ("cpu", 0)])
 def test_devices_within_the_actors_gpus_are_accepted(device, num_gpus):
     assert TargetSettings(device=device, num_gpus=num_gpus).device == device
+
+
+def test_the_per_session_path_runs_the_hf_model_on_the_workers_device_and_dtype():
+    """An architecture the batched runner does not serve (GPT-2 here) takes the per-session
+    HF path: the model itself moves to the worker's device and dtype, and still verifies."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from specserve.drafters.hf import HFDrafter
+    from specserve.models.verifier import TargetModel
+    from specserve.params import SamplingParams
+    from specserve.worker.engines import (
+        SessionDraft,
+        SessionTarget,
+        VerifyJob,
+        draft_engine,
+        target_engine,
+    )
+    from specserve.worker.scheduler import Work
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    target, draft = GPT2LMHeadModel(cfg).eval(), GPT2LMHeadModel(cfg).eval()
+    b = Batching(device="cpu", dtype="bf16")
+    engine = target_engine(TargetModel(target), b)
+    assert isinstance(engine, SessionTarget)
+    assert {p.dtype for p in target.parameters()} == {torch.bfloat16}
+    assert isinstance(draft_engine(HFDrafter(draft), b), SessionDraft)
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    handle = engine.open("s")
+    (result,) = engine.step([Work("s", VerifyJob(handle, [1, 2, 3], [4], None, SamplingParams(), 0), 1)])
+    assert not isinstance(result, Exception), result
+    assert 1 <= len(result.verdict.tokens) <= 2

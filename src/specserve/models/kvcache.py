@@ -64,16 +64,20 @@ class CachedLM:
 
     @torch.inference_mode()
     def extend(self, new_ids: Sequence[int]) -> torch.Tensor:
-        """Feed `new_ids` after the cached prefix; returns logits [len(new_ids), V] float32."""
+        """Feed `new_ids` after the cached prefix (on the model's device); returns logits
+        [len(new_ids), V] float32 on the host."""
         if not new_ids:
             raise ValueError("extend needs at least one token")
         if self.cache is None:
             self.cache = DynamicCache()
-        inp = torch.tensor([list(new_ids)], dtype=torch.long)
+        device = next(self.model.parameters()).device
+        inp = torch.tensor([list(new_ids)], dtype=torch.long, device=device)
         out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         self.ids.extend(int(t) for t in new_ids)
-        return out.logits[0].float()
+        # on the host: the per-session path (architectures the batched runner does not serve)
+        # reads its logits there, one copy per forward (ADR 0016)
+        return out.logits[0].float().cpu()
 
     def reset(self) -> None:
         self.cache = None

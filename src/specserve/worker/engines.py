@@ -389,7 +389,15 @@ def _guarded(fn, job) -> Any:
 def target_engine(target: TargetModel, b: Batching) -> BatchedTarget | SessionTarget:
     if b.enabled and choose_path(target.model) == "runner":
         return BatchedTarget(target, b)
+    place_hf_model(target.model, b)
     return SessionTarget(target)
+
+
+def place_hf_model(model: torch.nn.Module, b: Batching) -> None:
+    """The per-session path runs the HF model itself: it moves to the worker's device and
+    dtype (the batched runner copies the weights it needs instead)."""
+    device = resolve_device(b.device)
+    model.to(device=device, dtype=resolve_dtype(b.dtype, device))
 
 
 def warm_up(engine: BatchedTarget | SessionTarget) -> None:
@@ -410,4 +418,6 @@ def draft_engine(drafter, b: Batching) -> BatchedDraft | SessionDraft:
     """The n-gram drafter (no model) keeps its per-session path."""
     if b.enabled and isinstance(drafter, HFDrafter) and choose_path(drafter.model) == "runner":
         return BatchedDraft(drafter, b)
+    if isinstance(drafter, HFDrafter):
+        place_hf_model(drafter.model, b)
     return SessionDraft(drafter)
