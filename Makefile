@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup prometheus-tools proto models test test-unit test-faults helm-lint bench lint run down demo-local clean
+.PHONY: setup prometheus-tools proto models test test-unit test-faults helm-lint bench gpu-check lint run down demo-local clean
 
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := src/specserve/v1/__init__.py
@@ -66,6 +66,11 @@ test-unit: setup
 # The fault matrix alone (also part of `make test`): kills, stops and disconnects mid-generation.
 test-faults: setup
 	$(PY) -m pytest -q tests/faults
+
+# On a GPU node (issue 21): greedy identity on CUDA, then plain and speculative speed with a
+# 1B-class random-init pair against transformers' generate; exit 2 where torch sees no GPU.
+gpu-check: setup
+	$(PY) bench/gpu_check.py --models $(MODELS_DIR) --out bench/results
 
 bench: setup
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results

@@ -1,0 +1,339 @@
+"""make gpu-check: what a GPU node checks that the CPU-only suite cannot (issue 21, ADR 0016).
+
+1. Greedy identity on the device: the shipped demo target through the batched runner against
+   transformers' own greedy generation on the same device and dtype, on the held-out
+   prompts. A token may differ only where HF's top two logits are within the dtype's
+   rounding tolerance (a near-tie); the check fails otherwise.
+2. Speed with a realistic-size random-init pair, a 1B-class Llama target (TinyLlama's shape)
+   and a 100M-class Llama draft, both in the run's dtype:
+   - plain decoding through the target worker's batched step (BatchedTarget) at 1, 4 and 16
+     sessions: TPOT and tok/s;
+   - speculative decoding with a synthetic-acceptance drafter: it proposes the target's own
+     greedy continuation with each token kept with probability alpha (a random other token
+     otherwise), and pays the real draft model's K forwards per round through the draft
+     worker's batched step (BatchedDraft); drafting and verifying run one after the other,
+     as on one GPU (no overlap): tok/s and the speedup over plain at the same load;
+   - transformers' generate, plain and assisted (assistant_model = the draft, K tokens), at
+     one stream on the same device: the baseline a user would try first. A random draft is
+     rarely accepted there; it measures the machinery, not acceptance.
+Prints a table and writes <out>/gpu_check.json and <out>/gpu_check.png.
+
+Without CUDA it stops with exit status 2 and says so. `--smoke --device cpu` runs every part
+with tiny shapes (the suite does, so the script cannot rot where no GPU is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+if not sys.stdout.isatty():
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch
+from common import parser
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve.drafters.hf import HFDrafter
+from specserve.models.device import resolve_device, resolve_dtype
+from specserve.models.loading import load_model, load_tokenizer
+from specserve.models.runner import ModelRunner, Row
+from specserve.models.verifier import TargetModel
+from specserve.params import SamplingParams
+from specserve.tooling.modelbuild.build import load_eval_prompts
+from specserve.worker.engines import (
+    AGAIN,
+    BatchedDraft,
+    BatchedTarget,
+    Batching,
+    DraftJob,
+    VerifyJob,
+)
+from specserve.worker.scheduler import Work
+
+GREEDY = SamplingParams()
+# logits; where HF's top two are further apart, rounding cannot swap them (the bf16 figure is
+# twice the largest difference measured on the CPU, tests/unit/test_runner_invariance.py)
+TOLERANCE = {torch.bfloat16: 0.25, torch.float16: 0.05, torch.float32: 1e-3}
+SHAPES = {
+    # TinyLlama-1.1B's shape, and a 100M-class draft with its vocabulary
+    "full": dict(target=dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+                 draft=dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                            num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
+                 prompts=8, new_tokens=16, prompt_len=128, decode=64),
+    "smoke": dict(target=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+                  draft=dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256),
+                  prompts=2, new_tokens=6, prompt_len=16, decode=8),
+}
+
+
+def parse_args(argv=None):
+    p = parser(__doc__)
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N (cpu only with --smoke)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA), bf16, fp16, fp32")
+    p.add_argument("--streams", default="1,4,16")
+    p.add_argument("--alphas", default="0.6,0.8")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
+    a = p.parse_args(argv)
+    a.streams = [int(x) for x in a.streams.split(",")]
+    a.alphas = [float(x) for x in a.alphas.split(",")]
+    return a
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: int, new_tokens: int) -> dict:
+    """Part 1: the runner's greedy tokens against HF's on the same device and dtype."""
+    pair = next((d for d in (models, models / "specserve-demo-v1") if (d / "target" / "config.json").exists()), None)
+    if pair is None:
+        raise SystemExit(f"no demo pair under {models}")
+    model = load_model(str(pair / "target"), dtype=dtype).to(device)
+    tok = load_tokenizer(str(pair / "target"))
+    runner = ModelRunner.from_hf(model, max_sessions=2, max_len=1024, device=device, dtype=dtype, fuse_upto=0)
+    tol = TOLERANCE[dtype]
+    compared, near_ties, failures, largest = 0, [], [], 0.0
+    for i, p in enumerate(load_eval_prompts(pair)[:n_prompts]):
+        ids = tok.encode(p["prompt"])
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                                 max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        ref = gen.sequences[0, len(ids):].tolist()
+        runner.allocate(i)
+        logits = runner.forward([Row(i, ids, num_logits=1)])[0][-1]
+        for j, want in enumerate(ref):
+            hf = gen.logits[j][0].float()
+            largest = max(largest, float((logits - hf).abs().max()))
+            got = int(logits.argmax())
+            compared += 1
+            if got != want:
+                top2 = hf.topk(2).values
+                gap = float(top2[0] - top2[1])
+                (near_ties if gap <= tol else failures).append({"prompt": i, "token": j, "gap": gap})
+                break
+            logits = runner.forward([Row(i, [got], num_logits=1)])[0][-1]
+        runner.free(i)
+    return {"prompts": n_prompts, "tokens_compared": compared, "largest_logit_difference": largest,
+            "tolerance": tol, "near_ties": near_ties, "failures": failures, "ok": not failures}
+
+
+def random_pair(shape: dict, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    with torch.device(device):
+        target = LlamaForCausalLM(LlamaConfig(**shape["target"], tie_word_embeddings=False)).to(dtype).eval()
+        draft = LlamaForCausalLM(LlamaConfig(**shape["draft"], tie_word_embeddings=False)).to(dtype).eval()
+    return target, draft
+
+
+def params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _prefill(engine: BatchedTarget, handles: list, prompts: list[list[int]]) -> list[list[int]]:
+    """Every session's prompt through the target's steps; returns prompt + first token."""
+    seqs = [list(p) for p in prompts]
+    pending = set(range(len(prompts)))
+    while pending:
+        order = sorted(pending)
+        batch = [Work(str(i), VerifyJob(handles[i], seqs[i], [], None, GREEDY, i), 1) for i in order]
+        for i, res in zip(order, engine.step(batch), strict=True):
+            if res is AGAIN:
+                continue
+            if isinstance(res, Exception):
+                raise res
+            seqs[i].extend(res.verdict.tokens)
+            pending.discard(i)
+    return seqs
+
+
+def plain(engine: BatchedTarget, prompts: list[list[int]], decode: int, device: torch.device) -> dict:
+    """Plain decoding of `decode` tokens per session, all sessions in every step."""
+    handles = [engine.open(f"p{i}") for i in range(len(prompts))]
+    try:
+        seqs = _prefill(engine, handles, prompts)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(decode - 1):
+            batch = [Work(str(i), VerifyJob(h, seqs[i], [], None, GREEDY, i), 1) for i, h in enumerate(handles)]
+            for i, res in enumerate(engine.step(batch)):
+                seqs[i].extend(res.verdict.tokens)
+        sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            engine.close(h)
+    steps = decode - 1
+    return {"tpot_ms": 1000 * wall / steps, "tok_s": len(prompts) * steps / wall,
+            "continuations": [s[len(p):] for s, p in zip(seqs, prompts, strict=True)]}
+
+
+def speculative(target: BatchedTarget, draft: BatchedDraft, prompts: list[list[int]], reference: list[list[int]],
+                decode: int, k: int, alpha: float, device: torch.device) -> dict:
+    """Rounds of (the draft's K batched forwards, then one verify step) with synthetic drafts:
+    the reference greedy continuation, each token kept with probability alpha."""
+    rng = random.Random(int(alpha * 1000) + k)
+    vocab = target.runner.vocab_size
+    th = [target.open(f"t{i}") for i in range(len(prompts))]
+    dh = [draft.open(f"d{i}") for i in range(len(prompts))]
+    rounds = emitted = 0
+    try:
+        seqs = _prefill(target, th, prompts)
+        start = [len(s) for s in seqs]
+        sync(device)
+        t0 = time.perf_counter()
+        while any(len(s) - b < decode for s, b in zip(seqs, start, strict=True)):
+            live = [i for i, s in enumerate(seqs) if len(s) - start[i] < decode]
+            jobs = [Work(str(i), DraftJob(dh[i], seqs[i], k, GREEDY, i), k) for i in live]
+            while any(r is AGAIN for r in draft.step(jobs)):  # the draft's prefill, then its K forwards
+                pass
+            batch = []
+            for i in live:
+                done = len(seqs[i]) - len(prompts[i])
+                drafts = []
+                for t in reference[i][done:done + k]:
+                    if rng.random() >= alpha:
+                        drafts.append((t + 1 + rng.randrange(vocab - 1)) % vocab)  # another token: rejected
+                        break
+                    drafts.append(t)
+                batch.append(Work(str(i), VerifyJob(th[i], seqs[i], drafts, None, GREEDY, i), 1 + len(drafts)))
+            for i, res in zip(live, target.step(batch), strict=True):
+                seqs[i].extend(res.verdict.tokens)
+                emitted += len(res.verdict.tokens)
+            rounds += 1
+        sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        for h in th:
+            target.close(h)
+        for h in dh:
+            draft.close(h)
+    return {"tok_s": emitted / wall, "tokens_per_round": emitted / max(1, rounds * len(prompts)),
+            "rounds": rounds}
+
+
+def hf_generate(target, draft, prompt: list[int], decode: int, k: int, device: torch.device) -> dict:
+    """transformers' generate at one stream, plain and assisted."""
+    ids = torch.tensor([prompt], device=device)
+    mask = torch.ones_like(ids)
+    out = {}
+    for name, extra in (("plain", {}), ("assisted", {"assistant_model": draft})):
+        if extra:
+            draft.generation_config.num_assistant_tokens = k
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+        with torch.inference_mode():
+            target.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, **extra)
+            sync(device)
+            t0 = time.perf_counter()
+            gen = target.generate(ids, attention_mask=mask, max_new_tokens=decode, min_new_tokens=decode,
+                                  do_sample=False, **extra)
+            sync(device)
+        out[f"{name}_tok_s"] = (gen.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+    return out
+
+
+def table(res: dict) -> str:
+    lines = ["| streams | plain tok/s | plain TPOT ms | " + " | ".join(
+        f"spec a={a} tok/s (x plain)" for a in res["alphas"]) + " |",
+        "|---|---|---|" + "---|" * len(res["alphas"])]
+    for row in res["speed"]:
+        cells = [f"{s['tok_s']:.1f} ({s['speedup']:.2f}x)" for s in row["speculative"]]
+        lines.append(f"| {row['streams']} | {row['plain']['tok_s']:.1f} | {row['plain']['tpot_ms']:.2f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    streams = [r["streams"] for r in res["speed"]]
+    ax.plot(streams, [r["plain"]["tok_s"] for r in res["speed"]], marker="o", label="plain")
+    for j, a in enumerate(res["alphas"]):
+        ax.plot(streams, [r["speculative"][j]["tok_s"] for r in res["speed"]], marker="o",
+                label=f"speculative K={res['k']}, alpha={a}")
+    ax.set(xscale="log", xlabel="concurrent sessions", ylabel="tokens/s",
+           title=f"gpu-check on {res['device_name']} ({res['dtype']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"gpu-check needs a CUDA device, and torch {torch.__version__} sees none (built with CUDA: "
+              f"{torch.version.cuda or 'no'}). Run it on a GPU node; `--smoke --device cpu` checks the script "
+              "itself.", file=sys.stderr)
+        return 2
+    if device.type != "cuda" and not args.smoke:
+        print("gpu-check measures a GPU: give --device cuda (or --smoke to check the script on the CPU)",
+              file=sys.stderr)
+        return 2
+    dtype = resolve_dtype(args.dtype, device)
+    shape = SHAPES["smoke" if args.smoke else "full"]
+    res: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+                 or "cpu", "smoke": args.smoke, "k": args.k, "alphas": args.alphas}
+    print(f"[gpu-check] {res['device_name']}, {res['dtype']}: greedy identity against transformers", flush=True)
+    res["identity"] = identity(Path(args.models), device, dtype, shape["prompts"], shape["new_tokens"])
+    print(f"[gpu-check] identity: {res['identity']['tokens_compared']} tokens, largest logit difference "
+          f"{res['identity']['largest_logit_difference']:.3f}, near-ties {len(res['identity']['near_ties'])}, "
+          f"failures {len(res['identity']['failures'])}", flush=True)
+
+    target_model, draft_model = random_pair(shape, device, dtype)
+    res["pair"] = {"target_params": params(target_model), "draft_params": params(draft_model)}
+    most = max(args.streams)
+    b = Batching(device=str(device), dtype=args.dtype, max_sessions=most + 1, max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
+                 kv_budget_mb=4096, fuse_upto=0)
+    target = BatchedTarget(TargetModel(target_model), b)
+    draft = BatchedDraft(HFDrafter(draft_model), b)
+    res["speed"] = []
+    for n in args.streams:
+        prompts = _prompts(n, shape["prompt_len"], shape["target"]["vocab_size"])
+        base = plain(target, prompts, shape["decode"], device)
+        row = {"streams": n, "plain": {k: v for k, v in base.items() if k != "continuations"}, "speculative": []}
+        for a in args.alphas:
+            s = speculative(target, draft, prompts, base["continuations"], shape["decode"], args.k, a, device)
+            s.update(alpha=a, speedup=s["tok_s"] / base["tok_s"])
+            row["speculative"].append(s)
+        res["speed"].append(row)
+        print(f"[gpu-check] {n} streams: plain {base['tok_s']:.1f} tok/s; " + ", ".join(
+            f"alpha {s['alpha']}: {s['tok_s']:.1f} ({s['speedup']:.2f}x)" for s in row["speculative"]), flush=True)
+    res["hf"] = hf_generate(target_model, draft_model, _prompts(1, shape["prompt_len"], shape["target"]["vocab_size"])[0],
+                            shape["decode"], args.k, device)
+    res["hf"]["specserve_plain_1_stream_tok_s"] = res["speed"][0]["plain"]["tok_s"] if args.streams[0] == 1 else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(res, indent=2))
+    plot(res, out / "gpu_check.png")
+    print(table(res))
+    print(f"transformers at 1 stream: plain {res['hf']['plain_tok_s']:.1f} tok/s, assisted (K={args.k}) "
+          f"{res['hf']['assisted_tok_s']:.1f} tok/s")
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.png'}")
+    return 0 if res["identity"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
