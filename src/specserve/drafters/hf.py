@@ -161,6 +161,8 @@ def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tens
         tok = greedy_tokens(logits, sampling)
         scores = torch.softmax(logits.float(), -1)
     else:
+        if u is None:
+            raise ValueError("a sampled draft position needs its uniform")
         probs = truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
         tok = draw(probs.unsqueeze(0), u)[0]
         scores = q = probs
@@ -202,6 +204,8 @@ def bonus_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Ten
     float64, uniform(seed, pos, BONUS), at T > 0 (see HFDraftSession.guess_next)."""
     if sampling.greedy:
         return greedy_tokens(logits, sampling).long()
+    if u is None:
+        raise ValueError("a sampled guess needs its uniform")
     return draw(logits_to_probs(logits, sampling).unsqueeze(0), u)[0].long()
 
 

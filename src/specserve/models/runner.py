@@ -376,7 +376,8 @@ class ModelRunner:
             raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
         if not any(isinstance(r.tokens, torch.Tensor) for r in rows):
             return torch.tensor(host + [0] * pad, device=self.device)
-        parts, run = [], []
+        parts: list[torch.Tensor] = []
+        run: list[int] = []
         for r in rows:
             if isinstance(r.tokens, torch.Tensor):
                 if run:
