@@ -87,8 +87,10 @@ def _jobs(engine: BatchedTarget, vocab: int) -> list[Work]:
     return out
 
 
+@pytest.mark.parametrize("tile", [4, None], ids=["invariant", "fast"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to_the_host(arch, monkeypatch):
+def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to_the_host(arch, tile, monkeypatch):
+    """exact_batching "fast" on CUDA attends the short rows in one padded call (ShortRows)."""
     copy = DesignatedCopy()
     monkeypatch.setattr(verifier_module, "to_host", copy, raising=False)
     monkeypatch.setattr(engines_module, "to_host", copy)  # where the step copied its logits before
@@ -98,7 +100,8 @@ def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to
         model = ARCHITECTURES[arch]().eval()
         target = TargetModel(model)
         engine = BatchedTarget(target, Batching(kv_budget_mb=1, max_sessions=8, max_len=64, prefill_chunk=8,
-                                                device="cuda", dtype="bf16", fuse_upto=0))
+                                                device="cuda", dtype="bf16", fuse_upto=0, tile=tile))
+        assert engine.runner.short_rows == (tile is None)
         assert engine.runner.w.embed.device.type == "cuda" and engine.runner.kv.keys[0].device.type == "cuda"
         assert engine.runner.w.embed.dtype is torch.bfloat16
         batch = _jobs(engine, SHAPE["vocab_size"])

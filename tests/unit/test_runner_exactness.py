@@ -72,12 +72,14 @@ def hf_logits(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
-def run_scenario(model, tile, vocab, seed=0, dtype=torch.float32, atol=ATOL, worst=None):
+def run_scenario(model, tile, vocab, seed=0, dtype=torch.float32, atol=ATOL, worst=None, short_rows=None):
     """Three sessions through chunked prefill, decode and verify rows, with rollbacks, mixed
     in each batch; every row's logits are checked against HF on the full sequence. (GEMMs
     fused over runs of up to 64 tokens where the start-up check allows, as by default.)"""
     rng = random.Random(seed)
-    runner = ModelRunner.from_hf(model, max_sessions=4, max_len=96, tile=tile, fuse_upto=64, dtype=dtype)
+    runner = ModelRunner.from_hf(model, max_sessions=4, max_len=96, tile=tile, fuse_upto=64, dtype=dtype,
+                                 short_rows=short_rows)
+    assert runner.short_rows == bool(tile is None and short_rows)
     seqs = {s: [] for s in "abc"}
     for s in seqs:
         runner.allocate(s)
@@ -115,10 +117,12 @@ def run_scenario(model, tile, vocab, seed=0, dtype=torch.float32, atol=ATOL, wor
     step([Row("c", toks(2)), Row("b", toks(20), num_logits=3), Row("a", toks(1))])
 
 
-@pytest.mark.parametrize("tile", [8, 5, None])
-def test_demo_pair_matches_hf_per_sequence(demo_pair, tile):
+@pytest.mark.parametrize(("tile", "short_rows"), [(8, None), (5, None), (None, True), (None, False)])
+def test_demo_pair_matches_hf_per_sequence(demo_pair, tile, short_rows):
+    """short_rows: tile=None's short rows in one padded attention call (the CUDA default) or
+    one call per row (the CPU's)."""
     for model in (demo_pair.target, demo_pair.draft):
-        run_scenario(model, tile, model.config.vocab_size)
+        run_scenario(model, tile, model.config.vocab_size, short_rows=short_rows)
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_MODELS))
@@ -126,7 +130,7 @@ def test_demo_pair_matches_hf_per_sequence(demo_pair, tile):
 def test_random_configs_match_hf_per_sequence(name, tile):
     model = RANDOM_MODELS[name]()
     assert unsupported_reason(model) is None
-    run_scenario(model, tile, SMALL["vocab_size"], seed=1)
+    run_scenario(model, tile, SMALL["vocab_size"], seed=1, short_rows=True)
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_MODELS))

@@ -249,13 +249,17 @@ class ModelRunner:
     freed through the runner; `forward` appends rows and returns their logits."""
 
     def __init__(self, weights: Weights, kv: KVSlots, tile: int | None = DEFAULT_TILE,
-                 fuse_upto: int = 0) -> None:
+                 fuse_upto: int = 0, short_rows: bool | None = None) -> None:
         if tile is not None and tile <= 0:
             raise ValueError(f"tile must be >= 1 or None, got {tile}")
         self.w = weights
         self.kv = kv
         self.tile = tile
         self.device = weights.embed.device
+        # tile=None ("fast"): the short rows attend in one padded call where that pays, on CUDA
+        # (one kernel launch, not one per row); on the CPU gathering every row's keys into one
+        # padded tensor costs more than the calls it saves (ADR 0016), so rows attend alone
+        self.short_rows = tile is None and (self.device.type == "cuda" if short_rows is None else short_rows)
         # One GEMM over several tiles instead of one per tile, where a start-up check shows
         # that it gives every row the same bits (ADR 0008); else tile by tile.
         self.fuse_upto, self.fused_threads = 0, 0
@@ -267,7 +271,7 @@ class ModelRunner:
                 max_sessions: int | None = None, max_len: int | None = None,
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 tile: int | None = DEFAULT_TILE,
-                fuse_upto: int = DEFAULT_FUSE_UPTO) -> ModelRunner:
+                fuse_upto: int = DEFAULT_FUSE_UPTO, short_rows: bool | None = None) -> ModelRunner:
         """A runner for an HF model (check `unsupported_reason(model)` first). KV capacity: a byte
         budget (or a function giving it, called once the weights are on the device: the CUDA
         budget is what they leave, `device.kv_budget_bytes`) or a session count; each session
@@ -284,7 +288,7 @@ class ModelRunner:
         layout = KVLayout(cfg.num_hidden_layers, weights.num_kv_heads, weights.head_dim, dtype)
         budget = kv_budget_bytes() if callable(kv_budget_bytes) else kv_budget_bytes
         kv = KVSlots(layout, max_len, budget, max_sessions, device)
-        return cls(weights, kv, tile, fuse_upto)
+        return cls(weights, kv, tile, fuse_upto, short_rows)
 
     @property
     def vocab_size(self) -> int:
@@ -344,7 +348,7 @@ class ModelRunner:
         slot_of_token = torch.tensor([s for s, n in zip(slots, sizes, strict=True) for _ in range(n)],
                                      device=self.device)  # [M]
         cos, sin = self.w.cos[pos].unsqueeze(1), self.w.sin[pos].unsqueeze(1)  # [Mp, 1, D]
-        short = ShortRows.of(slots, starts, offsets, sizes, self.device) if self.tile is None else None
+        short = ShortRows.of(slots, starts, offsets, sizes, self.device) if self.short_rows else None
         masks = [None if short is not None and n <= SHORT_ROW else self._mask(start, n)
                  for start, n in zip(starts, sizes, strict=True)]
         hq, hkv = self.w.num_heads, self.w.num_kv_heads
