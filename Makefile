@@ -43,8 +43,9 @@ $(STAMP): pyproject.toml
 models: setup
 	$(PY) -m specserve.tooling.cli models build --preset demo --out .cache/models
 
+# --durations: the slowest tests at the end of every run, where the suite's time goes
 test: setup prometheus-tools
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # promtool and prometheus for the rules tests and the real-scrape test (deploy/prometheus/):
 # Debian's package (2.42) when missing and apt is ours to use; otherwise those tests skip.
