@@ -214,3 +214,26 @@ def test_the_per_session_path_runs_the_hf_model_on_the_workers_device_and_dtype(
     (result,) = engine.step([Work("s", VerifyJob(handle, [1, 2, 3], [4], None, SamplingParams(), 0), 1)])
     assert not isinstance(result, Exception), result
     assert 1 <= len(result.verdict.tokens) <= 2
+
+
+def test_greedy_picks_for_many_rows_are_each_rows_own_pick():
+    """BatchedDraft picks its unconstrained greedy rows together (one kernel per op):
+    token and runner-up exactly as one row's `pick_on_device`, ties and banned tokens
+    included; the confidences equal to float rounding."""
+    from specserve.drafters.hf import greedy_picks_on_device, pick_on_device
+    from specserve.params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=g)
+    logits[1, [4, 9]] = 10.0  # a tie for first: the first index wins
+    logits[2, [7, 30]] = 9.0  # a tie for the runner-up
+    logits[3, :] = 0.0  # all equal
+    samplings = [SamplingParams(), SamplingParams(), SamplingParams(banned_token_ids=(7,)), SamplingParams(),
+                 SamplingParams(banned_token_ids=tuple(range(1, 50))), SamplingParams()]
+    toks, packed = greedy_picks_on_device(logits, samplings)
+    for i, sp in enumerate(samplings):
+        one = pick_on_device(logits[i], sp, None, 0.999, 16).pack()
+        assert int(toks[i]) == int(one[0]) == int(packed[i, 0]), i
+        assert int(packed[i, 1]) == int(one[1]), i  # runner-up (-1 where none: row 4 bans all but 0)
+        assert torch.allclose(packed[i, 2:], one[2:], atol=1e-6), i
+    assert int(toks[1]) == 4 and int(toks[3]) == 0 and int(packed[4, 1]) == -1

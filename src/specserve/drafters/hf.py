@@ -118,17 +118,17 @@ class DevicePick:
     q: torch.Tensor | None  # [E] entries or [V] dense, float32; None at T = 0
     q_ids: torch.Tensor | None  # [E] int64 with entries; None when dense or at T = 0
 
-    def pack(self, width: int) -> torch.Tensor:
-        """[width] float64: token, runner-up, the two confidences, then q's ids and probs
-        (entries) or q (dense), zero-padded. Token ids are exact in float64, and so are
-        float32 probabilities."""
+    def pack(self, width: int | None = None) -> torch.Tensor:
+        """float64: token, runner-up, the two confidences, then q's ids and probs (entries)
+        or q (dense), zero-padded to `width` when given. Token ids are exact in float64, and
+        so are float32 probabilities."""
         parts = [self.token.double().view(1), self.runner_up.double().view(1), self.confidence]
         if self.q is not None:
             if self.q_ids is not None:
                 parts.append(self.q_ids.double())
             parts.append(self.q.double())
         row = torch.cat(parts)
-        return torch.nn.functional.pad(row, (0, width - row.shape[0]))
+        return row if width is None else pad_to(row, width)
 
     @staticmethod
     def unpack(row: np.ndarray, sampling: SamplingParams, entries: int | None, vocab: int) -> DraftStep:
@@ -178,6 +178,32 @@ def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tens
     alt = torch.where(alt_ok, alt, torch.full_like(alt, -1))
     conf = torch.stack([scores[tok], torch.where(alt_ok, scores[alt.clamp(min=0)], torch.zeros_like(scores[0]))])
     return DevicePick(tok.long(), alt.long(), conf.double(), q, q_ids)
+
+
+def pad_to(row: torch.Tensor, width: int) -> torch.Tensor:
+    return row if row.shape[0] == width else torch.nn.functional.pad(row, (0, width - row.shape[0]))
+
+
+def greedy_picks_on_device(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pick_on_device` at T = 0 for B rows at once (one kernel per op, not one per row):
+    logits [B, V] -> (tokens [B] int64, their packed rows [B, 4] float64: token, runner-up,
+    the two confidences), row for row what `pick_on_device(...).pack()` gives."""
+    masked = logits
+    banned = [(i, sp.banned_token_ids) for i, sp in enumerate(samplings) if sp.banned_token_ids]
+    if banned:
+        masked = logits.clone()
+        for i, ids in banned:
+            masked[i].index_fill_(0, torch.tensor(ids, device=logits.device), float("-inf"))
+    tok = masked.argmax(-1)  # as greedy_tokens: the first index on ties
+    top = torch.topk(masked, 2, dim=-1)
+    first_is_drafted = top.indices[:, 0] == tok
+    alt = torch.where(first_is_drafted, top.indices[:, 1], top.indices[:, 0])
+    alt_ok = torch.where(first_is_drafted, top.values[:, 1], top.values[:, 0]) != float("-inf")
+    alt = torch.where(alt_ok, alt, torch.full_like(alt, -1))
+    scores = torch.softmax(logits.float(), -1)
+    conf = scores.gather(1, torch.stack([tok, alt.clamp(min=0)], 1))  # [B, 2]
+    conf = torch.stack([conf[:, 0], torch.where(alt_ok, conf[:, 1], torch.zeros_like(conf[:, 1]))], 1)
+    return tok, torch.cat([tok.double().unsqueeze(1), alt.double().unsqueeze(1), conf.double()], 1)
 
 
 def draft_step(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int, q_mass: float,

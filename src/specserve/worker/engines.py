@@ -35,7 +35,9 @@ from specserve.drafters.hf import (
     DevicePick,
     HFDrafter,
     bonus_on_device,
+    greedy_picks_on_device,
     make_proposal,
+    pad_to,
     pick_on_device,
     q_entries,
 )
@@ -228,7 +230,7 @@ class _Drafting:
     dropped: int
     masks: Any
     u: torch.Tensor | None = None  # its uniforms on the device ([k], or [1] for a guess); None at T = 0
-    picks: list[DevicePick] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)  # its picks so far, packed (DevicePick.pack)
 
 
 class BatchedDraft(_RunnerSessions):
@@ -268,26 +270,37 @@ class BatchedDraft(_RunnerSessions):
         logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
         while live:
             rows, still = [], []
+            # unconstrained greedy rows pick together: one kernel per op for all of them
+            together = [d for d in live if d.job.sampling.greedy and not d.job.guess and d.masks is None]
+            if together:
+                toks, packed = greedy_picks_on_device(torch.stack([logits[d.job.handle][-1] for d in together]),
+                                                      [d.job.sampling for d in together])
+            at = {id(d): j for j, d in enumerate(together)}
             for d in live:
-                lg = logits[d.job.handle][-1]
-                if d.masks is not None:
-                    lg = d.masks.apply(lg)
-                if d.job.guess:
-                    tok = bonus_on_device(lg, d.job.sampling, d.u)
-                    d.picks.append(DevicePick(tok, torch.full_like(tok, -1), torch.zeros(2, dtype=torch.float64,
-                                                                                         device=tok.device), None, None))
+                if id(d) in at:
+                    j = at[id(d)]
+                    token, row = toks[j:j + 1], packed[j]
+                else:
+                    lg = logits[d.job.handle][-1]
+                    if d.masks is not None:
+                        lg = d.masks.apply(lg)
+                    if d.job.guess:
+                        tok = bonus_on_device(lg, d.job.sampling, d.u)
+                        d.rows.append(DevicePick(tok, torch.full_like(tok, -1), torch.zeros(
+                            2, dtype=torch.float64, device=tok.device), None, None).pack())
+                        done.append(d)
+                        continue
+                    n = len(d.rows)
+                    u = None if d.u is None else d.u[n:n + 1]
+                    pick = pick_on_device(lg, d.job.sampling, u, self.drafter.q_mass, self.drafter.q_max_entries)
+                    token, row = pick.token.view(1), pick.pack()
+                    if d.masks is not None:
+                        d.masks.push(int(pick.token))
+                d.rows.append(row)
+                if len(d.rows) == d.k:
                     done.append(d)
                     continue
-                n = len(d.picks)
-                u = None if d.u is None else d.u[n:n + 1]
-                pick = pick_on_device(lg, d.job.sampling, u, self.drafter.q_mass, self.drafter.q_max_entries)
-                d.picks.append(pick)
-                if d.masks is not None:
-                    d.masks.push(int(pick.token))
-                if len(d.picks) == d.k:
-                    done.append(d)
-                    continue
-                rows.append(Row(d.job.handle, pick.token.view(1), num_logits=1))
+                rows.append(Row(d.job.handle, token, num_logits=1))
                 batch[d.index].tokens += 1
                 still.append(d)
             logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
@@ -320,7 +333,7 @@ class BatchedDraft(_RunnerSessions):
         entries = q_entries(self.drafter.q_max_entries, vocab)
         q_width = 2 * entries if entries is not None else vocab
         width = 4 + max((q_width for d in done if not d.job.sampling.greedy and not d.job.guess), default=0)
-        packed = [torch.stack([p.pack(width) for p in d.picks]) for d in done]
+        packed = [torch.stack([pad_to(r, width) for r in d.rows]) for d in done]
         for d, host in zip(done, to_host(packed), strict=True):
             job = d.job
             if job.guess:
