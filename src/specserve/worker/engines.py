@@ -269,44 +269,50 @@ class BatchedDraft(_RunnerSessions):
         done: list[_Drafting] = []
         logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
         while live:
-            rows, still = [], []
-            # unconstrained greedy rows pick together: one kernel per op for all of them
-            together = [d for d in live if d.job.sampling.greedy and not d.job.guess and d.masks is None]
-            if together:
-                toks, packed = greedy_picks_on_device(torch.stack([logits[d.job.handle][-1] for d in together]),
-                                                      [d.job.sampling for d in together])
-            at = {id(d): j for j, d in enumerate(together)}
-            for d in live:
-                if id(d) in at:
-                    j = at[id(d)]
-                    token, row = toks[j:j + 1], packed[j]
-                else:
-                    lg = logits[d.job.handle][-1]
-                    if d.masks is not None:
-                        lg = d.masks.apply(lg)
-                    if d.job.guess:
-                        tok = bonus_on_device(lg, d.job.sampling, d.u)
-                        d.rows.append(DevicePick(tok, torch.full_like(tok, -1), torch.zeros(
-                            2, dtype=torch.float64, device=tok.device), None, None).pack())
-                        done.append(d)
-                        continue
-                    n = len(d.rows)
-                    u = None if d.u is None else d.u[n:n + 1]
-                    pick = pick_on_device(lg, d.job.sampling, u, self.drafter.q_mass, self.drafter.q_max_entries)
-                    token, row = pick.token.view(1), pick.pack()
-                    if d.masks is not None:
-                        d.masks.push(int(pick.token))
-                d.rows.append(row)
-                if len(d.rows) == d.k:
-                    done.append(d)
-                    continue
-                rows.append(Row(d.job.handle, token, num_logits=1))
-                batch[d.index].tokens += 1
-                still.append(d)
+            rows, live = self._position(live, logits, batch, done)
             logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
-            live = still
         self._finish(done, results)
         return results
+
+    def _position(self, live: list[_Drafting], logits: dict, batch: list[Work],
+                  done: list[_Drafting]) -> tuple[list[Row], list[_Drafting]]:
+        """One draft position for every live row, on the device: its pick from its logits
+        (unconstrained greedy rows together: one kernel per op for all of them). Returns the
+        next forward's rows (each pick fed from the device) and the rows still drafting."""
+        rows, still = [], []
+        together = [d for d in live if d.job.sampling.greedy and not d.job.guess and d.masks is None]
+        if together:
+            toks, packed = greedy_picks_on_device(torch.stack([logits[d.job.handle][-1] for d in together]),
+                                                  [d.job.sampling for d in together])
+        at = {id(d): j for j, d in enumerate(together)}
+        for d in live:
+            if id(d) in at:
+                j = at[id(d)]
+                token, row = toks[j:j + 1], packed[j]
+            else:
+                lg = logits[d.job.handle][-1]
+                if d.masks is not None:
+                    lg = d.masks.apply(lg)
+                if d.job.guess:
+                    tok = bonus_on_device(lg, d.job.sampling, d.u)
+                    d.rows.append(DevicePick(tok, torch.full_like(tok, -1), torch.zeros(
+                        2, dtype=torch.float64, device=tok.device), None, None).pack())
+                    done.append(d)
+                    continue
+                n = len(d.rows)
+                u = None if d.u is None else d.u[n:n + 1]
+                pick = pick_on_device(lg, d.job.sampling, u, self.drafter.q_mass, self.drafter.q_max_entries)
+                token, row = pick.token.view(1), pick.pack()
+                if d.masks is not None:
+                    d.masks.push(int(pick.token))
+            d.rows.append(row)
+            if len(d.rows) == d.k:
+                done.append(d)
+                continue
+            rows.append(Row(d.job.handle, token, num_logits=1))
+            batch[d.index].tokens += 1
+            still.append(d)
+        return rows, still
 
     def _uniforms(self, live: list[_Drafting]) -> None:
         """Every sampled row's uniforms for the step, drawn on the host (ADR 0001: the same
