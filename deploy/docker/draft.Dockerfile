@@ -2,8 +2,9 @@
 # specserve draft worker: `python -m specserve.services.draft` (settings: SPECSERVE_DRAFT_*).
 # Build from the repository root:
 #   docker build -f deploy/docker/draft.Dockerfile -t specserve-draft:0.1.0 .
-# torch from PyPI is the CUDA build (small-GPU nodes); pass
-# --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for a CPU-only n-gram pool.
+# torch: the CPU build by default (an n-gram pool, or a try without GPUs); the CUDA variant for
+# small-GPU nodes takes PyPI's wheel, which is the CUDA build (ADR 0016):
+#   --build-arg TORCH_INDEX_URL=https://pypi.org/simple
 ARG PYTHON_IMAGE=python:3.11.9-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -11,7 +12,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./

@@ -5,6 +5,8 @@
 # chart's target.rayVersion, and wget for KubeRay's default probes.
 # Build from the repository root:
 #   docker build -f deploy/docker/target.Dockerfile -t specserve-target:0.1.0 .
+# torch: the CPU build by default; the CUDA variant for large-GPU nodes takes PyPI's wheel, which
+# is the CUDA build (ADR 0016):  --build-arg TORCH_INDEX_URL=https://pypi.org/simple
 ARG PYTHON_IMAGE=python:3.11.9-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -12,7 +14,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG RAY_VERSION=2.60.0
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && pip install "ray[default]==${RAY_VERSION}"

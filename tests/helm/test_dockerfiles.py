@@ -97,6 +97,16 @@ def test_build_generates_the_stubs_like_make_proto(service):
         "the build context should be an allow-list (.venv, models and .cache stay out)"
 
 
+def test_the_worker_images_take_the_cpu_torch_by_default_and_cuda_by_a_build_argument():
+    """Issue 21: a CUDA variant of the draft and target images by a build argument; the CPU
+    build stays the default (PyPI's Linux wheel is the CUDA one)."""
+    for service in ("draft", "target"):
+        assert args(service)["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu", service
+        text = (DOCKER / f"{service}.Dockerfile").read_text()
+        assert "--build-arg TORCH_INDEX_URL=https://pypi.org/simple" in text, service
+        assert 'pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in text, service
+
+
 def test_versions_agree_with_makefile_pyproject_and_chart():
     torch_pin = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
     for service in set(SERVICES) - {"router"}:  # the router image has no torch
