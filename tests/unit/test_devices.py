@@ -217,23 +217,33 @@ def test_the_per_session_path_runs_the_hf_model_on_the_workers_device_and_dtype(
 
 
 def test_greedy_picks_for_many_rows_are_each_rows_own_pick():
-    """BatchedDraft picks its unconstrained greedy rows together (one kernel per op):
-    token and runner-up exactly as one row's `pick_on_device`, ties and banned tokens
-    included; the confidences equal to float rounding."""
-    from specserve.drafters.hf import greedy_picks_on_device, pick_on_device
+    """BatchedDraft picks its unconstrained greedy rows together (one kernel per op), and
+    the per-session path through the same function one row at a time. Against a plain
+    reference per row: the token is `greedy_tokens`' (the first index on ties, banned tokens
+    never), the runner-up a most likely other unbanned token (none when all others are
+    banned), the confidences their softmax probabilities; a row's pick is the same alone."""
+    from specserve.algorithm.sampling import greedy_tokens
+    from specserve.drafters.hf import greedy_picks_on_device
     from specserve.params import SamplingParams
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 50, generator=g)
     logits[1, [4, 9]] = 10.0  # a tie for first: the first index wins
-    logits[2, [7, 30]] = 9.0  # a tie for the runner-up
+    logits[2, [7, 30]] = 9.0  # a tie for first, the first of them banned
     logits[3, :] = 0.0  # all equal
     samplings = [SamplingParams(), SamplingParams(), SamplingParams(banned_token_ids=(7,)), SamplingParams(),
                  SamplingParams(banned_token_ids=tuple(range(1, 50))), SamplingParams()]
-    toks, packed = greedy_picks_on_device(logits, samplings)
+    toks, heads = greedy_picks_on_device(logits, samplings)
     for i, sp in enumerate(samplings):
-        one = pick_on_device(logits[i], sp, None, 0.999, 16).pack()
-        assert int(toks[i]) == int(one[0]) == int(packed[i, 0]), i
-        assert int(packed[i, 1]) == int(one[1]), i  # runner-up (-1 where none: row 4 bans all but 0)
-        assert torch.allclose(packed[i, 2:], one[2:], atol=1e-6), i
-    assert int(toks[1]) == 4 and int(toks[3]) == 0 and int(packed[4, 1]) == -1
+        tok = int(greedy_tokens(logits[i], sp))
+        others = [t for t in sorted(range(50), key=lambda t: -float(logits[i, t]))
+                  if t != tok and t not in sp.banned_token_ids]
+        alt = int(heads[i, 1])
+        # the runner-up: among the others, one with the largest logit (topk picks among ties)
+        assert (alt in others and logits[i, alt] == logits[i, others[0]]) if others else alt == -1, (i, alt)
+        probs = torch.softmax(logits[i], -1)
+        assert int(toks[i]) == tok == int(heads[i, 0]), i
+        assert heads[i, 2:].tolist() == pytest.approx([float(probs[tok]), float(probs[alt]) if others else 0.0]), i
+        _, alone = greedy_picks_on_device(logits[i:i + 1], [sp])
+        assert torch.equal(alone[0], heads[i]), i
+    assert int(toks[1]) == 4 and int(toks[2]) == 30 and int(toks[3]) == 0 and int(heads[4, 1]) == -1

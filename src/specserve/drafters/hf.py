@@ -113,21 +113,15 @@ class DevicePick:
     lays it out as one float64 row for the step's single copy to the host."""
 
     token: torch.Tensor  # [] int64
-    runner_up: torch.Tensor  # [] int64, -1 = none
-    confidence: torch.Tensor  # [2] float64
+    head: torch.Tensor  # [4] float64: token, runner-up (-1 = none), p(token), p(runner-up)
     q: torch.Tensor | None  # [E] entries or [V] dense, float32; None at T = 0
     q_ids: torch.Tensor | None  # [E] int64 with entries; None when dense or at T = 0
 
     def pack(self, width: int | None = None) -> torch.Tensor:
-        """float64: token, runner-up, the two confidences, then q's ids and probs (entries)
-        or q (dense), zero-padded to `width` when given. Token ids are exact in float64, and
-        so are float32 probabilities."""
-        parts = [self.token.double().view(1), self.runner_up.double().view(1), self.confidence]
-        if self.q is not None:
-            if self.q_ids is not None:
-                parts.append(self.q_ids.double())
-            parts.append(self.q.double())
-        row = torch.cat(parts)
+        """float64: the head, then q's ids and probs (entries) or q (dense), zero-padded to
+        `width` when given. Token ids are exact in float64, and so are float32 probabilities."""
+        parts = [self.head] + [t.double() for t in (self.q_ids, self.q) if t is not None]
+        row = torch.cat(parts) if len(parts) > 1 else self.head
         return row if width is None else pad_to(row, width)
 
     @staticmethod
@@ -152,58 +146,60 @@ def q_entries(q_max_entries: int, vocab: int) -> int | None:
 def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tensor | None, q_mass: float,
                    q_max_entries: int) -> DevicePick:
     """The draft token from the draft's logits [V] at one position, on their device: argmax at
-    T = 0, else a draw with the uniform `u` ([1] float64 on the device: uniform(seed, pos,
-    DRAFT)) from q truncated to q_mass. Shared by the per-session path and the batched draft
-    worker, so both draft the same from the same logits."""
-    dev = logits.device
-    q = q_ids = None
+    T = 0 (`greedy_picks_on_device`), else a draw with the uniform `u` ([1] float64 on the
+    device: uniform(seed, pos, DRAFT)) from q truncated to q_mass. Shared by the per-session
+    path and the batched draft worker, so both draft the same from the same logits."""
     if sampling.greedy:
-        tok = greedy_tokens(logits, sampling)
-        scores = torch.softmax(logits.float(), -1)
-    else:
-        if u is None:
-            raise ValueError("a sampled draft position needs its uniform")
-        probs = truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
-        tok = draw(probs.unsqueeze(0), u)[0]
-        scores = q = probs
-        entries = q_entries(q_max_entries, probs.shape[-1])
-        if entries is not None:
-            q, q_ids = torch.topk(probs, entries)
-    masked = logits if not sampling.banned_token_ids else logits.index_fill(
-        0, torch.tensor(sampling.banned_token_ids, device=dev), float("-inf"))
-    top = torch.topk(masked, 2)
-    first_is_drafted = top.indices[0] == tok
-    alt = torch.where(first_is_drafted, top.indices[1], top.indices[0])
-    alt_ok = torch.where(first_is_drafted, top.values[1], top.values[0]) != float("-inf")
-    alt = torch.where(alt_ok, alt, torch.full_like(alt, -1))
-    conf = torch.stack([scores[tok], torch.where(alt_ok, scores[alt.clamp(min=0)], torch.zeros_like(scores[0]))])
-    return DevicePick(tok.long(), alt.long(), conf.double(), q, q_ids)
-
-
-def pad_to(row: torch.Tensor, width: int) -> torch.Tensor:
-    return row if row.shape[0] == width else torch.nn.functional.pad(row, (0, width - row.shape[0]))
+        tok, heads = greedy_picks_on_device(logits.unsqueeze(0), [sampling])
+        return DevicePick(tok[0], heads[0], None, None)
+    if u is None:
+        raise ValueError("a sampled draft position needs its uniform")
+    probs = truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
+    tok = draw(probs.unsqueeze(0), u)  # [1]
+    head = _heads(_banned(logits.unsqueeze(0), [sampling]), tok, probs.unsqueeze(0))[0]
+    entries = q_entries(q_max_entries, probs.shape[-1])
+    if entries is None:
+        return DevicePick(tok[0], head, probs, None)
+    q, q_ids = torch.topk(probs, entries)
+    return DevicePick(tok[0], head, q, q_ids)
 
 
 def greedy_picks_on_device(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pick_on_device` at T = 0 for B rows at once (one kernel per op, not one per row):
-    logits [B, V] -> (tokens [B] int64, their packed rows [B, 4] float64: token, runner-up,
-    the two confidences), row for row what `pick_on_device(...).pack()` gives."""
-    masked = logits
-    banned = [(i, sp.banned_token_ids) for i, sp in enumerate(samplings) if sp.banned_token_ids]
-    if banned:
-        masked = logits.clone()
-        for i, ids in banned:
-            masked[i].index_fill_(0, torch.tensor(ids, device=logits.device), float("-inf"))
+    """Argmax picks of B rows at once (one kernel per op, not one per row): logits [B, V] ->
+    (tokens [B] int64, their heads [B, 4] float64; see `_heads`, scored by the softmax of
+    the logits)."""
+    masked = _banned(logits, samplings)
     tok = masked.argmax(-1)  # as greedy_tokens: the first index on ties
+    return tok, _heads(masked, tok, torch.softmax(logits.float(), -1))
+
+
+def _banned(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [B, V] with each row's banned tokens at -inf (the input when none are)."""
+    banned = [(i, sp.banned_token_ids) for i, sp in enumerate(samplings) if sp.banned_token_ids]
+    if not banned:
+        return logits
+    masked = logits.clone()
+    for i, ids in banned:
+        masked[i].index_fill_(0, torch.tensor(ids, device=logits.device), float("-inf"))
+    return masked
+
+
+def _heads(masked: torch.Tensor, tok: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """[B, 4] float64 per row: the drafted token, the runner-up (the most likely other token
+    by the masked logits; -1 when only banned tokens are left), and both their
+    probabilities under `scores` [B, V] (0 for no runner-up)."""
     top = torch.topk(masked, 2, dim=-1)
     first_is_drafted = top.indices[:, 0] == tok
     alt = torch.where(first_is_drafted, top.indices[:, 1], top.indices[:, 0])
     alt_ok = torch.where(first_is_drafted, top.values[:, 1], top.values[:, 0]) != float("-inf")
     alt = torch.where(alt_ok, alt, torch.full_like(alt, -1))
-    scores = torch.softmax(logits.float(), -1)
-    conf = scores.gather(1, torch.stack([tok, alt.clamp(min=0)], 1))  # [B, 2]
+    conf = scores.gather(1, torch.stack([tok, alt.clamp(min=0)], 1)).double()  # [B, 2]
     conf = torch.stack([conf[:, 0], torch.where(alt_ok, conf[:, 1], torch.zeros_like(conf[:, 1]))], 1)
-    return tok, torch.cat([tok.double().unsqueeze(1), alt.double().unsqueeze(1), conf.double()], 1)
+    return torch.cat([tok.double().unsqueeze(1), alt.double().unsqueeze(1), conf], 1)
+
+
+def pad_to(row: torch.Tensor, width: int) -> torch.Tensor:
+    return row if row.shape[0] == width else torch.nn.functional.pad(row, (0, width - row.shape[0]))
 
 
 def draft_step(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int, q_mass: float,

@@ -293,10 +293,8 @@ class BatchedDraft(_RunnerSessions):
                 lg = logits[d.job.handle][-1]
                 if d.masks is not None:
                     lg = d.masks.apply(lg)
-                if d.job.guess:
-                    tok = bonus_on_device(lg, d.job.sampling, d.u)
-                    d.rows.append(DevicePick(tok, torch.full_like(tok, -1), torch.zeros(
-                        2, dtype=torch.float64, device=tok.device), None, None).pack())
+                if d.job.guess:  # its row is the guessed token alone (`_finish` pads it)
+                    d.rows.append(bonus_on_device(lg, d.job.sampling, d.u).double().view(1))
                     done.append(d)
                     continue
                 n = len(d.rows)
