@@ -147,15 +147,13 @@ def _stops(p):
     return StopChecker(frozenset(), p.stop, lambda ids: "")
 
 
-# The stand-in forward's own CPU time is not what a cell measures (the profile's step time is),
-# so it runs the fast runner (one attention call for the decode and verify rows, as a GPU
-# kernel would): with one call per row, 64 rows' real forward outran the h100 profile's step.
-TILE: int | None = None
-
-
-def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float]) -> EngineLoop:
+def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float],
+          tile: int | None) -> EngineLoop:
+    """`tile`: the stand-in forward's runner. Its own CPU time is not what a cell measures
+    (the profile's step time is), so by default it is the fast one: no padding to tiles, the
+    cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
     model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=max(streams, 4), prefill_chunk=128,
-                                           tile=TILE))
+                                           tile=tile))
 
     def step_ms(works) -> float:
         ms = profile.target_ms(sum(w.tokens for w in works), sum(len(w.payload.ids) for w in works))
@@ -166,15 +164,16 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
                       block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None)
 
 
-def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int) -> dict[str, list[int]]:
-    loop = _loop(target, {}, None, len(prompts), [])
+def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
+               tile: int | None) -> dict[str, list[int]]:
+    loop = _loop(target, {}, None, len(prompts), [], tile)
     for sid, p in prompts.items():
         loop.add(sid, p, EnginePlan(GenerationParams(max_tokens=tokens, num_draft_tokens=0, seed=1)))
     loop.run_until_idle()
     return {sid: loop.ended[sid].generated for sid in prompts}
 
 
-def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: float) -> dict:
+def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: float, tile: int | None) -> dict:
     """One arm at one load. A first wave of sessions warms the engine (its acceptance table,
     cost fit and draft latency, as on a running server) and is not measured; the second is."""
     busy: list[float] = []
@@ -182,7 +181,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     drafts = SyntheticDrafts({wid: refs[sid] for wid, (sid, _) in waves.items()},
                              {wid: p for wid, (_, p) in waves.items()}, alpha, profile)
     book: list[float] = []
-    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy)
+    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy, tile)
 
     k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.removeprefix("K="))
 
@@ -220,22 +219,21 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.7)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--exact-batching", choices=("fast", "invariant"), default="fast",
-                    help="the stand-in forward's runner (see TILE)")
+                    help="the stand-in forward's runner (see _loop)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
-    global TILE
-    TILE = None if a.exact_batching == "fast" else Batching.tile
+    tile = None if a.exact_batching == "fast" else Batching.tile
     torch.set_num_threads(1)
     target = _model(0)
     streams = [int(s) for s in a.streams.split(",")]
     all_prompts = {f"s{i}": [(31 * i + 7 * j) % VOCAB for j in range(PROMPT_LEN)] for i in range(max(streams))}
-    refs = references(target, all_prompts, a.tokens)
+    refs = references(target, all_prompts, a.tokens, tile)
     rows = []
     for pname in a.profiles.split(","):
         for n in streams:
             prompts = dict(list(all_prompts.items())[:n])
             for arm in a.arms.split(","):
-                r = {"profile": pname, **cell(target, prompts, refs, PROFILES[pname], arm, a.tokens, a.alpha)}
+                r = {"profile": pname, **cell(target, prompts, refs, PROFILES[pname], arm, a.tokens, a.alpha, tile)}
                 rows.append(r)
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
                       f"busy {r['device_busy']:.0%}  book p50 {r['bookkeeping_ms_p50']:.2f} p99 "

@@ -70,9 +70,10 @@ def activation_reserve_bytes(cfg, step_tokens: int, logit_rows: int, dtype: torc
 
 def to_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """Rows [n_i, W] on the device -> the same rows on the host, in one copy: the designated
-    transfer (a target step copies its verdicts, `verifier.judge_rows`; a draft forward its
-    logits). Nothing else in a target step reads the device (tests/unit/test_device_audit.py)."""
+    transfer of a step (the target's verdicts, `verifier.judge_rows`; the draft's picks,
+    `BatchedDraft._finish`). Nothing else in a step reads the device
+    (tests/unit/test_device_audit.py)."""
     if not rows or rows[0].device.type == "cpu":
         return rows
-    flat = torch.cat(rows).cpu()  # [sum n_i, V]
+    flat = torch.cat(rows).cpu()  # [sum n_i, W]
     return list(flat.split([r.shape[0] for r in rows]))

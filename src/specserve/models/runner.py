@@ -373,13 +373,8 @@ class ModelRunner:
 
     def _token_ids(self, rows: Sequence[Row], pad: int) -> torch.Tensor:
         """The rows' tokens and `pad` zeros as one [Mp] tensor on the device. Host tokens are
-        checked against the vocabulary; device ones (picked from this model's logits) are
-        spliced in where they stand, never read back."""
-        host = [int(t) for r in rows if not isinstance(r.tokens, torch.Tensor) for t in r.tokens]
-        if host and (min(host) < 0 or max(host) >= self.vocab_size):
-            raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
-        if not any(isinstance(r.tokens, torch.Tensor) for r in rows):
-            return torch.tensor(host + [0] * pad, device=self.device)
+        checked against the vocabulary and go in as runs; device ones (picked from this
+        model's logits) are spliced in where they stand, never read back."""
         parts: list[torch.Tensor] = []
         run: list[int] = []
         for r in rows:
@@ -388,8 +383,11 @@ class ModelRunner:
                     parts.append(torch.tensor(run, device=self.device))
                     run = []
                 parts.append(r.tokens.to(device=self.device, dtype=torch.long).view(-1))
-            else:
-                run.extend(int(t) for t in r.tokens)
+                continue
+            ids = [int(t) for t in r.tokens]
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
+            run.extend(ids)
         if run or pad:
             parts.append(torch.tensor(run + [0] * pad, dtype=torch.long, device=self.device))
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -67,6 +67,7 @@ class TargetWorker:
     async def _serve(self) -> None:
         import torch
 
+        from specserve.models.device import resolve_device
         from specserve.models.loading import load_model
         from specserve.models.verifier import TargetModel
         from specserve.services.target.server import TargetServicer
@@ -94,8 +95,7 @@ class TargetWorker:
             torch.set_num_threads(s.torch_threads)
             target = TargetModel(load_model(s.model))
             engine = target_engine(target, Batching.from_settings(s))
-            runner = getattr(engine, "runner", None)
-            device = str(runner.w.embed.device) if runner is not None else "cpu"
+            device = str(resolve_device(s.device))  # where either path put the model
             span.set_attribute("specserve.device", device)
             log.info("target model on %s (Ray GPU ids %s, num_gpus %s)", device, _ray_gpu_ids(), s.num_gpus)
             warm_up(engine)  # the batched step once, before the engine loop owns the model
