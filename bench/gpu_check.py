@@ -43,9 +43,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve.drafters.hf import HFDrafter
 from specserve.models.device import resolve_device, resolve_dtype
 from specserve.models.loading import load_model, load_tokenizer
-from specserve.models.runner import ModelRunner, Row
+from specserve.models.runner import ModelRunner
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
+from specserve.tooling.hf_agreement import greedy_agreement
 from specserve.tooling.modelbuild.build import load_eval_prompts
 from specserve.worker.engines import (
     AGAIN,
@@ -103,31 +104,8 @@ def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: 
     model = load_model(str(pair / "target"), dtype=dtype).to(device)
     tok = load_tokenizer(str(pair / "target"))
     runner = ModelRunner.from_hf(model, max_sessions=2, max_len=1024, device=device, dtype=dtype, fuse_upto=0)
-    tol = TOLERANCE[dtype]
-    compared, near_ties, failures, largest = 0, [], [], 0.0
-    for i, p in enumerate(load_eval_prompts(pair)[:n_prompts]):
-        ids = tok.encode(p["prompt"])
-        with torch.inference_mode():
-            gen = model.generate(torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-                                 max_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
-        ref = gen.sequences[0, len(ids):].tolist()
-        runner.allocate(i)
-        logits = runner.forward([Row(i, ids, num_logits=1)])[0][-1]
-        for j, want in enumerate(ref):
-            hf = gen.logits[j][0].float()
-            largest = max(largest, float((logits - hf).abs().max()))
-            got = int(logits.argmax())
-            compared += 1
-            if got != want:
-                top2 = hf.topk(2).values
-                gap = float(top2[0] - top2[1])
-                (near_ties if gap <= tol else failures).append({"prompt": i, "token": j, "gap": gap})
-                break
-            logits = runner.forward([Row(i, [got], num_logits=1)])[0][-1]
-        runner.free(i)
-    return {"prompts": n_prompts, "tokens_compared": compared, "largest_logit_difference": largest,
-            "tolerance": tol, "near_ties": near_ties, "failures": failures, "ok": not failures}
+    prompts = [tok.encode(p["prompt"]) for p in load_eval_prompts(pair)[:n_prompts]]
+    return greedy_agreement(model, runner, prompts, new_tokens, TOLERANCE[dtype])
 
 
 def random_pair(shape: dict, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -181,28 +181,6 @@ def test_a_session_whose_blocks_were_rejected_and_then_came_late_waits_for_them_
     assert sum(r.accepted for r in after) >= 6, [(r.k, r.accepted, r.fallback_reason) for r in rounds]
 
 
-class HeldDrafts:
-    """A draft source whose blocks the test hands over itself (`deliver`)."""
-
-    def __init__(self) -> None:
-        self.deliver = None
-
-    def drafts_for(self, session_id: str) -> bool:
-        return True
-
-    def attach(self, deliver) -> None:
-        self.deliver = deliver
-
-    def open(self, session) -> None:
-        pass
-
-    def outcome(self, outcome) -> None:
-        pass
-
-    def close(self, session_id: str) -> None:
-        pass
-
-
 def test_a_blocks_drafting_time_is_taken_at_its_arrival_late_blocks_included(pair):
     """The K choice prices a round's wait for its drafts from the pool's drafting time. A
     block lands mid-step and the loop applies it at the next step boundary: that gap is the
@@ -212,7 +190,7 @@ def test_a_blocks_drafting_time_is_taken_at_its_arrival_late_blocks_included(pai
     that speculation would have sped up). And a block that arrives too late to use is timed
     too: timing only the punctual ones learnt that a slow drafter was fast."""
     now = [0.0]
-    held = HeldDrafts()
+    held = SilentDrafts(pair[1])  # the test hands its blocks over itself
     loop = _loop(pair, {"small": held}, clock=lambda: now[0])
     loop.add("s", PROMPTS[1], EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=2, seed=1), pool="small"))
     loop._drain()

@@ -85,6 +85,16 @@ def _run_probe(runner, steps, plan_rng, others_max, tile):
     return out
 
 
+def _assert_probe_invariant(runner, vocab: int, plan_seeds: list[int]) -> None:
+    """The probe's logits alone, then inside random batches (one per plan seed): bitwise equal."""
+    steps = _probe_steps(random.Random(0), vocab)
+    alone = _run_probe(runner, steps, random.Random(0), 0, DEFAULT_TILE)
+    for seed in plan_seeds:
+        batched = _run_probe(runner, steps, random.Random(seed), 8, DEFAULT_TILE)
+        for i, (a, b) in enumerate(zip(alone, batched, strict=True)):
+            assert torch.equal(a, b), f"plan {seed}, step {i}: max diff {(a - b).abs().max()}"
+
+
 @pytest.mark.parametrize(("model_name", "mode"), [
     ("demo-target", "tiles"), ("demo-target", "fused"), ("demo-draft", "fused"),
     ("qwen3", "fused"), ("llama-odd", "tiles"), ("llama-odd", "fused"),
@@ -98,12 +108,7 @@ def test_logits_are_bitwise_identical_in_any_batch(demo_pair, model_name, mode):
                                  fuse_upto=128 if mode == "fused" else 0)
     if mode == "fused" and not runner.fused_threads:
         pytest.skip("one GEMM over several tiles changes rows' bits on this platform")
-    steps = _probe_steps(random.Random(0), model.config.vocab_size)
-    alone = _run_probe(runner, steps, random.Random(0), 0, DEFAULT_TILE)
-    for trial in range(3):
-        batched = _run_probe(runner, steps, random.Random(100 + trial), 8, DEFAULT_TILE)
-        for i, (a, b) in enumerate(zip(alone, batched, strict=True)):
-            assert torch.equal(a, b), f"trial {trial}, step {i}: max diff {(a - b).abs().max()}"
+    _assert_probe_invariant(runner, model.config.vocab_size, [100, 101, 102])
 
 
 @pytest.mark.parametrize("model_name", ["demo-target", "qwen3"])
@@ -116,12 +121,7 @@ def test_bf16_logits_are_bitwise_identical_in_any_batch(demo_pair_dir, model_nam
     model = (load_model(str(demo_pair_dir / "target"), dtype=torch.bfloat16) if model_name == "demo-target"
              else _random_model("qwen3").to(torch.bfloat16))
     runner = ModelRunner.from_hf(model, max_sessions=40, max_len=128, dtype=torch.bfloat16, fuse_upto=0)
-    steps = _probe_steps(random.Random(0), model.config.vocab_size)
-    alone = _run_probe(runner, steps, random.Random(0), 0, DEFAULT_TILE)
-    for trial in range(2):
-        batched = _run_probe(runner, steps, random.Random(200 + trial), 8, DEFAULT_TILE)
-        for i, (a, b) in enumerate(zip(alone, batched, strict=True)):
-            assert torch.equal(a, b), f"trial {trial}, step {i}: max diff {(a - b).abs().max()}"
+    _assert_probe_invariant(runner, model.config.vocab_size, [200, 201])
 
 
 def test_fused_runs_give_the_bits_of_tile_by_tile(demo_pair):
@@ -344,43 +344,23 @@ BF16_TOL = 0.25  # logits; see the test below
 @pytest.mark.slow
 def test_bf16_greedy_equals_hf_bf16_where_the_top_two_are_apart(demo_pair_dir, heldout, capsys):
     """Greedy through the runner in bf16 against transformers' own greedy generation of the
-    target in bf16, on the held-out prompts (16 tokens each, plain decode rows).
+    target in bf16, on the held-out prompts (16 tokens each, plain decode rows;
+    `tooling/hf_agreement.py`).
 
-    The two sum in different orders, so their bf16 logits may differ by rounding: measured on
-    the demo target over the suite's 24 held-out prompts, at most 0.125 (one bf16 step for
-    logits of magnitude 16 to 32; the demo's largest are about 20). BF16_TOL is twice that:
-    where HF's top two logits are further apart than BF16_TOL, rounding cannot swap them, and
-    the tokens must agree; a divergence at a nearer tie is reported, not failed, and ends that
-    prompt's comparison (what follows depends on it)."""
+    Their bf16 logits may differ by rounding: measured on the demo target over the suite's 24
+    held-out prompts, at most 0.125 (one bf16 step for logits of magnitude 16 to 32; the
+    demo's largest are about 20). BF16_TOL is twice that: where HF's top two logits are
+    further apart, the tokens must agree; a divergence at a nearer tie is reported."""
     from specserve.models.loading import load_model
+    from specserve.tooling.hf_agreement import greedy_agreement
 
     model = load_model(str(demo_pair_dir / "target"), dtype=torch.bfloat16)
     runner = ModelRunner.from_hf(model, max_sessions=2, max_len=512, dtype=torch.bfloat16, fuse_upto=0)
     prompts, _, _ = heldout
-    compared, near_ties, largest = 0, [], 0.0
-    for i, ids in enumerate(prompts):
-        with torch.inference_mode():
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
-        ref = gen.sequences[0, len(ids):].tolist()
-        runner.allocate(i)
-        logits = runner.forward([Row(i, ids, num_logits=1)])[0][-1]
-        for j, want in enumerate(ref):
-            hf = gen.logits[j][0].float()
-            largest = max(largest, float((logits - hf).abs().max()))
-            top2 = hf.topk(2).values
-            got = int(logits.argmax())
-            compared += 1
-            if got != want:
-                gap = float(top2[0] - top2[1])
-                assert gap <= BF16_TOL, f"prompt {i}, token {j}: {got} against HF's {want}, top-2 gap {gap:.3f}"
-                near_ties.append((i, j, gap))
-                break
-            logits = runner.forward([Row(i, [got], num_logits=1)])[0][-1]
-        runner.free(i)
+    got = greedy_agreement(model, runner, prompts, MAX_NEW, BF16_TOL)
     with capsys.disabled():
-        print(f"\nbf16 greedy vs HF bf16: {compared} tokens compared over {len(prompts)} prompts, "
-              f"largest logit difference {largest:.3f}, divergences at near-ties: {near_ties}")
-    assert largest <= BF16_TOL
-    assert compared >= len(prompts) * MAX_NEW // 2  # most of each prompt was compared
+        print(f"\nbf16 greedy vs HF bf16: {got['tokens_compared']} tokens compared over {len(prompts)} prompts, "
+              f"largest logit difference {got['largest_logit_difference']:.3f}, near-ties: {got['near_ties']}")
+    assert got["failures"] == [], got["failures"]
+    assert got["largest_logit_difference"] <= BF16_TOL
+    assert got["tokens_compared"] >= len(prompts) * MAX_NEW // 2  # most of each prompt was compared
