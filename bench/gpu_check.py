@@ -46,7 +46,7 @@ from specserve.models.loading import load_model, load_tokenizer
 from specserve.models.runner import ModelRunner
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
-from specserve.tooling.hf_agreement import greedy_agreement
+from specserve.tooling.hf_agreement import TOLERANCE, greedy_agreement
 from specserve.tooling.modelbuild.build import load_eval_prompts
 from specserve.worker.engines import (
     AGAIN,
@@ -59,9 +59,6 @@ from specserve.worker.engines import (
 from specserve.worker.scheduler import Work
 
 GREEDY = SamplingParams()
-# logits; where HF's top two are further apart, rounding cannot swap them (the bf16 figure is
-# twice the largest difference measured on the CPU, tests/unit/test_runner_invariance.py)
-TOLERANCE = {torch.bfloat16: 0.25, torch.float16: 0.05, torch.float32: 1e-3}
 SHAPES = {
     # TinyLlama-1.1B's shape, and a 100M-class draft with its vocabulary
     "full": dict(target=dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,

@@ -11,20 +11,28 @@ near-tie. Either ends that prompt's comparison, since what follows depends on it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from specserve.models.runner import ModelRunner, Row
 
+# Logits, per dtype: where HF's top two are further apart, rounding cannot swap them. bf16:
+# twice the largest difference measured on the CPU (0.125, one bf16 step for logits of 16-32;
+# tests/unit/test_runner_invariance.py); fp16 keeps 3 more bits; fp32 differs in the last bits.
+TOLERANCE = {torch.bfloat16: 0.25, torch.float16: 0.05, torch.float32: 1e-3}
 
-def greedy_agreement(model: torch.nn.Module, runner: ModelRunner, prompts: Sequence[list[int]], new_tokens: int,
+
+def greedy_agreement(model: Any, runner: ModelRunner, prompts: Sequence[list[int]], new_tokens: int,
                      tolerance: float) -> dict:
-    """Each prompt's greedy continuation by `runner` (plain decode rows, one session at a
+    """`model`: a transformers causal LM (its `generate`). Each prompt's greedy continuation by `runner` (plain decode rows, one session at a
     time) against `model.generate`'s, token by token. Returns the tokens compared, the
     largest logit difference seen, the near-ties and failures ({prompt, token, gap}) and
     `ok` (no failure)."""
     device = runner.device
-    compared, near_ties, failures, largest = 0, [], [], 0.0
+    near_ties: list[dict] = []
+    failures: list[dict] = []
+    compared, largest = 0, 0.0
     for i, ids in enumerate(prompts):
         with torch.inference_mode():
             gen = model.generate(torch.tensor([ids], device=device),
