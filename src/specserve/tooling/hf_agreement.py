@@ -25,8 +25,8 @@ TOLERANCE = {torch.bfloat16: 0.25, torch.float16: 0.05, torch.float32: 1e-3}
 
 def greedy_agreement(model: Any, runner: ModelRunner, prompts: Sequence[list[int]], new_tokens: int,
                      tolerance: float) -> dict:
-    """`model`: a transformers causal LM (its `generate`). Each prompt's greedy continuation by `runner` (plain decode rows, one session at a
-    time) against `model.generate`'s, token by token. Returns the tokens compared, the
+    """Each prompt's greedy continuation by `runner` (plain decode rows, one session at a
+    time) against `model.generate`'s (a transformers causal LM), token by token. Returns the tokens compared, the
     largest logit difference seen, the near-ties and failures ({prompt, token, gap}) and
     `ok` (no failure)."""
     device = runner.device
