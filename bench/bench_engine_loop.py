@@ -148,12 +148,14 @@ def _stops(p):
 
 
 def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float],
-          tile: int | None) -> EngineLoop:
+          tile: int | None, gather: bool = True) -> EngineLoop:
     """`tile`: the stand-in forward's runner. Its own CPU time is not what a cell measures
     (the profile's step time is), so by default it is the fast one: no padding to tiles, the
     cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
     model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=max(streams, 4), prefill_chunk=128,
                                            tile=tile))
+    if tile is None:  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
+        model.runner.short_rows = True
 
     def step_ms(works) -> float:
         ms = profile.target_ms(sum(w.tokens for w in works), sum(len(w.payload.ids) for w in works))
@@ -161,7 +163,7 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
         return ms
 
     return EngineLoop(model, _stops, sources, budget=Budget(max_batch=64, max_batched_tokens=4096),
-                      block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None)
+                      block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None, gather=gather)
 
 
 def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
@@ -173,7 +175,8 @@ def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
     return {sid: loop.ended[sid].generated for sid in prompts}
 
 
-def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: float, tile: int | None) -> dict:
+def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: float, tile: int | None,
+         gather: bool = True) -> dict:
     """One arm at one load. A first wave of sessions warms the engine (its acceptance table,
     cost fit and draft latency, as on a running server) and is not measured; the second is."""
     busy: list[float] = []
@@ -181,7 +184,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     drafts = SyntheticDrafts({wid: refs[sid] for wid, (sid, _) in waves.items()},
                              {wid: p for wid, (_, p) in waves.items()}, alpha, profile)
     book: list[float] = []
-    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy, tile)
+    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy, tile, gather)
 
     k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.removeprefix("K="))
 
@@ -220,6 +223,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--exact-batching", choices=("fast", "invariant"), default="fast",
                     help="the stand-in forward's runner (see _loop)")
+    ap.add_argument("--gather", choices=("on", "off"), default="on",
+                    help="hold a step for blocks due within it (EngineLoop.gather)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     tile = None if a.exact_batching == "fast" else Batching.tile
@@ -233,7 +238,8 @@ def main() -> None:
         for n in streams:
             prompts = dict(list(all_prompts.items())[:n])
             for arm in a.arms.split(","):
-                r = {"profile": pname, **cell(target, prompts, refs, PROFILES[pname], arm, a.tokens, a.alpha, tile)}
+                r = {"profile": pname, **cell(target, prompts, refs, PROFILES[pname], arm, a.tokens, a.alpha, tile,
+                                                     a.gather == "on")}
                 rows.append(r)
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
                       f"busy {r['device_busy']:.0%}  book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
@@ -241,7 +247,8 @@ def main() -> None:
                       f"  K {r['mean_k']:.1f}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "exact_batching": a.exact_batching, "rows": rows}, indent=1))
+    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "exact_batching": a.exact_batching,
+                                                   "gather": a.gather, "rows": rows}, indent=1))
     _plot(rows, out / "engine_loop.png")
 
 

@@ -110,6 +110,9 @@ class TargetSettings(WorkerSettings):
     # the longest a row waits for a late block, then runs plain (below it, the engine waits only
     # as long as the block is worth: E - 1 plain steps for a block expected to emit E tokens)
     block_wait_ms: float = Field(50.0, ge=0)
+    # hold a step for blocks due within it when one fuller step emits more per second than
+    # running the rows ready now (engine/scheduler.py: gather_wait; ADR 0014)
+    gather_rows: bool = True
     max_batched_tokens: int = Field(2048, ge=1)  # tokens fed per engine step (verify rows + prefill chunks)
     redis_outage_s: float = Field(30.0, ge=0)  # commits ride a Redis outage this long
     # commit back-pressure: a session with this many rounds not yet committed (Redis slow or

@@ -20,7 +20,7 @@ from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.engine.drafting import DRAFT_UNAVAILABLE, LocalDrafts
-from specserve.engine.loop import EngineLoop
+from specserve.engine.loop import NOT_PAYING, EngineLoop
 from specserve.engine.scheduler import DRAFT_LATE, Budget
 from specserve.engine.session import DraftBlock, EnginePlan, Status
 from specserve.models.verifier import TargetModel
@@ -212,6 +212,39 @@ def test_a_blocks_drafting_time_is_taken_at_its_arrival_late_blocks_included(pai
     assert s.asks == {}
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather):
+    """On a memory-bound device a step of 2 rows costs what a step of 1 does. Session a's
+    block is in, b's is due in 4 ms (asked at 0, 2 ms a draft token, K = 2), a step takes
+    7 ms, a round is worth 2.5 tokens: running a alone now (2.5 / 7 ms) emits less per
+    second than holding 3 ms (5 / 10 ms) and verifying both in one step. Without gathering
+    the step runs a alone (b's block lands mid-step and b waits for the next one)."""
+    now = [0.0]
+    held = SilentDrafts(pair[1])
+    loop = _loop(pair, {"small": held}, clock=lambda: now[0], block_wait_max_s=0.05, gather=gather)
+    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=2, seed=1), pool="small")
+    for sid in ("a", "b"):
+        loop.add(sid, PROMPTS[1], plan)
+    loop._drain()
+    a, b = loop.sessions["a"], loop.sessions["b"]
+    n = len(a.committed)
+    held.deliver(DraftBlock("a", n, a.committed.hash_at(n), (1, 2)))
+    loop._drain()
+    loop.draft_latency["small"], loop.step_ms = 0.002, 7.0
+    a.expected_emitted = b.expected_emitted = 2.5  # a block is worth waiting 1.5 steps for
+    now[0] = 0.001
+    report = loop.step()
+    if not gather:
+        assert report is not None and report.rows == 1
+        return
+    assert report is None and loop._wake_at == pytest.approx(0.004 + 0.2 * 0.007)  # a fifth of a step of slack
+    assert loop._held_for == [b]
+    held.deliver(DraftBlock("b", n, b.committed.hash_at(n), (1, 2)))
+    now[0] = 0.004
+    report = loop.step()
+    assert report is not None and report.rows == 2 and report.tokens == 2 * (len(PROMPTS[1]) + 2)
+
+
 def test_commits_are_contiguous_and_spell_the_output(pair):
     commits = Commits()
     loop = _loop(pair, committer=commits)
@@ -302,6 +335,30 @@ def test_the_engine_turns_speculation_off_where_it_does_not_pay_and_keeps_it_whe
     assert max(estimates.values()) <= 1.05  # its own estimates: no K beats plain by the margin
     rounds, estimates = outcomes["oracle"]
     assert all(r.k_asked > 0 for r in rounds[:-1]) and max(estimates.values()) > 1.5
+
+
+def test_a_session_held_plain_probes_without_waiting_for_its_blocks(pair):
+    """Held plain (the unrelated draft almost never agrees), a session still asks for a
+    block now and then to keep learning. Its probe waits for none: with blocks 60 ms late
+    and 10 ms steps, its probe rounds run plain at once (`speculation_not_paying`, never
+    `draft_late`: on the old code each probe waited up to its bound, then ran plain late).
+    With an in-process drafter (the block is there at the next step) the probes verify."""
+    target, unrelated = pair
+    params = GenerationParams(max_tokens=90, num_draft_tokens=4, seed=3)
+    plan = EnginePlan(params, pool="small", workload_class="code", adaptive=True)
+    late = _loop(pair, {"small": LateDrafts(unrelated, 0.06, wrong=0)}, block_wait_max_s=0.05,
+                 simulated_step_ms=lambda works: 10.0)
+    quick = _loop(pair, {"small": LocalDrafts(unrelated)})
+    for loop in (late, quick):
+        _run(loop, [("s", PROMPTS[4], plan)])
+    rounds = late.ended["s"].rounds
+    held = next(i for i, r in enumerate(rounds) if r.fallback_reason == NOT_PAYING)
+    probes = [r for r in rounds[held:] if r.k_asked]
+    assert len(probes) >= 3, [(r.k_asked, r.k, r.fallback_reason) for r in rounds]
+    assert all(r.fallback_reason == NOT_PAYING for r in probes), [(r.k_asked, r.fallback_reason) for r in probes]
+    rounds = quick.ended["s"].rounds
+    held = next(i for i, r in enumerate(rounds) if r.fallback_reason == NOT_PAYING)
+    assert any(r.k > 0 for r in rounds[held:]), [(r.k_asked, r.k, r.fallback_reason) for r in rounds]
 
 
 class UnansweredCommitter:

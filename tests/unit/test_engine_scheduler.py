@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.algorithm.stops import StopChecker
-from specserve.engine.scheduler import DRAFT_LATE, Budget, schedule
+from specserve.engine.scheduler import DRAFT_LATE, Budget, gather_wait, schedule
 from specserve.engine.session import DraftBlock, EnginePlan, EngineSession, Status
 from specserve.params import GenerationParams
 
@@ -120,3 +120,24 @@ def test_sessions_that_ended_get_no_row():
 def test_a_bad_budget_is_refused():
     with pytest.raises(ValueError, match="positive"):
         Budget(max_batch=0)
+
+
+FLAT = 0.007  # a memory-bound step: the same 7 ms for 1 row or 64
+
+
+def test_a_step_holds_for_blocks_due_within_it_when_that_emits_more_per_second():
+    """2 rows ready worth 2.1 tokens each, 2 blocks due in 5 ms worth as much, 7 ms steps:
+    now 4.2 / 7 = 0.60 tokens/ms; after 5 ms 8.4 / 12 = 0.70. Hold until they are due."""
+    assert gather_wait(4.2, [(0.005, 2.1), (0.005, 2.1)], lambda n: FLAT, 2, FLAT) == 0.005
+    # one block due in 1 ms and one in 6 ms: 2 rows + 1 after 1 ms is best (6.3 / 8 > 8.4 / 13)
+    assert gather_wait(4.2, [(0.006, 2.1), (0.001, 2.1)], lambda n: FLAT, 2, FLAT) == 0.001
+
+
+def test_a_step_does_not_hold_its_rows_for_a_few_blocks_or_when_rows_cost_time():
+    # 60 plain rows and 4 speculating sessions whose blocks are due in 5 ms: run now
+    assert gather_wait(60.0, [(0.005, 2.2)] * 4, lambda n: FLAT, 60, FLAT) == 0.0
+    # a step that grows with its rows (a CPU: 1 ms + 1 ms a row): 4.2 / 3 ms beats 8.4 / 10 ms
+    assert gather_wait(4.2, [(0.005, 2.1)] * 2, lambda n: 0.001 * (1 + n), 2, FLAT) == 0.0
+    # blocks due past the horizon, or overdue (their time passed: no telling when): run now
+    assert gather_wait(2.1, [(0.009, 2.1)] * 3, lambda n: FLAT, 1, FLAT) == 0.0
+    assert gather_wait(2.1, [(-0.001, 2.1)] * 3, lambda n: FLAT, 1, FLAT) == 0.0

@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 PRIOR_ALPHA = 0.6  # before a class has rounds: optimistic enough to try, and learnt within a few rounds
 DECAY = 0.97  # per round of the class: the rates follow its last ~30 rounds
 PROBE_EVERY = 16  # a session held plain drafts once every this many rounds, to keep learning
+# A probe asks for blocks for up to this many rounds and waits for none: its rounds run plain
+# until a block is there when the step starts, and the first one there is verified. So a
+# probe costs its session no wait (waiting for a slow drafter cost a held-plain class 5 % of
+# its throughput in bench_engine_loop's seed profile, where plain is best at every load).
+PROBE_ROUNDS = 4
 # A step's cost per extra token fed, relative to a 1-token step, until the engine's own fit
 # can tell (one session alone gives it nothing to separate): verifying 5 tokens was measured
 # at 1.2-1.5x one token on the 2-core CPU (DESIGN §7), about 0.1 per token; a GPU's

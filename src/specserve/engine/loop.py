@@ -30,8 +30,15 @@ from typing import Any, Protocol
 from specserve.algorithm.round import RoundStats, settle
 from specserve.algorithm.stops import StopChecker
 from specserve.engine.drafting import DRAFT_UNAVAILABLE, DraftSource, clip
-from specserve.engine.kchoice import PROBE_EVERY, Acceptance, choose_k, prior_cost, speedups
-from specserve.engine.scheduler import DRAFT_LATE, Budget, Row, schedule
+from specserve.engine.kchoice import (
+    PROBE_EVERY,
+    PROBE_ROUNDS,
+    Acceptance,
+    choose_k,
+    prior_cost,
+    speedups,
+)
+from specserve.engine.scheduler import DRAFT_LATE, Budget, Row, gather_wait, schedule
 from specserve.engine.session import (
     PRIOR_EMITTED,
     CommitRecord,
@@ -89,7 +96,8 @@ class EngineLoop:
                  simulated_step_ms: Callable[[list[Work]], float] | None = None,
                  on_step: Callable[[StepReport], None] | None = None,
                  summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0,
-                 constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0) -> None:
+                 constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
+                 gather: bool = True) -> None:
         self.model = model
         self.stops_for = stops_for
         self.sources = dict(sources or {})
@@ -116,6 +124,7 @@ class EngineLoop:
         # yet answered by Redis runs no further round until one is (0 = unbounded). Through a
         # Redis outage its provisional work stays bounded, not max_tokens long.
         self.max_commit_lag = max_commit_lag
+        self.gather = gather  # hold a step for blocks due within it when that pays (`_hold`)
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.step_ms = block_wait_max_s * 1e3  # recent forward time (EMA): prices a late block
         self.last: StepReport | None = None
@@ -130,6 +139,7 @@ class EngineLoop:
         self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
         self.keep_ended = keep_ended
         self._wake_at: float | None = None
+        self._held_for: list[EngineSession] = []  # the sessions whose blocks the step is held for
         self._k_this_step: dict[tuple[str, str, int, int], int] = {}
         # the last K chosen per (class, pool, K bounds): a new adaptive session starts there
         self._k_last: dict[tuple[str, str, int, int], int] = {}
@@ -187,7 +197,17 @@ class EngineLoop:
                 self._sleep(self._wake_at, None)
 
     def _sleep(self, until: float | None, stop: threading.Event | None) -> None:
+        """Until `until`, or new work in the inbox. A held step (`_hold`) sleeps until the
+        blocks it holds for are all in, applying them as they come, or its deadline:
+        scheduling again at each arrival would cost the engine thread a schedule per block."""
         with self._wake:
+            while self._held_for and until is not None and not (stop is not None and stop.is_set()):
+                self._drain()
+                if all(s.block is not None or not s.running for s in self._held_for):
+                    return
+                if (left := until - self.clock()) <= 0:
+                    return
+                self._wake.wait(timeout=left)
             if self._inbox or (stop is not None and stop.is_set()):
                 return
             self._wake.wait(timeout=0.05 if until is None else max(until - self.clock(), 0.0))
@@ -200,7 +220,8 @@ class EngineLoop:
         plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s, self._can_draft,
                         self._held)
         self._wake_at = plan.wake_at
-        if not plan.rows:
+        self._held_for = self._hold(plan.rows, self.clock()) if plan.rows else []
+        if not plan.rows or self._held_for:
             self._notify_ended()  # cancelled from the inbox
             return None
         self.mask_ms = 0.0
@@ -244,8 +265,51 @@ class EngineLoop:
         would emit as many), and never longer than `block_wait_max_s`."""
         if s.plan.exact:  # a late block would change its sample path: wait for it
             return self.exact_wait_s
+        if s.probing:  # held plain: a block that is not there yet is not waited for
+            return 0.0
         worth = self.wait_factor * max(s.expected_emitted - 1.0, 0.0) * self.step_ms / 1e3
         return min(self.block_wait_max_s, worth)
+
+    def _hold(self, rows: list[Row], now: float) -> list[EngineSession]:
+        """The sessions whose blocks this step is held for (none: run now), by
+        scheduler.gather_wait: each waiting session's block is due when it was asked for plus
+        its pool's drafting time per token times its K, if that is within its own wait
+        (`block_wait_s`). A verify row is worth the session's recent tokens per round, any
+        other row one token. The hold lasts until those blocks are in, or a fifth of a step
+        past the last one's due time (drafting times vary: a hold until the mean arrival
+        would catch half of them)."""
+        if not self.gather:
+            return []
+        in_step = {r.session.id for r in rows}
+        waiting: list[tuple[float, EngineSession]] = []
+        for s in self.sessions.values():
+            if s.waiting_since is None or s.block is not None or s.id in in_step or not s.running:
+                continue
+            per_token = self.draft_latency.get(s.plan.pool or "")
+            asked = s.asks.get(len(s.committed))
+            if per_token is None or asked is None:
+                continue
+            due = asked + per_token * s.k_wanted
+            if due <= s.waiting_since + self.block_wait_s(s):  # past its own bound it runs plain
+                waiting.append((due - now, s))
+        if not waiting:
+            return []
+        ready = sum(r.session.expected_emitted if r.block is not None else 1.0 for r in rows)
+        per_row = sum(r.tokens for r in rows) / len(rows)
+        step = self._step_s(len(rows), len(rows) * per_row)
+        hold = gather_wait(ready, [(d, s.expected_emitted) for d, s in waiting],
+                           lambda n: self._step_s(n, n * per_row), len(rows), horizon_s=step)
+        if hold <= 0.0:
+            return []
+        self._wake_at = min(self._wake_at or math.inf, now + hold + 0.2 * step)
+        return [s for d, s in waiting if d <= hold]
+
+    def _step_s(self, rows: int, tokens: float) -> float:
+        """A step's expected seconds: the cost fit, or the recent step time before it."""
+        if self.cost.coef is None:
+            return self.step_ms / 1e3
+        a, r, b = self.cost.coef
+        return float(a + r * rows + b * tokens)
 
     def _drain(self) -> None:
         while self._inbox:
@@ -331,7 +395,7 @@ class EngineLoop:
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
             self._acceptance(s).observe(k, verdict.num_accepted)
-        elif k_asked and row.fallback == DRAFT_LATE:
+        elif k_asked and row.fallback == DRAFT_LATE and not s.probing:
             # Nothing verified, so nothing learned about the blocks: relax the estimate toward
             # the prior. Otherwise a few rejected blocks shrink the wait below the draft's
             # latency, every later block is late, and the estimate never hears otherwise.
@@ -343,13 +407,13 @@ class EngineLoop:
             k_asked=k_asked,
             predraft="pushed" if block is not None and block.predrafted else "")
         if s.plan.adaptive and not s.plan.exact:  # after the record: its fallback reason is this round's, not the next's
-            self._choose_k(s, len(self.sessions), forward_ms / 1e3)
+            self._choose_k(s, len(self.sessions), forward_ms / 1e3, verified=k > 0)
         s.block, s.waiting_since = None, None
         s.promote()  # a block drafted ahead for the prefix just committed is ready at once
         if settled.finish_reason is not None:
             self._end(s, Status.FINISHED, settled.finish_reason)
         elif (source := self.sources.get(s.plan.pool or "")) is not None and (s.k_wanted > 0 or s.plan.adaptive):
-            if s.k_wanted > 0:  # its next round waits for nothing when its block came ahead
+            if s.k_wanted > 0 and not s.probing:  # its next round waits for nothing when its block came ahead
                 pool = s.plan.pool or ""
                 self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if s.block is not None else 0.0)
             self._ask(s)
@@ -375,16 +439,22 @@ class EngineLoop:
     def _acceptance(self, s: EngineSession) -> Acceptance:
         return self.acceptance.setdefault((s.plan.workload_class, s.plan.pool or ""), Acceptance())
 
-    def _choose_k(self, s: EngineSession, batch: int, step_s: float) -> None:
-        """The session's K for its next round; a session held plain probes every PROBE_EVERY
-        rounds."""
+    def _choose_k(self, s: EngineSession, batch: int, step_s: float, verified: bool) -> None:
+        """The session's K for its next round. A session held plain probes every PROBE_EVERY
+        rounds: for up to PROBE_ROUNDS rounds it asks for blocks without waiting for them,
+        until one was there to verify (`verified`: this round verified drafts)."""
         key = self._k_key(s)
         k = self._k_this_step.get(key)
         if k is None:  # every session of a (class, pool) shares its inputs: once per step
             k = self._k_this_step[key] = self._k_last[key] = self._best_k(s, batch, step_s)
         s.held_plain = s.held_plain + 1 if k == 0 else 0
-        probe = max(s.plan.k_min, min(2, s.plan.k))
-        s.k_choice = probe if k == 0 and s.held_plain % PROBE_EVERY == 0 else k
+        if k > 0 or verified:
+            s.probing = 0
+        elif s.probing:
+            s.probing -= 1
+        elif s.held_plain % PROBE_EVERY == 0:
+            s.probing = PROBE_ROUNDS
+        s.k_choice = max(s.plan.k_min, min(2, s.plan.k)) if s.probing else k
 
     @staticmethod
     def _k_key(s: EngineSession) -> tuple[str, str, int, int]:
@@ -423,7 +493,9 @@ class EngineLoop:
             return s.plan.plain_reason
         if k_asked == 0:  # the engine held it plain, or the token budget left no room for drafts
             return NOT_PAYING if s.k_choice == 0 else ""
-        return row.fallback if self._can_draft(s) else DRAFT_UNAVAILABLE
+        if not self._can_draft(s):
+            return DRAFT_UNAVAILABLE
+        return NOT_PAYING if s.probing else row.fallback  # (a probe's block not there yet: it never waits)
 
     def _end(self, s: EngineSession, status: Status, reason: str, error: str = "") -> None:
         s.finish(status, reason, error)

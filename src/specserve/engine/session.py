@@ -160,6 +160,7 @@ class EngineSession:
     expected_emitted: float = PRIOR_EMITTED  # tokens per verified round, recent average: what a block is worth
     k_choice: int | None = None  # the engine's K for the next round (adaptive plans); None: the plan's
     held_plain: int = 0  # rounds in a row the engine held it plain (it probes now and then)
+    probing: int = 0  # rounds left in a probe: held plain, it asks for blocks but waits for none
     # when its draft source was asked for a block, by the committed length the block is for
     # (prices the wait: a block is timed when it arrives, even one that came too late to use)
     asks: dict[int, float] = field(default_factory=dict)

@@ -176,4 +176,5 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
                       controller=controller, shadow_log=ShadowLog(store.client, s.key_prefix, s.stats_ttl_s),
                       kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
-                      worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag)
+                      worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag,
+                      gather=s.gather_rows)

@@ -99,7 +99,8 @@ class EngineHost:
                  controller: Controller | None = None, shadow_log: ShadowLog | None = None,
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
-                 constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0) -> None:
+                 constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
+                 gather: bool = True) -> None:
         self.store = store
         self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
         self.name = name
@@ -123,7 +124,7 @@ class EngineHost:
                                  block_wait_max_s=block_wait_max_s,
                                  simulated_step_ms=(lambda works: simulated_step_ms) if simulated_step_ms else None,
                                  on_step=self._on_step, summarize=self._summary, constrain=constrain,
-                                 max_commit_lag=max_commit_lag)
+                                 max_commit_lag=max_commit_lag, gather=gather)
         self.committer.on_acked = self.engine.acked
         self.driving: dict[str, _Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
