@@ -28,6 +28,7 @@ Results: bench/results/engine_loop.json and engine_loop.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import json
 import statistics
@@ -80,7 +81,13 @@ class SyntheticDrafts:
         self.due: list[tuple[float, int, DraftBlock]] = []
         self.wake = threading.Condition()
         self.seq = 0
+        self.stopped = False
         threading.Thread(target=self._run, daemon=True).start()
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopped = True
+            self.wake.notify()
 
     def attach(self, deliver) -> None:
         self.deliver = deliver
@@ -128,8 +135,10 @@ class SyntheticDrafts:
     def _run(self) -> None:
         while True:
             with self.wake:
-                while not self.due or self.due[0][0] > time.monotonic():
+                while not self.stopped and (not self.due or self.due[0][0] > time.monotonic()):
                     self.wake.wait(None if not self.due else self.due[0][0] - time.monotonic())
+                if self.stopped:
+                    return
                 _, _, block = heapq.heappop(self.due)
             if self.deliver is not None:
                 self.deliver(block)
@@ -200,7 +209,9 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     run_wave("warm-")
     busy.clear()
     loop.on_step = lambda r: book.append(r.bookkeeping_ms)
+    gc.collect()  # the cells before left garbage: a full collection mid-wave would count as bookkeeping
     wall = run_wave("")
+    drafts.stop()
     sessions = [loop.ended[s] for s in prompts]
     assert all(s.generated == refs[s.id] for s in sessions), "the output must be the target's alone"
     rounds = [r for s in sessions for r in s.rounds]

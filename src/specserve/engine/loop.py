@@ -365,7 +365,7 @@ class EngineLoop:
         allowed = None
         if s.grammar is not None:  # (a prefill chunk short of the prompt's end ignores it)
             t0 = time.perf_counter()
-            room = p.max_tokens - len(s.generated) - 1  # drafts past the budget would never commit
+            room = p.max_tokens - s.n_generated - 1  # drafts past the budget would never commit
             drafts, q, allowed = s.grammar.constrain(drafts, q, p.sampling.greedy, min(s.k_wanted, room), room)
             self.mask_ms += (time.perf_counter() - t0) * 1e3
         return Work(s.id, VerifyJob(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed), row.tokens)
@@ -382,7 +382,7 @@ class EngineLoop:
         verdict = result.verdict
         s.cached = result.cached_len
         k_asked = s.k_wanted
-        expected = len(s.generated)
+        expected = s.n_generated
         settled = settle(s.generated, verdict.tokens, s.text.stops, s.plan.params.max_tokens)
         s.committed.extend(settled.tokens)
         if s.grammar is not None:
@@ -410,14 +410,15 @@ class EngineLoop:
             self._choose_k(s, len(self.sessions), forward_ms / 1e3, verified=k > 0)
         s.block, s.waiting_since = None, None
         s.promote()  # a block drafted ahead for the prefix just committed is ready at once
+        k_next = s.k_wanted
         if settled.finish_reason is not None:
             self._end(s, Status.FINISHED, settled.finish_reason)
-        elif (source := self.sources.get(s.plan.pool or "")) is not None and (s.k_wanted > 0 or s.plan.adaptive):
-            if s.k_wanted > 0 and not s.probing:  # its next round waits for nothing when its block came ahead
+        elif (source := self.sources.get(s.plan.pool or "")) is not None and (k_next > 0 or s.plan.adaptive):
+            if k_next > 0 and not s.probing:  # its next round waits for nothing when its block came ahead
                 pool = s.plan.pool or ""
                 self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if s.block is not None else 0.0)
             self._ask(s)
-            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), s.k_wanted))
+            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next))
         return s, stats
 
     def _ask(self, s: EngineSession) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from specserve.algorithm.round import RoundStats, draft_budget
@@ -75,7 +76,7 @@ class EnginePlan:
             raise ValueError("an engine plan needs a resolved seed")
         return self.params.seed
 
-    @property
+    @cached_property  # (asked several times a round)
     def k(self) -> int:
         """The most drafts a round verifies (0: plain)."""
         if not self.pool:
@@ -182,6 +183,11 @@ class EngineSession:
         return self.committed.ids[self.prompt_len :]
 
     @property
+    def n_generated(self) -> int:
+        """len(generated), without copying it (the engine asks several times a round)."""
+        return len(self.committed) - self.prompt_len
+
+    @property
     def running(self) -> bool:
         return self.status is Status.RUNNING
 
@@ -189,7 +195,7 @@ class EngineSession:
     def k_wanted(self) -> int:
         """Drafts the next round may verify (0: a plain round)."""
         k = self.plan.k if self.k_choice is None else min(self.k_choice, self.plan.k)
-        return draft_budget(k, len(self.generated), self.plan.params.max_tokens)
+        return draft_budget(k, self.n_generated, self.plan.params.max_tokens)
 
     @property
     def prefilling(self) -> bool:

@@ -353,7 +353,7 @@ class EngineHost:
         d.span.set_attributes({"specserve.finish_reason": session.finish_reason or "",
                                "specserve.rounds": len(session.rounds),
                                "specserve.num_accepted": sum(r.accepted for r in session.rounds),
-                               "specserve.emitted": len(session.generated)})
+                               "specserve.emitted": session.n_generated})
         if session.error:
             d.span.set_status(trace.Status(trace.StatusCode.ERROR, session.error))
         d.span.end()
@@ -385,7 +385,7 @@ class EngineHost:
         asyncio.ensure_future(self._record_shadow(served, twin))
 
     def _count_request(self, d: _Driven, s: EngineSession) -> None:
-        m, labels, n = self.metrics, s.plan.labels, len(s.generated)
+        m, labels, n = self.metrics, s.plan.labels, s.n_generated
         m.requests.labels(*labels, s.finish_reason or "").inc()
         if d.first_round is not None:
             m.ttft.labels(*labels).observe(d.first_round - d.started)
