@@ -233,11 +233,12 @@ class EngineLoop:
         t2 = time.perf_counter()
         forward_ms = (t2 - t1) * 1e3
         self.step_ms += 0.2 * (forward_ms - self.step_ms)
-        self.cost.observe(len(works), sum(w.tokens for w in works), forward_ms / 1e3)
         commits: list[CommitRecord] = []
         self._k_this_step = {}  # K choices made in this step, per (class, pool, K bound)
         rounds = [self._settle(r, res, forward_ms, commits) for r, res in zip(plan.rows, results, strict=True)]
         bookkeeping_ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
+        # the step's wall prices K: the engine's own Python per row counts as the forward does
+        self.cost.observe(len(works), sum(w.tokens for w in works), (forward_ms + bookkeeping_ms) / 1e3)
         for s, stats in rounds:
             if stats is not None:
                 stats_final = _with_overhead(stats, bookkeeping_ms)
@@ -469,12 +470,13 @@ class EngineLoop:
         drafted_after = 1.0 - self.ahead_share.get(s.plan.pool or "", 0.0)
 
         def cost(n: int) -> float:
-            """A round with n - 1 drafts: the wait for them, then the verify. Alone, the next
-            step starts when the block lands; among others, a row joins only at a step
-            boundary, so a block that lands mid-step costs the session whole steps. A block
-            drafted ahead (during the previous verify) costs no wait at all."""
+            """A round with n - 1 drafts: the wait for them, then the verify. Alone, or with
+            gathering (a step held for blocks due within it), the next step starts when the
+            block lands; among others without it, a row joins only at a step boundary, so a
+            block that lands mid-step costs the session whole steps. A block drafted ahead
+            (during the previous verify) costs no wait at all."""
             wait = per_token * (n - 1)
-            if batch > 1 and wait > 0:
+            if batch > 1 and wait > 0 and not self.gather:
                 wait = math.ceil(wait / step(n)) * step(n)
             return step(n) + drafted_after * wait
 
