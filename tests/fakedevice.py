@@ -99,7 +99,7 @@ def to(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     dtype = t.dtype if dtype is None else dtype
     if device == t.device and dtype == t.dtype and not kwargs.get("copy", False):
         return t
-    return aten._to_copy.default(t, dtype=dtype, device=device)
+    return aten._to_copy.default(t, dtype=dtype, device=device, non_blocking=kwargs.get("non_blocking", False))
 
 
 class LowerIndexing(TorchFunctionMode):
@@ -115,6 +115,8 @@ class LowerIndexing(TorchFunctionMode):
             return to(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return to(args[0], "cuda" if len(args) < 2 else args[1])
+        if func is torch.Tensor.pin_memory:  # (this build has no pinned memory: the data stays as it is)
+            return args[0]
         if func is torch.Tensor.numpy and not isinstance(args[0], FakeTensor):
             with unset_fake_temporarily():  # a real host tensor's data (the designated copy's stand-in)
                 return func(*args, **kwargs)
@@ -127,11 +129,14 @@ class LowerIndexing(TorchFunctionMode):
 
 
 class HostCopies(TorchDispatchMode):
-    """Records every copy of a device tensor to the host (the op and the shape)."""
+    """Records every copy of a device tensor to the host (the op and the shape), and every
+    blocking copy from the host to the device: on CUDA a copy from pageable memory waits for
+    every kernel queued before it (`models/device.py: to_device` copies without waiting)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.copies: list[tuple[str, tuple[int, ...]]] = []
+        self.blocking_in: list[tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -142,6 +147,9 @@ class HostCopies(TorchDispatchMode):
             frm = args[1] if func is aten.copy_.default else src
             if frm.device.type != "cpu" and out.device.type == "cpu":
                 self.copies.append((str(func), tuple(frm.shape)))
+            if func is aten._to_copy.default and frm.device.type == "cpu" and out.device.type == "cuda" \
+                    and not kwargs.get("non_blocking", False):
+                self.blocking_in.append(tuple(frm.shape))
         return out
 
 

@@ -21,6 +21,7 @@ from fakedevice import fake_cuda
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+import specserve.models.device as device_module
 import specserve.models.verifier as verifier_module
 import specserve.worker.engines as engines_module
 from specserve.algorithm.rejection import SparseQ
@@ -96,6 +97,7 @@ def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to
     monkeypatch.setattr(engines_module, "to_host", copy)  # where the step copied its logits before
     # the KV budget on CUDA is what the device's memory leaves after the weights: a 1 GiB device
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
+    monkeypatch.setattr(device_module, "_can_pin", lambda: True)  # to_device's CUDA path: pinned, non-blocking
     with fake_cuda() as (_, host_copies):
         model = ARCHITECTURES[arch]().eval()
         target = TargetModel(model)
@@ -108,8 +110,11 @@ def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to
         for _ in range(2):  # the second step: the prompt's next chunk beside the others' new rows
             copy.calls.clear()
             host_copies.copies.clear()
+            host_copies.blocking_in.clear()
             results = engine.step(batch)
             assert host_copies.copies == [], f"copies to the host outside the designated one: {host_copies.copies}"
+            # found on an H100 (torch.cuda.set_sync_debug_mode): each blocking copy in waited for the GPU
+            assert host_copies.blocking_in == [], f"blocking copies to the device: {host_copies.blocking_in}"
             assert len(copy.calls) == 1, f"the designated copy ran {len(copy.calls)} times in one step"
             ((device, shape),) = copy.calls[0]
             judged = [w for w, r in zip(batch, results, strict=True) if isinstance(r, VerifyResult)]
@@ -179,6 +184,7 @@ def test_a_batched_draft_step_on_a_fake_cuda_device_copies_only_its_picks_to_the
     copy = DesignatedCopy(max_width=4 + 2 * Q_ENTRIES)
     monkeypatch.setattr(engines_module, "to_host", copy)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
+    monkeypatch.setattr(device_module, "_can_pin", lambda: True)  # to_device's CUDA path: pinned, non-blocking
     with fake_cuda() as (_, host_copies):
         model = ARCHITECTURES[arch]().eval()
         engine = BatchedDraft(HFDrafter(model, q_max_entries=Q_ENTRIES),
@@ -189,8 +195,11 @@ def test_a_batched_draft_step_on_a_fake_cuda_device_copies_only_its_picks_to_the
         for _ in range(3):  # the prompt's chunks of 8 (8, 16, its last 5) beside the others' next blocks
             copy.calls.clear()
             host_copies.copies.clear()
+            host_copies.blocking_in.clear()
             results = engine.step(batch)
             assert host_copies.copies == [], f"copies to the host outside the designated one: {host_copies.copies}"
+            # found on an H100 (torch.cuda.set_sync_debug_mode): each blocking copy in waited for the GPU
+            assert host_copies.blocking_in == [], f"blocking copies to the device: {host_copies.blocking_in}"
             assert len(copy.calls) == 1, f"the designated copy ran {len(copy.calls)} times in one step"
             shapes = copy.calls[0]
             finished = [(w, r) for w, r in zip(batch, results, strict=True) if r is not AGAIN]

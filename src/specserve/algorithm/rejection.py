@@ -25,6 +25,7 @@ import torch
 
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import draw
+from specserve.models.device import to_device
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ def q_to_dense(q: QProbs, draft_tokens: torch.Tensor, vocab_size: int) -> torch.
     if isinstance(q, DenseQ):
         if q.probs.shape != (k, vocab_size):
             raise ValueError(f"dense q has shape {tuple(q.probs.shape)}, expected ({k}, {vocab_size})")
-        return q.probs.to(device=device, dtype=torch.float32)
+        return to_device(q.probs, device).float()
     dense = torch.zeros(k, vocab_size, dtype=torch.float32, device=device)
-    return dense.scatter_add_(1, q.ids.to(device=device, dtype=torch.long), q.probs.to(device=device, dtype=torch.float32))
+    return dense.scatter_add_(1, to_device(q.ids, device).long(), to_device(q.probs, device).float())
 
 
 @dataclass
@@ -156,7 +157,7 @@ def rejection_judge(
     if k > 0:
         px = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
         qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(px)
-        u_acc = torch.from_numpy(u.accept).to(dev)
+        u_acc = to_device(torch.from_numpy(u.accept), dev)
         accept = (u_acc * qx.double() < px.double()) & valid
         num_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B]
     else:
@@ -175,8 +176,8 @@ def rejection_judge(
         usable = rejected & (residual.sum(-1) > 0)
         dist = torch.where(usable.unsqueeze(-1), residual, p_final)
     at_end = num_acc.unsqueeze(1)
-    u_rec = torch.from_numpy(u.recover).to(dev).gather(1, at_end).squeeze(1)
-    u_bonus = torch.from_numpy(u.bonus).to(dev).gather(1, at_end).squeeze(1)
+    u_rec = to_device(torch.from_numpy(u.recover), dev).gather(1, at_end).squeeze(1)
+    u_bonus = to_device(torch.from_numpy(u.bonus), dev).gather(1, at_end).squeeze(1)
     final = draw(dist, torch.where(rejected, u_rec, u_bonus))  # [B]
     return Judged(num_acc, final, px, qx)
 

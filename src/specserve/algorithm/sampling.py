@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.models.device import to_device
 from specserve.params import SamplingParams
 
 __all__ = ["SamplingParams", "draw", "greedy_tokens", "logits_to_probs", "mask_logits", "truncate_mass"]
@@ -21,7 +22,7 @@ def mask_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     x = logits.float().clone()
     if params.banned_token_ids:
-        x[..., list(params.banned_token_ids)] = float("-inf")
+        x[..., to_device(torch.tensor(params.banned_token_ids), x.device)] = float("-inf")
     if params.greedy:
         return x
     x = x / params.temperature

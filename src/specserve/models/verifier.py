@@ -20,7 +20,7 @@ from specserve.algorithm.rejection import (
     verdicts_from_host,
 )
 from specserve.algorithm.sampling import greedy_tokens, logits_to_probs
-from specserve.models.device import to_host
+from specserve.models.device import to_device, to_host
 from specserve.models.kvcache import CachedLM
 from specserve.params import SamplingParams
 
@@ -135,9 +135,9 @@ def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool], l
     for (greedy, no_q), idx in groups.items():
         rs = [rows[i] for i in idx]
         kmax = max(len(r.drafts) for r in rs)
-        draft_t = torch.tensor([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], dtype=torch.long,
-                               device=device).reshape(len(rs), kmax)
-        num = torch.tensor([len(r.drafts) for r in rs], device=device)
+        draft_t = to_device(torch.tensor([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], dtype=torch.long),
+                            device).reshape(len(rs), kmax)
+        num = to_device(torch.tensor([len(r.drafts) for r in rs]), device)
         if greedy:
             tgt = torch.stack([_pad_rows(greedy_tokens(r.masked_logits, r.sampling), kmax + 1) for r in rs])
             parts.append(greedy_judge(tgt, draft_t, num).packed())

@@ -31,6 +31,7 @@ import torch
 from specserve.algorithm.rejection import DenseQ, QProbs, SparseQ
 from specserve.drafters.base import DraftProposal
 from specserve.errors import InvalidRequest
+from specserve.models.device import to_device
 from specserve.structured.constraint import Constraint
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
@@ -371,7 +372,7 @@ class DraftMasks:
             return logits
         if self.width > self.vocab_size:
             allowed = torch.cat([allowed, torch.zeros(self.width - self.vocab_size, dtype=torch.bool)])
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        return logits.masked_fill(~to_device(allowed, logits.device), float("-inf"))
 
     def push(self, token: int) -> bool:
         """The drafted token; False when the grammar forbids it (or has ended), and masking
