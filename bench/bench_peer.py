@@ -257,19 +257,16 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
         vp, sp = best("vllm", s, {"plain"}), best("specserve", s, {"plain"})
         sc = best("specserve", s, {"controller"})
         spf = best("specserve", s, {"plain (fast)"})
-
-        def controller_over_best(suffix: str, s: int = s) -> float | None:
-            ctrl = best("specserve", s, {"controller" + suffix})[1]
-            arm = best("specserve", s, {x + suffix for x in ("plain", "small", "ngram")})[1]
-            return ctrl / arm if ctrl and arm else None
-
+        ctrl = {sfx: (best("specserve", s, {"controller" + sfx})[1],
+                      best("specserve", s, {x + sfx for x in ("plain", "small", "ngram")})[1])
+                for sfx in ("", " (fast)")}  # the controller and the best fixed arm, per runner mode
         out["by_load"][str(s)] = {
             "vllm_best": vb, "specserve_best": sb, "vllm_plain": vp[1], "specserve_plain": sp[1],
             "specserve_controller": sc[1], "specserve_plain_fast": spf[1],
             "plain_fast_ratio": spf[1] / vp[1] if vp[1] else None,
             "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None,
-            "controller_over_best_arm": controller_over_best(""),
-            "controller_over_best_arm_fast": controller_over_best(" (fast)")}
+            "controller_over_best_arm": ctrl[""][0] / ctrl[""][1] if all(ctrl[""]) else None,
+            "controller_over_best_arm_fast": ctrl[" (fast)"][0] / ctrl[" (fast)"][1] if all(ctrl[" (fast)"]) else None}
     return out
 
 

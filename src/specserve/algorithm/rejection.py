@@ -157,7 +157,7 @@ def rejection_judge(
     if k > 0:
         px = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
         qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(px)
-        u_acc = to_device(torch.from_numpy(u.accept), dev)
+        u_acc = to_device(u.accept, dev)
         accept = (u_acc * qx.double() < px.double()) & valid
         num_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B]
     else:
@@ -176,8 +176,8 @@ def rejection_judge(
         usable = rejected & (residual.sum(-1) > 0)
         dist = torch.where(usable.unsqueeze(-1), residual, p_final)
     at_end = num_acc.unsqueeze(1)
-    u_rec = to_device(torch.from_numpy(u.recover), dev).gather(1, at_end).squeeze(1)
-    u_bonus = to_device(torch.from_numpy(u.bonus), dev).gather(1, at_end).squeeze(1)
+    u_rec = to_device(u.recover, dev).gather(1, at_end).squeeze(1)
+    u_bonus = to_device(u.bonus, dev).gather(1, at_end).squeeze(1)
     final = draw(dist, torch.where(rejected, u_rec, u_bonus))  # [B]
     return Judged(num_acc, final, px, qx)
 

@@ -22,7 +22,7 @@ def mask_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     x = logits.float().clone()
     if params.banned_token_ids:
-        x[..., to_device(torch.tensor(params.banned_token_ids), x.device)] = float("-inf")
+        x[..., to_device(params.banned_token_ids, x.device)] = float("-inf")
     if params.greedy:
         return x
     x = x / params.temperature

@@ -181,7 +181,7 @@ def _banned(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> torch.
         return logits
     masked = logits.clone()
     for i, ids in banned:
-        masked[i].index_fill_(0, to_device(torch.tensor(ids), logits.device), float("-inf"))
+        masked[i].index_fill_(0, to_device(ids, logits.device), float("-inf"))
     return masked
 
 
@@ -207,7 +207,7 @@ def draft_step(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: i
                q_max_entries: int) -> DraftStep:
     """`pick_on_device` read back at once: the per-session path, which feeds each token to
     its own next forward."""
-    u = None if sampling.greedy else to_device(torch.from_numpy(uniform(seed, [pos], Purpose.DRAFT)), logits.device)
+    u = None if sampling.greedy else to_device(uniform(seed, [pos], Purpose.DRAFT), logits.device)
     pick = pick_on_device(logits, sampling, u, q_mass, q_max_entries)
     entries = q_entries(q_max_entries, logits.shape[-1]) if not sampling.greedy else None
     width = 4 + (0 if sampling.greedy else 2 * entries if entries is not None else logits.shape[-1])
@@ -234,7 +234,7 @@ def bonus_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Ten
 
 def bonus_guess(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int) -> int:
     """The draft's guess of the target's token at `pos` (see HFDraftSession.guess_next)."""
-    u = None if sampling.greedy else to_device(torch.from_numpy(uniform(seed, [pos], Purpose.BONUS)), logits.device)
+    u = None if sampling.greedy else to_device(uniform(seed, [pos], Purpose.BONUS), logits.device)
     return int(bonus_on_device(logits, sampling, u))
 
 

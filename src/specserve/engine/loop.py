@@ -198,16 +198,18 @@ class EngineLoop:
 
     def _sleep(self, until: float | None, stop: threading.Event | None) -> None:
         """Until `until`, or new work in the inbox. A held step (`_hold`) sleeps until the
-        blocks it holds for are all in, applying them as they come, or its deadline:
-        scheduling again at each arrival would cost the engine thread a schedule per block."""
+        blocks it holds for are all in, applying them as they come (outside the lock the
+        posting threads take), or its deadline: scheduling again at each arrival would cost
+        the engine thread a schedule per block."""
+        while self._held_for and until is not None and not (stop is not None and stop.is_set()):
+            self._drain()
+            left = until - self.clock()
+            if left <= 0 or all(s.block is not None or not s.running for s in self._held_for):
+                return
+            with self._wake:
+                if not self._inbox:
+                    self._wake.wait(timeout=left)
         with self._wake:
-            while self._held_for and until is not None and not (stop is not None and stop.is_set()):
-                self._drain()
-                if all(s.block is not None or not s.running for s in self._held_for):
-                    return
-                if (left := until - self.clock()) <= 0:
-                    return
-                self._wake.wait(timeout=left)
             if self._inbox or (stop is not None and stop.is_set()):
                 return
             self._wake.wait(timeout=0.05 if until is None else max(until - self.clock(), 0.0))
@@ -220,7 +222,7 @@ class EngineLoop:
         plan = schedule(self.sessions.values(), self.clock(), self.budget, self.block_wait_s, self._can_draft,
                         self._held)
         self._wake_at = plan.wake_at
-        self._held_for = self._hold(plan.rows, self.clock()) if plan.rows else []
+        self._held_for = self._hold(plan.rows, plan.waiting, self.clock()) if plan.rows and plan.waiting else []
         if not plan.rows or self._held_for:
             self._notify_ended()  # cancelled from the inbox
             return None
@@ -271,46 +273,40 @@ class EngineLoop:
         worth = self.wait_factor * max(s.expected_emitted - 1.0, 0.0) * self.step_ms / 1e3
         return min(self.block_wait_max_s, worth)
 
-    def _hold(self, rows: list[Row], now: float) -> list[EngineSession]:
-        """The sessions whose blocks this step is held for (none: run now), by
-        scheduler.gather_wait: each waiting session's block is due when it was asked for plus
-        its pool's drafting time per token times its K, if that is within its own wait
+    def _hold(self, rows: list[Row], waiting: list[EngineSession], now: float) -> list[EngineSession]:
+        """The waiting sessions whose blocks this step is held for (none: run now), by
+        scheduler.gather_wait: each block is due when it was asked for plus its pool's
+        drafting time per token times its K, if that is within the session's own wait
         (`block_wait_s`). A verify row is worth the session's recent tokens per round, any
         other row one token. The hold lasts until those blocks are in, or a fifth of a step
         past the last one's due time (drafting times vary: a hold until the mean arrival
         would catch half of them)."""
         if not self.gather:
             return []
-        in_step = {r.session.id for r in rows}
-        waiting: list[tuple[float, EngineSession]] = []
-        for s in self.sessions.values():
-            if s.waiting_since is None or s.block is not None or s.id in in_step or not s.running:
-                continue
+        due: list[tuple[float, EngineSession]] = []
+        for s in waiting:
             per_token = self.draft_latency.get(s.plan.pool or "")
             asked = s.asks.get(len(s.committed))
-            if per_token is None or asked is None:
-                continue
-            due = asked + per_token * s.k_wanted
-            if due <= s.waiting_since + self.block_wait_s(s):  # past its own bound it runs plain
-                waiting.append((due - now, s))
-        if not waiting:
+            if per_token is not None and asked is not None and s.waiting_since is not None:
+                at = asked + per_token * s.k_wanted
+                if at <= s.waiting_since + self.block_wait_s(s):  # past its own bound it runs plain
+                    due.append((at - now, s))
+        if not due:
             return []
         ready = sum(r.session.expected_emitted if r.block is not None else 1.0 for r in rows)
         per_row = sum(r.tokens for r in rows) / len(rows)
-        step = self._step_s(len(rows), len(rows) * per_row)
-        hold = gather_wait(ready, [(d, s.expected_emitted) for d, s in waiting],
-                           lambda n: self._step_s(n, n * per_row), len(rows), horizon_s=step)
+        last_s = self.step_ms / 1e3
+
+        def step(n: int) -> float:
+            return self.cost.row_cost(n, per_row, last_s)
+
+        hold = gather_wait(ready, [(d, s.expected_emitted) for d, s in due], step, len(rows),
+                           horizon_s=step(len(rows)))
         if hold <= 0.0:
             return []
-        self._wake_at = min(self._wake_at or math.inf, now + hold + 0.2 * step)
-        return [s for d, s in waiting if d <= hold]
-
-    def _step_s(self, rows: int, tokens: float) -> float:
-        """A step's expected seconds: the cost fit, or the recent step time before it."""
-        if self.cost.coef is None:
-            return self.step_ms / 1e3
-        a, r, b = self.cost.coef
-        return float(a + r * rows + b * tokens)
+        until = now + hold + 0.2 * step(len(rows))
+        self._wake_at = until if self._wake_at is None else min(self._wake_at, until)
+        return [s for d, s in due if d <= hold]
 
     def _drain(self) -> None:
         while self._inbox:

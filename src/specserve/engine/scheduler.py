@@ -21,7 +21,7 @@ first next step, because the order is by arrival.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.engine.session import DraftBlock, EngineSession
 
@@ -41,6 +41,7 @@ class Row:
 class Schedule:
     rows: list[Row]
     wake_at: float | None  # the earliest block deadline of a waiting session (None: none waits)
+    waiting: list[EngineSession] = field(default_factory=list)  # the sessions waiting for their block
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
     is 1 ms late with a 2 ms bound -> rows [plain, verify], wake_at = its wait start + 2 ms.
     """
     rows: list[Row] = []
+    waiting: list[EngineSession] = []
     used = 0
     wake_at: float | None = None
     for s in sessions:
@@ -75,12 +77,13 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
         if row is None:  # waiting for its block
             deadline = (s.waiting_since or now) + block_wait_s(s)
             wake_at = deadline if wake_at is None else min(wake_at, deadline)
+            waiting.append(s)
             continue
         if rows and (len(rows) >= budget.max_batch or used + row.tokens > budget.max_batched_tokens):
             break
         rows.append(row)
         used += row.tokens
-    return Schedule(rows, wake_at)
+    return Schedule(rows, wake_at, waiting)
 
 
 def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[EngineSession], float],

@@ -68,18 +68,17 @@ def activation_reserve_bytes(cfg, step_tokens: int, logit_rows: int, dtype: torc
     return int(step_tokens * per_token + logit_rows * 4 * cfg.vocab_size)
 
 
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A small host tensor (indices, positions, uniforms) on the step's device without a stream
-    sync. A plain copy from pageable memory waits for every kernel queued before it (found on
-    an H100 with `torch.cuda.set_sync_debug_mode`: 12 such waits in a target step, 18 in a
-    draft step, where the step's one designated transfer was meant to be the only one), so the
-    host could not queue the next layer while the GPU ran this one. On CUDA it goes through
-    pinned memory, asynchronously (the caching host allocator keeps the pinned buffer until
-    the copy is done); elsewhere it is a plain `.to`."""
+def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Small host data (a tensor, a numpy array, or a list of indices, positions, token ids)
+    on the step's device without a stream sync. A plain copy from pageable memory waits for
+    every kernel queued before it (found on an H100 with `torch.cuda.set_sync_debug_mode`: 12
+    such waits in a target step, 18 in a draft step, where the step's one designated transfer
+    was meant to be the only one), so the host could not queue the next layer while the GPU
+    ran this one. On CUDA it goes through pinned memory, asynchronously (the caching host
+    allocator keeps the pinned buffer until the copy is done); elsewhere it is a plain `.to`."""
+    t = torch.as_tensor(data, dtype=dtype)  # a tensor or numpy array as it is; a list copied once
     device = torch.device(device)
-    if t.device.type != "cpu":  # already on a device: at most a device-to-device copy
-        return t.to(device)
-    if device.type == "cuda" and _can_pin():
+    if t.device.type == "cpu" and device.type == "cuda" and _can_pin():
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

@@ -184,9 +184,9 @@ class ShortRows:
         padded = [b * width + j for b, i in enumerate(picked) for j in range(sizes[i])]
         # a padding query sees key 0 only (its output is dropped; a row of -inf would give NaN)
         last = [[starts[i] + min(j, sizes[i] - 1) if j < sizes[i] else 0 for j in range(width)] for i in picked]
-        mask = torch.arange(keys, device=device)[None, None, :] <= to_device(torch.tensor(last), device)[:, :, None]
-        return cls(to_device(torch.tensor([slots[i] for i in picked]), device), keys, width,
-                   to_device(torch.tensor(tokens), device), to_device(torch.tensor(padded), device), mask.unsqueeze(1))
+        mask = torch.arange(keys, device=device)[None, None, :] <= to_device(last, device)[:, :, None]
+        return cls(to_device([slots[i] for i in picked], device), keys, width,
+                   to_device(tokens, device), to_device(padded, device), mask.unsqueeze(1))
 
 
 @dataclass(frozen=True)
@@ -344,10 +344,9 @@ class ModelRunner:
         mp = self._padded(m)
         # Padding tokens (id 0 at position 0) fill the last tile; their KV is never written.
         ids = self._token_ids(rows, mp - m)  # [Mp]
-        pos = to_device(torch.tensor([p for s, n in zip(starts, sizes, strict=True) for p in range(s, s + n)]
-                                     + [0] * (mp - m)), self.device)  # [Mp]
-        slot_of_token = to_device(torch.tensor([s for s, n in zip(slots, sizes, strict=True) for _ in range(n)]),
-                                  self.device)  # [M]
+        pos = to_device([p for s, n in zip(starts, sizes, strict=True) for p in range(s, s + n)] + [0] * (mp - m),
+                        self.device)  # [Mp]
+        slot_of_token = to_device([s for s, n in zip(slots, sizes, strict=True) for _ in range(n)], self.device)  # [M]
         cos, sin = self.w.cos[pos].unsqueeze(1), self.w.sin[pos].unsqueeze(1)  # [Mp, 1, D]
         short = ShortRows.of(slots, starts, offsets, sizes, self.device) if self.short_rows else None
         masks = [None if short is not None and n <= SHORT_ROW else self._mask(start, n)
@@ -381,7 +380,7 @@ class ModelRunner:
         for r in rows:
             if isinstance(r.tokens, torch.Tensor):
                 if run:
-                    parts.append(to_device(torch.tensor(run), self.device))
+                    parts.append(to_device(run, self.device))
                     run = []
                 parts.append(r.tokens.to(device=self.device, dtype=torch.long).view(-1))
                 continue
@@ -390,7 +389,7 @@ class ModelRunner:
                 raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
             run.extend(ids)
         if run or pad:
-            parts.append(to_device(torch.tensor(run + [0] * pad, dtype=torch.long), self.device))
+            parts.append(to_device(run + [0] * pad, self.device, torch.long))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

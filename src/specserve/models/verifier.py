@@ -135,9 +135,9 @@ def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool], l
     for (greedy, no_q), idx in groups.items():
         rs = [rows[i] for i in idx]
         kmax = max(len(r.drafts) for r in rs)
-        draft_t = to_device(torch.tensor([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], dtype=torch.long),
-                            device).reshape(len(rs), kmax)
-        num = to_device(torch.tensor([len(r.drafts) for r in rs]), device)
+        draft_t = to_device([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], device,
+                            torch.long).reshape(len(rs), kmax)
+        num = to_device([len(r.drafts) for r in rs], device)
         if greedy:
             tgt = torch.stack([_pad_rows(greedy_tokens(r.masked_logits, r.sampling), kmax + 1) for r in rs])
             parts.append(greedy_judge(tgt, draft_t, num).packed())

@@ -53,7 +53,7 @@ class CostModel:
         out[keep] = np.maximum(np.linalg.solve(sub, self.xty[keep]), 0.0)
         return out
 
-    def row_cost(self, rows: int, row_tokens: int, batch_s: float) -> float:
+    def row_cost(self, rows: int, row_tokens: float, batch_s: float) -> float:
         """Seconds a batch of `rows` rows of `row_tokens` tokens takes; the batch's own wall
         time while the fit is not ready."""
         if self.coef is None:

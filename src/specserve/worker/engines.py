@@ -323,7 +323,7 @@ class BatchedDraft(_RunnerSessions):
         draws = [uniform(d.job.seed, [len(d.job.ids)], Purpose.BONUS) if d.job.guess else
                  uniform(d.job.seed, list(range(len(d.job.ids), len(d.job.ids) + d.k)), Purpose.DRAFT)
                  for d in sampled]
-        flat = to_device(torch.from_numpy(np.concatenate(draws)), self.runner.device)
+        flat = to_device(np.concatenate(draws), self.runner.device)
         at = 0
         for d, u in zip(sampled, draws, strict=True):
             d.u = flat[at:at + len(u)]
