@@ -51,6 +51,7 @@ from specserve.serving.metrics import RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.state.store import REDIS_DOWN, SessionStatus, SessionStore
 from specserve.structured.constraint import Constraint
+from specserve.worker import threads
 
 log = logging.getLogger("specserve.target")
 
@@ -130,8 +131,7 @@ class EngineHost:
         self._starting: dict[str, asyncio.Lock] = {}
         self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.engine.run_forever, args=(self._stop,), name="engine",
-                                        daemon=True)
+        self._thread = threads.model_thread(self.engine.run_forever, self._stop, name="engine")
         self._tasks: list[asyncio.Task] = []
 
     def start_loop(self) -> EngineHost:
