@@ -5,7 +5,10 @@ Arms:
 - vLLM plain, vLLM n-gram (K), vLLM draft model (the pair's draft, K);
 - specserve plain (`draft_pool: none`), `small` (K), `ngram` (K), and the control plane's
   own choice (no pool, no K: the class policy and the engine decide), each with the runner
-  batch-invariant (the default) and with `exact_batching: fast` ("(fast)" arms).
+  batch-invariant (the default) and with `exact_batching: fast` ("(fast)" arms);
+- the engine loop in process, plain, in each runner mode (`inprocess_engine.py`: no network,
+  no Redis, no other process; `--no-inprocess` skips it): the stack's plain over it is what
+  the services cost beside the engine.
 At each load (1, 4, 16 streams) every stream sends `--requests` requests one after another,
 cycling through the pair's held-out prompts, greedy, `--max-tokens` tokens each. Reported
 per cell: tok/s (completion tokens over the cell's wall time), TTFT and TPOT p50/p90, and
@@ -37,6 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import inprocess_engine
 from common import parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
@@ -184,6 +188,8 @@ def main() -> None:
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--target-threads", type=int, default=2, help="torch threads of specserve's target")
+    ap.add_argument("--no-inprocess", action="store_true",
+                    help="skip the engine loop in process (plain, each runner mode: inprocess_engine.py)")
     ap.add_argument("--exact-batching", default="invariant,fast",
                     help="specserve's runner modes to measure, each in its own stack (config.py: exact_batching)")
     a = ap.parse_args()
@@ -225,6 +231,13 @@ def main() -> None:
                            "controller": {}}
                 for arm, extra in arms_ss.items():
                     rows += measure("specserve", arm + suffix, stack.info.http, prompts, loads, a, extra)
+            if not a.no_inprocess:  # after the stack is down: nothing else runs beside it
+                for cell in inprocess_engine.measure(pair, prompts, loads, a.requests, a.max_tokens, mode,
+                                                     a.target_threads):
+                    cell.update(system="in-process", arm="plain" + suffix)
+                    print(f"[peer] in-process plain{suffix} {cell['streams']:3d} streams: {cell['tok_s']:7.1f} tok/s",
+                          file=sys.stderr, flush=True)
+                    rows.append(cell)
     summary = _summary(rows, loads)
     result = {"pair": str(pair), "streams": loads, "prompts": len(prompts), "requests_per_stream": a.requests,
               "max_tokens": a.max_tokens, "k": a.k, "target_threads": a.target_threads, "exact_batching": a.exact_batching, "vllm": None if a.no_vllm else VLLM_SPEC,
@@ -267,6 +280,11 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
             "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None,
             "controller_over_best_arm": ctrl[""][0] / ctrl[""][1] if all(ctrl[""]) else None,
             "controller_over_best_arm_fast": ctrl[" (fast)"][0] / ctrl[" (fast)"][1] if all(ctrl[" (fast)"]) else None}
+        for sfx, key in (("", "invariant"), (" (fast)", "fast")):  # the stack's plain over the engine in process
+            inproc = best("in-process", s, {"plain" + sfx})[1]
+            stack = best("specserve", s, {"plain" + sfx})[1]
+            out["by_load"][str(s)][f"inprocess_plain_{key}"] = inproc or None
+            out["by_load"][str(s)][f"stack_over_inprocess_{key}"] = stack / inproc if inproc and stack else None
     return out
 
 

@@ -22,7 +22,7 @@ PROBE = """
 import os, sys, torch
 from specserve.serving.metrics import WorkerMetrics
 from specserve.worker.core import WorkerCore
-from specserve.worker.threads import model_thread
+from specserve.worker.threads import executor
 
 torch.set_num_threads(int(sys.argv[1]))
 a = torch.randn(256, 256)
@@ -42,12 +42,8 @@ before = len(os.listdir("/proc/self/task"))
 if sys.argv[2] == "worker":  # a draft or target worker's model thread
     core = WorkerCore(Engine(), WorkerMetrics("probe"), max_sessions=1)
     print(core.executor.submit(gemm).result() - before - 1)  # OpenMP workers the model thread started
-else:  # the target's engine thread
-    seen = []
-    t = model_thread(lambda: seen.append(gemm()), name="engine")
-    t.start()
-    t.join()
-    print(seen[0] - before - 1)
+else:  # the target's model thread (load, warm-up, engine loop)
+    print(executor("engine").submit(gemm).result() - before - 1)
 """
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from specserve.errors import KVBudgetExhausted, SessionNotFound
 from specserve.serving.metrics import WorkerMetrics
+from specserve.worker import threads
 from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
 from specserve.worker.sessions import SessionTable, WorkerSession
-from specserve.worker.threads import initializer
 
 if TYPE_CHECKING:  # (the engines import torch; the protocol is for the type checker)
     from specserve.worker.engines import WorkerEngine
@@ -30,7 +29,7 @@ class WorkerCore:
         # One model thread runs every batch (with the torch threads set here: threads.py); KV
         # slots are taken and freed on the event loop, a session's only once none of its items
         # is queued or running (SessionTable).
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer())
+        self.executor = threads.executor(name)
         self.sessions = SessionTable(engine.open, engine.close, max_sessions, evict_idle_s, on_close)
         # a per-session engine runs items one by one: batches of one answer each call at once
         self.scheduler = Scheduler(min(max_batch, engine.max_batch or max_batch), max_wait_ms / 1e3,

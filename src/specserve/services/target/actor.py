@@ -83,6 +83,7 @@ class TargetWorker:
         from specserve.serving.tls import load as load_tls
         from specserve.state.store import SessionStore, connect
         from specserve.v1 import target_pb2, target_pb2_grpc
+        from specserve.worker import threads
         from specserve.worker.engines import Batching, target_engine, warm_up
 
         s = self.settings
@@ -93,15 +94,21 @@ class TargetWorker:
         with tracer().start_as_current_span("specserve.target.start") as span:
             span.set_attribute("specserve.target", s.name)
             torch.set_num_threads(s.torch_threads)
-            target = TargetModel(load_model(s.model))
-            engine = target_engine(target, Batching.from_settings(s))
+            model_thread = threads.executor("engine")  # every model call, the engine loop's too
+
+            def build():
+                target = TargetModel(load_model(s.model))
+                engine = target_engine(target, Batching.from_settings(s))
+                warm_up(engine)  # the batched step once, before the engine loop owns the model
+                return target, engine
+
+            target, engine = await asyncio.wrap_future(model_thread.submit(build))
             device = str(resolve_device(s.device))  # where either path put the model
             span.set_attribute("specserve.device", device)
             log.info("target model on %s (Ray GPU ids %s, num_gpus %s)", device, _ray_gpu_ids(), s.num_gpus)
-            warm_up(engine)  # the batched step once, before the engine loop owns the model
             metrics = WorkerMetrics("target")
             store = SessionStore(redis, prefix=s.key_prefix, ttl_s=s.session_ttl_s, lease_s=s.lease_s)
-            host = self.host = engine_host(s, engine, metrics, target, store, tls)
+            host = self.host = engine_host(s, engine, metrics, target, store, tls, model_thread)
             servicer = TargetServicer(host)
             server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host, s.port,
                                 s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv),
@@ -140,7 +147,7 @@ class TargetWorker:
                 log.warning("heartbeat to Redis failed", exc_info=True)
 
 
-def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
+def engine_host(s: TargetSettings, engine, metrics, target, store, tls, model_thread=None):
     """The engine beside the target: one remote draft source per configured pool."""
     from specserve.algorithm.stops import StopChecker
     from specserve.control.controller import Controller, ShadowLog
@@ -177,4 +184,4 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls):
                       kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
                       worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag,
-                      gather=s.gather_rows)
+                      gather=s.gather_rows, model_thread=model_thread)

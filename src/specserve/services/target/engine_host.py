@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -101,7 +102,7 @@ class EngineHost:
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
                  constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
-                 gather: bool = True) -> None:
+                 gather: bool = True, model_thread: ThreadPoolExecutor | None = None) -> None:
         self.store = store
         self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
         self.name = name
@@ -131,18 +132,20 @@ class EngineHost:
         self._starting: dict[str, asyncio.Lock] = {}
         self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop
         self._stop = threading.Event()
-        self._thread = threads.model_thread(self.engine.run_forever, self._stop, name="engine")
+        # the engine loop runs on the thread that loaded and warmed the model (worker/threads.py)
+        self.model_thread = model_thread or threads.executor("engine")
+        self._running: Future | None = None
         self._tasks: list[asyncio.Task] = []
 
     def start_loop(self) -> EngineHost:
         self.committer.start()
-        self._thread.start()
+        self._running = self.model_thread.submit(self.engine.run_forever, self._stop)
         self._tasks.append(self.loop.create_task(self._heartbeat_forever()))
         return self
 
     @property
     def started(self) -> bool:
-        return self._thread.is_alive()
+        return self._running is not None and not self._running.done()
 
     @property
     def load(self) -> int:
@@ -154,7 +157,9 @@ class EngineHost:
         self.engine.wake()
         for t in self._tasks:
             t.cancel()
-        await asyncio.to_thread(self._thread.join, 10)
+        if self._running is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(self._running), 10)
         await self.committer.stop()
 
     async def start(self, session_id: str) -> tuple[int, int]:
