@@ -48,18 +48,22 @@ def measure(pair: Path, prompts: list[str], loads: list[int], requests: int, max
     from specserve.models.loading import load_pair
     from specserve.models.verifier import TargetModel
     from specserve.worker.engines import Batching, target_engine
-    from specserve.worker.threads import model_thread
+    from specserve.worker.threads import executor
 
     torch.set_num_threads(threads)
-    lp = load_pair(str(pair / "target"), None)
-    target = TargetModel(lp.target)
-    model = target_engine(target, Batching(tile=None if mode == "fast" else Batching.tile, max_sessions=32))
+    model_thread = executor("engine")  # the model loads, warms and steps on one thread, as in the target
+
+    def build():
+        lp = load_pair(str(pair / "target"), None)
+        target = TargetModel(lp.target)
+        return lp, target, target_engine(target, Batching(tile=None if mode == "fast" else Batching.tile))
+
+    lp, target, model = model_thread.submit(build).result()
     watch = _Watch()
     loop = EngineLoop(model, lambda p: StopChecker(target.eos_token_ids, p.stop, lp.tokenizer.decode), {},
                       _NoCommits(), observers=[watch])
     stop = threading.Event()
-    engine = model_thread(loop.run_forever, stop, name="engine")
-    engine.start()
+    engine = model_thread.submit(loop.run_forever, stop)
     ids = [lp.tokenizer.encode(p) for p in prompts]
     try:
         _cell(loop, watch, ids, 1, 1, 8, lp.tokenizer.decode)  # warm-up
@@ -67,7 +71,8 @@ def measure(pair: Path, prompts: list[str], loads: list[int], requests: int, max
     finally:
         stop.set()
         loop.wake()
-        engine.join(10)
+        engine.result(10)
+        model_thread.shutdown()
 
 
 def _cell(loop, watch: _Watch, ids: list[list[int]], streams: int, requests: int, max_tokens: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from specserve.errors import KVBudgetExhausted, SessionNotFound
@@ -22,14 +23,16 @@ class WorkerCore:
     def __init__(self, engine: WorkerEngine, metrics: WorkerMetrics, max_sessions: int, max_batch: int = 32,
                  max_wait_ms: float = 0.0, evict_idle_s: float = 1.0, max_batched_tokens: int = 2048,
                  extra_s: Callable[[list[Work]], float] | None = None,
-                 on_close: Callable[[WorkerSession], None] | None = None, name: str = "worker") -> None:
+                 on_close: Callable[[WorkerSession], None] | None = None, name: str = "worker",
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.extra_s = extra_s
-        # One model thread runs every batch (with the torch threads set here: threads.py); KV
-        # slots are taken and freed on the event loop, a session's only once none of its items
-        # is queued or running (SessionTable).
-        self.executor = threads.executor(name)
+        # One model thread runs every batch (the one that loaded the model where the worker
+        # gives it, with the torch threads set here: threads.py); KV slots are taken and freed
+        # on the event loop, a session's only once none of its items is queued or running
+        # (SessionTable).
+        self.executor = executor or threads.executor(name)
         self.sessions = SessionTable(engine.open, engine.close, max_sessions, evict_idle_s, on_close)
         # a per-session engine runs items one by one: batches of one answer each call at once
         self.scheduler = Scheduler(min(max_batch, engine.max_batch or max_batch), max_wait_ms / 1e3,

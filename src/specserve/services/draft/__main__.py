@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from specserve.config import DraftSettings
@@ -26,11 +27,9 @@ def load_drafter(settings: DraftSettings):
 
     if settings.model == "ngram":
         return NgramDrafter(NGRAM_VOCAB, settings.ngram_min, settings.ngram_max, name=settings.pool)
-    import torch
 
     from specserve.models.loading import load_model
 
-    torch.set_num_threads(settings.torch_threads)
     return HFDrafter(load_model(settings.model), name=settings.pool, q_mass=settings.q_mass,
                      q_max_entries=settings.q_max_entries)
 
@@ -58,13 +57,24 @@ async def warm_up(servicer: DraftServicer) -> None:
 
 async def main(settings: DraftSettings) -> None:
     setup_tracing(f"specserve-draft-{settings.pool}")
+    from specserve.worker import threads
     from specserve.worker.engines import Batching
 
-    servicer = DraftServicer(load_drafter(settings), settings.max_sessions,
+    if settings.model != "ngram":
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    model_thread = threads.executor("draft")  # loads the model and runs every batch (threads.py)
+
+    def build() -> DraftServicer:
+        return DraftServicer(load_drafter(settings), settings.max_sessions,
                              simulated_token_ms=settings.simulated_token_ms, batching=Batching.from_settings(settings),
                              max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                              max_batched_tokens=settings.max_batched_tokens,
-                             evict_idle_s=settings.kv_evict_idle_s, tokenizer=_tokenizer(settings))
+                             evict_idle_s=settings.kv_evict_idle_s, tokenizer=_tokenizer(settings),
+                             model_thread=model_thread)
+
+    servicer = await asyncio.wrap_future(model_thread.submit(build))
     server = GrpcServer(
         [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name], settings.host, settings.port,
         settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),

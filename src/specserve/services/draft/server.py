@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,7 +57,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, max_sessions: int, metrics: WorkerMetrics | None = None,
                  simulated_token_ms: float = 0.0, max_predraft_branches: int = 4, batching: Batching | None = None,
                  max_batch: int = 32, max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
-                 max_batched_tokens: int = 2048, tokenizer: ModelInfo | None = None) -> None:
+                 max_batched_tokens: int = 2048, tokenizer: ModelInfo | None = None,
+                 model_thread: ThreadPoolExecutor | None = None) -> None:
         self.simulated_token_ms = simulated_token_ms
         self.tokenizer = tokenizer  # the pair's tokenizer: constraints compiled for draft-side masks (ADR 0017)
         self.drafter = drafter
@@ -65,7 +67,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         b = batching or Batching(enabled=False)
         self.engine = draft_engine(drafter, replace(b, max_sessions=min(b.max_sessions, max_sessions)))
         self.core = WorkerCore(self.engine, self.metrics, max_sessions, max_batch, max_wait_ms, evict_idle_s,
-                               max_batched_tokens, extra_s=self._simulated_s, on_close=_stop_ahead, name="draft")
+                               max_batched_tokens, extra_s=self._simulated_s, on_close=_stop_ahead, name="draft",
+                               executor=model_thread)
         self.sessions = self.core.sessions
 
     def _simulated_s(self, batch: list[Work]) -> float:
