@@ -59,3 +59,20 @@ def test_the_model_thread_runs_with_the_workers_torch_threads(omp_env, threads, 
     # ("1", 2): a Ray actor with torch_threads 2 ran its GEMMs on one thread;
     # ("2", 1): a draft replica with torch_threads 1 on a 2-core machine ran them on two
     assert int(out.stdout.split()[-1]) == threads - 1, out.stderr[-2000:]
+
+
+def test_the_model_thread_runs_calls_in_order_hands_back_errors_and_does_not_hold_the_exit():
+    from specserve.worker.threads import executor
+
+    thread = executor("model")
+    seen: list[int] = []
+    futures = [thread.submit(seen.append, i) for i in range(5)]
+    assert [f.result(10) for f in futures] == [None] * 5 and seen == [0, 1, 2, 3, 4]
+    with pytest.raises(ZeroDivisionError):
+        thread.submit(lambda: 1 / 0).result(10)
+    # a call that never returns (the engine loop until its stop) leaves the interpreter free to exit
+    code = ("from specserve.worker.threads import executor\nimport threading\n"
+            "executor('engine').submit(threading.Event().wait)\nprint('exiting')")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr[-2000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from specserve.errors import KVBudgetExhausted, SessionNotFound
@@ -24,7 +24,7 @@ class WorkerCore:
                  max_wait_ms: float = 0.0, evict_idle_s: float = 1.0, max_batched_tokens: int = 2048,
                  extra_s: Callable[[list[Work]], float] | None = None,
                  on_close: Callable[[WorkerSession], None] | None = None, name: str = "worker",
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: Executor | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.extra_s = extra_s

@@ -18,9 +18,11 @@ the thread count.
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 
 
 def initializer() -> Callable[[], None]:
@@ -33,7 +35,44 @@ def initializer() -> Callable[[], None]:
     return lambda: torch.set_num_threads(n)
 
 
-def executor(name: str) -> ThreadPoolExecutor:
-    """The model thread: one worker thread, started with torch's thread count as the caller
-    has it now."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer())
+class ModelThread(Executor):
+    """One daemon thread that runs the calls submitted to it in order, started with torch's
+    thread count as the creating thread has it. A daemon like the engine thread it replaces:
+    the engine loop is a call that runs until its stop event, and a ThreadPoolExecutor's
+    worker would hold the interpreter's exit until it returned."""
+
+    def __init__(self, name: str) -> None:
+        self._init = initializer()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if self._closed:
+            raise RuntimeError("the model thread is shut down")
+        future: Future = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self) -> None:
+        self._init()
+        while (call := self._calls.get()) is not None:
+            future, fn, args, kwargs = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+
+def executor(name: str) -> ModelThread:
+    """The model thread: started now, with torch's thread count as the caller has it now."""
+    return ModelThread(name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,7 +58,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                  simulated_token_ms: float = 0.0, max_predraft_branches: int = 4, batching: Batching | None = None,
                  max_batch: int = 32, max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
                  max_batched_tokens: int = 2048, tokenizer: ModelInfo | None = None,
-                 model_thread: ThreadPoolExecutor | None = None) -> None:
+                 model_thread: Executor | None = None) -> None:
         self.simulated_token_ms = simulated_token_ms
         self.tokenizer = tokenizer  # the pair's tokenizer: constraints compiled for draft-side masks (ADR 0017)
         self.drafter = drafter

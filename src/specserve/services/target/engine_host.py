@@ -30,7 +30,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -102,7 +102,7 @@ class EngineHost:
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
                  constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
-                 gather: bool = True, model_thread: ThreadPoolExecutor | None = None) -> None:
+                 gather: bool = True, model_thread: Executor | None = None) -> None:
         self.store = store
         self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
         self.name = name
