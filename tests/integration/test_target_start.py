@@ -158,6 +158,29 @@ def test_bad_starts_are_refused_with_a_status_a_caller_can_act_on(target, drafte
                          grpc.StatusCode.INVALID_ARGUMENT]
 
 
+def test_an_engine_loop_that_fails_is_logged_and_the_host_says_it_stopped(target, drafter, store, run, caplog):
+    def fail(stop):
+        raise RuntimeError("boom in the engine loop")
+
+    async def go():
+        host = EngineHost(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
+                          {}, asyncio.get_running_loop())
+        host.engine.run_forever = fail
+        host.start_loop()
+        for _ in range(200):
+            if not host.started:
+                break
+            await asyncio.sleep(0.01)
+        started = host.started
+        await host.close()  # does not raise: the failure was reported when it happened
+        return started
+
+    with caplog.at_level("ERROR", logger="specserve.target"):
+        assert run(go()) is False
+    assert any("engine loop stopped" in r.getMessage() and "boom in the engine loop" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
 def test_a_constraint_is_compiled_off_the_engine_thread_before_the_session_is_taken_over(target, drafter, store, run):
     """Compiling a constraint takes milliseconds (a new JSON schema; the tokenizer's tables on
     first use). On the engine thread it stalled every session's step, on the event loop the

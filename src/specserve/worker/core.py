@@ -32,7 +32,7 @@ class WorkerCore:
         # gives it, with the torch threads set here: threads.py); KV slots are taken and freed
         # on the event loop, a session's only once none of its items is queued or running
         # (SessionTable).
-        self.executor = executor or threads.executor(name)
+        self.executor = executor or threads.ModelThread(name)
         self.sessions = SessionTable(engine.open, engine.close, max_sessions, evict_idle_s, on_close)
         # a per-session engine runs items one by one: batches of one answer each call at once
         self.scheduler = Scheduler(min(max_batch, engine.max_batch or max_batch), max_wait_ms / 1e3,

@@ -12,8 +12,8 @@ Two faults of OpenMP (torch's CPU threads), both measured on the target worker:
   thread against 13.8 ms on the first, 16 rows 28–33 ms against 22.5 (2 cores, 2 threads;
   with 1 thread there was no difference). Loaded, warmed and stepped on one thread, it ran
   as fast as on the first.
-So a worker runs every model call (load, warm-up, steps) on `executor()`, made after it set
-the thread count.
+So a worker runs every model call (load, warm-up, steps) on one `ModelThread`, made after it
+set the thread count.
 """
 
 from __future__ import annotations
@@ -21,28 +21,19 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 
-def initializer() -> Callable[[], None]:
-    """Run first in a new model thread: torch's thread count as the calling thread has it
-    now (nothing where torch is not imported: an n-gram replica never loads it)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return lambda: None
-    n = torch.get_num_threads()
-    return lambda: torch.set_num_threads(n)
-
-
 class ModelThread(Executor):
-    """One daemon thread that runs the calls submitted to it in order, started with torch's
-    thread count as the creating thread has it. A daemon like the engine thread it replaces:
-    the engine loop is a call that runs until its stop event, and a ThreadPoolExecutor's
-    worker would hold the interpreter's exit until it returned."""
+    """One daemon thread that runs the calls submitted to it in order, with torch's thread
+    count as the creating thread has it (nothing to set where torch is not imported: an
+    n-gram replica never loads it). A daemon like the engine thread it replaced: the engine
+    loop is a call that runs until its stop event, and a ThreadPoolExecutor's worker would
+    hold the interpreter's exit until it returned."""
 
     def __init__(self, name: str) -> None:
-        self._init = initializer()
+        torch = sys.modules.get("torch")
+        self._threads = torch.get_num_threads() if torch is not None else None
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -62,7 +53,8 @@ class ModelThread(Executor):
             self._thread.join()
 
     def _run(self) -> None:
-        self._init()
+        if self._threads is not None:
+            sys.modules["torch"].set_num_threads(self._threads)
         while (call := self._calls.get()) is not None:
             future, fn, args, kwargs = call
             if not future.set_running_or_notify_cancel():
@@ -71,8 +63,3 @@ class ModelThread(Executor):
                 future.set_result(fn(*args, **kwargs))
             except BaseException as exc:  # handed to the caller
                 future.set_exception(exc)
-
-
-def executor(name: str) -> ModelThread:
-    """The model thread: started now, with torch's thread count as the caller has it now."""
-    return ModelThread(name)

@@ -64,7 +64,7 @@ async def main(settings: DraftSettings) -> None:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    model_thread = threads.executor("draft")  # loads the model and runs every batch (threads.py)
+    model_thread = threads.ModelThread("draft")  # loads the model and runs every batch (threads.py)
 
     def build() -> DraftServicer:
         return DraftServicer(load_drafter(settings), settings.max_sessions,

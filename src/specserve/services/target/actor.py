@@ -94,7 +94,7 @@ class TargetWorker:
         with tracer().start_as_current_span("specserve.target.start") as span:
             span.set_attribute("specserve.target", s.name)
             torch.set_num_threads(s.torch_threads)
-            model_thread = threads.executor("engine")  # every model call, the engine loop's too
+            model_thread = threads.ModelThread("engine")  # every model call, the engine loop's too
 
             def build():
                 target = TargetModel(load_model(s.model))

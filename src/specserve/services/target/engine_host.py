@@ -93,6 +93,13 @@ class _Driven:
     ended_at: float = 0.0
 
 
+def _report_loop_end(done: Future) -> None:
+    """The engine loop's call on the model thread ended: log why if it failed (nothing else
+    would: no one awaits it until `close`)."""
+    if not done.cancelled() and (exc := done.exception()) is not None:
+        log.error("the engine loop stopped: %r", exc, exc_info=exc)
+
+
 class EngineHost:
     def __init__(self, model: ModelStep, stops_for: Callable[[GenerationParams], StopChecker], store: SessionStore,
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
@@ -133,13 +140,14 @@ class EngineHost:
         self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop
         self._stop = threading.Event()
         # the engine loop runs on the thread that loaded and warmed the model (worker/threads.py)
-        self.model_thread = model_thread or threads.executor("engine")
+        self.model_thread = model_thread or threads.ModelThread("engine")
         self._running: Future | None = None
         self._tasks: list[asyncio.Task] = []
 
     def start_loop(self) -> EngineHost:
         self.committer.start()
         self._running = self.model_thread.submit(self.engine.run_forever, self._stop)
+        self._running.add_done_callback(_report_loop_end)
         self._tasks.append(self.loop.create_task(self._heartbeat_forever()))
         return self
 
@@ -157,9 +165,8 @@ class EngineHost:
         self.engine.wake()
         for t in self._tasks:
             t.cancel()
-        if self._running is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.wrap_future(self._running), 10)
+        if self._running is not None:  # (an engine loop that failed was logged when it did)
+            await asyncio.wait([asyncio.wrap_future(self._running)], timeout=10)
         await self.committer.stop()
 
     async def start(self, session_id: str) -> tuple[int, int]:
