@@ -455,9 +455,7 @@ class ModelRunner:
             wanted.extend(range(off + n - c, off + n))
             counts.append(c)
         r_total = len(wanted)
-        idx = torch.zeros(self._padded(r_total), dtype=torch.long)
-        idx[:r_total] = torch.tensor(wanted, dtype=torch.long)
-        hs = h[to_device(idx, self.device)]  # [Rp, H]
+        hs = h[to_device(wanted + [0] * (self._padded(r_total) - r_total), self.device, torch.long)]  # [Rp, H]
         out = torch.empty(hs.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
         for t in self._tiles(hs.shape[0]):
             out[t] = F.linear(rms_norm(hs[t], self.w.norm, self.w.eps), self.w.lm_head).float()
