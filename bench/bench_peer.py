@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import urllib.request
 from pathlib import Path
 
 import inprocess_engine
-from common import parser, run_threads, warn_if_busy
+from common import cell_summary, parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
@@ -147,17 +146,8 @@ def run_cell(base_url: str, model: str, prompts: list[str], streams: int, reques
     wall = run_threads(stream, streams)
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
-    done = [r for rs in results for _, r in rs]
-    tokens = sum(r["tokens"] for r in done)
-
-    def pct(key: str, q: float) -> float:
-        return float(statistics.quantiles([r[key] for r in done], n=10)[int(q * 10) - 1]) if len(done) > 1 \
-            else done[0][key]
-
-    return {"streams": streams, "requests": len(done), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in done), "ttft_ms_p90": pct("ttft_ms", 0.9),
-            "tpot_ms_p50": statistics.median(r["tpot_ms"] for r in done), "tpot_ms_p90": pct("tpot_ms", 0.9),
-            "texts": {n: r["text"] for rs in results for n, r in rs}}
+    return cell_summary([r for rs in results for _, r in rs], streams, wall,
+                        {n: r["text"] for rs in results for n, r in rs})
 
 
 def served_model(base_url: str) -> str:
@@ -270,21 +260,19 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
         vp, sp = best("vllm", s, {"plain"}), best("specserve", s, {"plain"})
         sc = best("specserve", s, {"controller"})
         spf = best("specserve", s, {"plain (fast)"})
-        ctrl = {sfx: (best("specserve", s, {"controller" + sfx})[1],
-                      best("specserve", s, {x + sfx for x in ("plain", "small", "ngram")})[1])
-                for sfx in ("", " (fast)")}  # the controller and the best fixed arm, per runner mode
-        out["by_load"][str(s)] = {
+        row = out["by_load"][str(s)] = {
             "vllm_best": vb, "specserve_best": sb, "vllm_plain": vp[1], "specserve_plain": sp[1],
             "specserve_controller": sc[1], "specserve_plain_fast": spf[1],
             "plain_fast_ratio": spf[1] / vp[1] if vp[1] else None,
-            "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None,
-            "controller_over_best_arm": ctrl[""][0] / ctrl[""][1] if all(ctrl[""]) else None,
-            "controller_over_best_arm_fast": ctrl[" (fast)"][0] / ctrl[" (fast)"][1] if all(ctrl[" (fast)"]) else None}
-        for sfx, key in (("", "invariant"), (" (fast)", "fast")):  # the stack's plain over the engine in process
-            inproc = best("in-process", s, {"plain" + sfx})[1]
+            "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None}
+        for sfx, key in (("", ""), (" (fast)", "_fast")):  # per runner mode
+            ctrl = best("specserve", s, {"controller" + sfx})[1]
+            best_fixed = best("specserve", s, {x + sfx for x in ("plain", "small", "ngram")})[1]
             stack = best("specserve", s, {"plain" + sfx})[1]
-            out["by_load"][str(s)][f"inprocess_plain_{key}"] = inproc or None
-            out["by_load"][str(s)][f"stack_over_inprocess_{key}"] = stack / inproc if inproc and stack else None
+            inproc = best("in-process", s, {"plain" + sfx})[1]  # the engine loop in process
+            row[f"controller_over_best_arm{key}"] = ctrl / best_fixed if ctrl and best_fixed else None
+            row[f"inprocess_plain{key}"] = inproc or None
+            row[f"stack_over_inprocess{key}"] = stack / inproc if inproc and stack else None
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import threading
 import time
@@ -40,3 +41,16 @@ def run_threads(client: Callable[[int], None], n: int) -> float:
     for t in threads:
         t.join()
     return time.perf_counter() - t0
+
+
+def cell_summary(done: list[dict], streams: int, wall_s: float, texts: dict) -> dict:
+    """One load's cell from its requests (each with tokens, ttft_ms, tpot_ms): tok/s over
+    the wall time, TTFT and TPOT p50 and p90, and the greedy texts by prompt."""
+    def p90(key: str) -> float:
+        return float(statistics.quantiles([r[key] for r in done], n=10)[8]) if len(done) > 1 else done[0][key]
+
+    tokens = sum(r["tokens"] for r in done)
+    return {"streams": streams, "requests": len(done), "tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s,
+            "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in done), "ttft_ms_p90": p90("ttft_ms"),
+            "tpot_ms_p50": statistics.median(r["tpot_ms"] for r in done), "tpot_ms_p90": p90("tpot_ms"),
+            "texts": texts}

@@ -12,10 +12,11 @@ cost beside it (ADR 0014, "Status (third wave, session 9)").
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from pathlib import Path
+
+from common import cell_summary, run_threads
 
 
 class _Watch:
@@ -48,10 +49,10 @@ def measure(pair: Path, prompts: list[str], loads: list[int], requests: int, max
     from specserve.models.loading import load_pair
     from specserve.models.verifier import TargetModel
     from specserve.worker.engines import Batching, target_engine
-    from specserve.worker.threads import executor
+    from specserve.worker.threads import ModelThread
 
     torch.set_num_threads(threads)
-    model_thread = executor("engine")  # the model loads, warms and steps on one thread, as in the target
+    model_thread = ModelThread("engine")  # the model loads, warms and steps on one thread, as in the target
 
     def build():
         lp = load_pair(str(pair / "target"), None)
@@ -98,19 +99,5 @@ def _cell(loop, watch: _Watch, ids: list[list[int]], streams: int, requests: int
                          "tokens": tokens})
             texts[n] = decode(list(session.generated))
 
-    t0 = time.perf_counter()
-    workers = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    wall = time.perf_counter() - t0
-    tokens = sum(r["tokens"] for r in done)
-
-    def p90(key: str) -> float:
-        return float(statistics.quantiles([r[key] for r in done], n=10)[8]) if len(done) > 1 else done[0][key]
-
-    return {"streams": streams, "requests": len(done), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in done), "ttft_ms_p90": p90("ttft_ms"),
-            "tpot_ms_p50": statistics.median(r["tpot_ms"] for r in done), "tpot_ms_p90": p90("tpot_ms"),
-            "texts": texts}
+    wall = run_threads(stream, streams)
+    return cell_summary(done, streams, wall, texts)
