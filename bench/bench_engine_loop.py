@@ -95,6 +95,9 @@ class SyntheticDrafts:
     def drafts_for(self, session_id: str) -> bool:
         return True
 
+    def refused(self, session_id: str) -> bool:
+        return False
+
     def open(self, session: EngineSession) -> None:
         self._draft(session.id, len(session.generated), session.k_wanted)
 

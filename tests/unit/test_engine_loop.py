@@ -11,6 +11,7 @@ committed demo pair's held-out prompts."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -292,6 +293,60 @@ def test_an_adopted_session_continues_exactly_after_its_committed_tokens(pair):
     loop.add("s", PROMPTS[1], plan, generated=whole[:5], epoch=2)
     loop.run_until_idle()
     assert loop.ended["s"].generated == whole and loop.ended["s"].epoch == 2
+
+
+class LinkingDrafts(LocalDrafts):
+    """A remote pool whose links are not up yet (a restarted target's first steps): it drafts
+    for nobody until `up_after_s` has passed, then drafts what it was asked for meanwhile.
+    `refuse` refuses every session instead (a replica that cannot take it: it never will)."""
+
+    def __init__(self, drafter, up_after_s: float, refuse: bool = False) -> None:
+        super().__init__(drafter)
+        self.up, self.refuse, self.asked = False, refuse, {}
+        if not refuse:
+            threading.Timer(up_after_s, self._link).start()
+
+    def drafts_for(self, session_id: str) -> bool:
+        return self.up
+
+    def refused(self, session_id: str) -> bool:
+        return self.refuse
+
+    def _propose(self, session_id, local, k) -> None:
+        if self.up:
+            super()._propose(session_id, local, k)
+        else:
+            self.asked[session_id] = (local, k)
+
+    def _link(self) -> None:
+        self.up = True
+        for sid, (local, k) in self.asked.items():
+            super()._propose(sid, local, k)
+
+
+def test_a_seeded_session_waits_for_a_pool_still_linking_and_runs_plain_at_once_if_refused(pair):
+    """A seed the client chose fixes a session's sample path only while its rounds keep
+    their shape (ADR 0014): a plain round draws a position's token with another purpose than
+    a verify round. A target restarted by Ray adopts its sessions while its links to the
+    draft replicas are still connecting; an adopted session that ran plain then, because no
+    replica was up yet, sampled other tokens than the run it continued (the fault matrix's
+    seeded column failed so in CI). It waits for its block as for a late one, within the
+    exact wait; a session the pool refused runs plain at once (waiting would not help)."""
+    plan = replace(_plans(0.8)[0], seeded=True)
+    assert plan.exact
+    whole = _run(_loop(pair), [("s", PROMPTS[1], plan)])["s"]
+    loop = _loop(pair, {"small": LinkingDrafts(pair[1], up_after_s=0.05)}, simulated_step_ms=lambda works: 10.0)
+    loop.add("s", PROMPTS[1], plan, generated=whole[:5], epoch=2)
+    loop.run_until_idle()
+    rounds = loop.ended["s"].rounds
+    assert [r.fallback_reason for r in rounds if r.k_asked and not r.k] == [], [(r.k_asked, r.k) for r in rounds]
+    assert loop.ended["s"].generated == whole
+    # refused: plain at once, not after the exact wait (60 s a round here)
+    loop = _loop(pair, {"small": LinkingDrafts(pair[1], 0.0, refuse=True)}, exact_wait_s=60.0)
+    t0 = time.monotonic()
+    _run(loop, [("s", PROMPTS[1], plan)])
+    assert time.monotonic() - t0 < 30
+    assert {r.fallback_reason for r in loop.ended["s"].rounds if r.k_asked} == {DRAFT_UNAVAILABLE}
 
 
 def test_cancel_ends_a_session_and_frees_its_kv(pair):

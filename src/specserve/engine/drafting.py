@@ -31,8 +31,13 @@ Deliver = Callable[[DraftBlock], None]
 
 class DraftSource(Protocol):
     def drafts_for(self, session_id: str) -> bool:
-        """False when no replica can draft for the session: its rows run plain at once,
-        failing closed."""
+        """False when no replica can draft for the session now: its rows run plain at once,
+        failing closed (an exact session waits, unless `refused`)."""
+        ...
+
+    def refused(self, session_id: str) -> bool:
+        """True when the pool will never draft for the session (a replica refused it): not
+        even an exact session waits for its blocks."""
         ...
 
     def attach(self, deliver: Deliver) -> None: ...
@@ -77,6 +82,9 @@ class LocalDrafts:
 
     def drafts_for(self, session_id: str) -> bool:
         return True
+
+    def refused(self, session_id: str) -> bool:
+        return False
 
     def attach(self, deliver: Deliver) -> None:
         self.deliver = deliver

@@ -87,6 +87,10 @@ class RemoteDrafts:
             return False
         return any(r.up for r in self.replicas)
 
+    def refused(self, session_id: str) -> bool:
+        s = self.sessions.get(session_id)
+        return s is not None and s.failed
+
     def open(self, session: EngineSession) -> None:
         sampling = sampling_to_proto(session.plan.params.sampling)
         c = session.plan.constraint

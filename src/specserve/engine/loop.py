@@ -484,6 +484,16 @@ class EngineLoop:
         return 0 < self.max_commit_lag <= s.unacked
 
     def _can_draft(self, s: EngineSession) -> bool:
+        """Whether a row of the session may wait for a block. An exact session also waits
+        while its pool has no live replica (a restarted target's links still connecting, a
+        failover), up to `exact_wait_s`: a plain round would change its sample path. Only a
+        pool that refused it sends it plain at once."""
+        source = self.sources.get(s.plan.pool or "")
+        if source is None:
+            return False
+        return source.drafts_for(s.id) or (s.plan.exact and not source.refused(s.id))
+
+    def _live(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")
         return source is not None and source.drafts_for(s.id)
 
@@ -492,7 +502,7 @@ class EngineLoop:
             return s.plan.plain_reason
         if k_asked == 0:  # the engine held it plain, or the token budget left no room for drafts
             return NOT_PAYING if s.k_choice == 0 else ""
-        if not self._can_draft(s):
+        if not self._live(s):
             return DRAFT_UNAVAILABLE
         return NOT_PAYING if s.probing else row.fallback  # (a probe's block not there yet: it never waits)
 

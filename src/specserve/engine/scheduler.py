@@ -60,8 +60,8 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
              can_draft: Callable[[EngineSession], bool] = lambda s: True,
              held: Callable[[EngineSession], bool] = lambda s: False) -> Schedule:
     """The rows of the next step and when to look again for sessions waiting for a block.
-    `can_draft(session)` is False when no replica of its pool can draft: it runs plain at
-    once rather than wait for a block that cannot come.
+    `can_draft(session)` is False when no block can come for it (no live replica of its
+    pool; for an exact session, only a pool that refused it): it runs plain at once.
 
     Example: a plain session, a speculating one whose block has arrived and one whose block
     is 1 ms late with a 2 ms bound -> rows [plain, verify], wake_at = its wait start + 2 ms.
