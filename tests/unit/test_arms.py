@@ -178,3 +178,21 @@ def test_a_class_moves_to_the_pool_that_pays_and_again_when_it_degrades():
     # the decayed good rounds fade within ~2-3 half-lives; the last 20 requests run `fair`
     # except for probes (16 expected), and `good` only as a probe (10 % of 20: 2 expected)
     assert after.count("fair") >= 12 and after.count("good") <= 6, history[60:]
+
+
+def test_with_no_policy_stored_the_controller_may_move_a_class_to_any_pool_of_the_router():
+    """The built-in `default` policy prefers the router's default pool and lets the
+    controller move a class to the router's other pools: a class with no stored policy ends
+    on the pool that pays. (It named the default pool alone: on the real CPU, where the
+    `small` draft loses to plain and `ngram` wins, a class without a policy could choose
+    only between `small` and plain, at 0.64 of the n-gram arm at 1 stream in bench_peer.)"""
+    from specserve.config import RouterSettings
+    from specserve.services.router.__main__ import builtin_policy
+
+    settings = RouterSettings(draft_pools={"small": ["127.0.0.1:1"], "ngram": ["127.0.0.1:2"]}, default_pool="small")
+    policy = builtin_policy(settings)
+    assert policy.pools == ("small", "ngram") and policy.mode == "enabled" and policy.k == settings.default_k
+    a = assess(policy, {"small": est(POOR), "ngram": est(GOOD)}, MIN_ROUNDS)
+    assert (a.decision, a.pool) == (Decision.SPECULATE, "ngram")
+    # no pool of that name on this router, or K = 0 by default: speculation is off
+    assert builtin_policy(RouterSettings(draft_pools={"ngram": ["127.0.0.1:2"]}, default_pool="small")).mode == "off"
