@@ -304,7 +304,9 @@ class LinkingDrafts(LocalDrafts):
         super().__init__(drafter)
         self.up, self.refuse, self.asked = False, refuse, {}
         if not refuse:
-            threading.Timer(up_after_s, self._link).start()
+            timer = threading.Timer(up_after_s, self._link)
+            timer.daemon = True  # a pool that never comes up must not hold the interpreter's exit
+            timer.start()
 
     def drafts_for(self, session_id: str) -> bool:
         return self.up
@@ -331,7 +333,8 @@ def test_a_seeded_session_waits_for_a_pool_still_linking_and_runs_plain_at_once_
     draft replicas are still connecting; an adopted session that ran plain then, because no
     replica was up yet, sampled other tokens than the run it continued (the fault matrix's
     seeded column failed so in CI). It waits for its block as for a late one, within the
-    exact wait; a session the pool refused runs plain at once (waiting would not help)."""
+    exact wait, once per outage; a session the pool refused runs plain at once (waiting would
+    not help)."""
     plan = replace(_plans(0.8)[0], seeded=True)
     assert plan.exact
     whole = _run(_loop(pair), [("s", PROMPTS[1], plan)])["s"]
@@ -346,6 +349,13 @@ def test_a_seeded_session_waits_for_a_pool_still_linking_and_runs_plain_at_once_
     t0 = time.monotonic()
     _run(loop, [("s", PROMPTS[1], plan)])
     assert time.monotonic() - t0 < 30
+    assert {r.fallback_reason for r in loop.ended["s"].rounds if r.k_asked} == {DRAFT_UNAVAILABLE}
+    # a pool that stays down: the session waits once (1 s here), then runs plain without
+    # waiting again; waiting every round would cost 1 s a token (14 here)
+    loop = _loop(pair, {"small": LinkingDrafts(pair[1], up_after_s=3600)}, exact_wait_s=1.0)
+    t0 = time.monotonic()
+    _run(loop, [("s", PROMPTS[1], plan)])
+    assert time.monotonic() - t0 < 6
     assert {r.fallback_reason for r in loop.ended["s"].rounds if r.k_asked} == {DRAFT_UNAVAILABLE}
 
 
