@@ -29,14 +29,12 @@ $(STUBS): $(PROTOS) $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
-	@# --no-compile: no bytecode for every file of every package at install (torch's thousands
-	@# among them: a fresh clone's setup on 2 cores); Python compiles what it imports, when it does.
 	@# torch first, pinned to the local CPU wheel: any other spec pulls gigabytes of CUDA.
 	@$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
-		|| $(PIP) install --no-compile torch==2.13.0
-	$(PIP) install --no-compile -e '.[dev]'
+		|| $(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
 	@# structured outputs (ADR 0017): xgrammar without its triton dependency (GPU kernels we do not use)
-	$(PIP) install --no-compile --no-deps 'xgrammar==0.2.8' 'apache-tvm-ffi>=0.1.11,<0.2'
+	$(PIP) install --no-deps 'xgrammar==0.2.8' 'apache-tvm-ffi>=0.1.11,<0.2'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
