@@ -487,14 +487,13 @@ class EngineLoop:
         """Whether a row of the session may wait for a block. An exact session also waits
         while its pool has no live replica (a restarted target's links still connecting, a
         failover), up to `exact_wait_s`: a plain round would change its sample path. It waits
-        so once per outage, and not for a pool that refused it."""
-        source = self.sources.get(s.plan.pool or "")
-        if source is None:
-            return False
-        if source.drafts_for(s.id):
-            s.pool_waited = False  # a replica is up: the next outage is waited for again
+        once per outage (not when its last round already ran plain for want of a replica),
+        and not for a pool that refused it."""
+        if self._live(s):
             return True
-        return s.plan.exact and not s.pool_waited and not source.refused(s.id)
+        source = self.sources.get(s.plan.pool or "")
+        waited = bool(s.rounds) and s.rounds[-1].fallback_reason == DRAFT_UNAVAILABLE
+        return source is not None and s.plan.exact and not waited and not source.refused(s.id)
 
     def _live(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")
@@ -506,7 +505,6 @@ class EngineLoop:
         if k_asked == 0:  # the engine held it plain, or the token budget left no room for drafts
             return NOT_PAYING if s.k_choice == 0 else ""
         if not self._live(s):
-            s.pool_waited = s.plan.exact  # waited once for this outage (an exact session): no more
             return DRAFT_UNAVAILABLE
         return NOT_PAYING if s.probing else row.fallback  # (a probe's block not there yet: it never waits)
 

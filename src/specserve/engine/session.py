@@ -167,9 +167,6 @@ class EngineSession:
     asks: dict[int, float] = field(default_factory=dict)
     grammar: Any = None  # its matcher when the plan has a constraint (structured/grammar.py: ConstrainedRow)
     unacked: int = 0  # its rounds handed to the committer that Redis has not answered yet
-    # an exact session waited `exact_wait_s` for a pool with no live replica and ran plain: it
-    # waits no more until a replica is up again (its sample path has changed already)
-    pool_waited: bool = False
 
     @classmethod
     def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,
