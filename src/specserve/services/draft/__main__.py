@@ -28,8 +28,12 @@ def load_drafter(settings: DraftSettings):
     if settings.model == "ngram":
         return NgramDrafter(NGRAM_VOCAB, settings.ngram_min, settings.ngram_max, name=settings.pool)
 
+    import torch
+
     from specserve.models.loading import load_model
 
+    # on the model thread (main): OpenMP takes the count in the thread that sets it (threads.py)
+    torch.set_num_threads(settings.torch_threads)
     return HFDrafter(load_model(settings.model), name=settings.pool, q_mass=settings.q_mass,
                      q_max_entries=settings.q_max_entries)
 
@@ -60,10 +64,6 @@ async def main(settings: DraftSettings) -> None:
     from specserve.worker import threads
     from specserve.worker.engines import Batching
 
-    if settings.model != "ngram":
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)
     model_thread = threads.ModelThread("draft")  # loads the model and runs every batch (threads.py)
 
     def build() -> DraftServicer:
