@@ -242,10 +242,10 @@ def test_a_class_with_two_pools_ends_on_the_good_one_and_leaves_it_when_it_degra
     # the class's own placements all run on spare; probes (5 %) may go elsewhere:
     # P(binomial(8, 0.05) > 2) < 0.006. (Split so that a failure says which rule broke: one
     # CI run saw 5 of 8 on spare, the first a probe of poor, the rest not shown.)
-    probes = [p for p in placed if p[2].startswith("a probe")]
+    probes = [(pool, reason[:120]) for pool, _, reason in placed if reason.startswith("a probe")]
     decided = [(pool, decision, reason[:120]) for pool, decision, reason in placed if not reason.startswith("a probe")]
     assert all(pool == "spare" and decision == "speculate" for pool, decision, _ in decided), decided
-    assert len(probes) <= 2, [(pool, reason[:120]) for pool, _, reason in probes]
+    assert len(probes) <= 2, probes
     os.kill(pstack.info.pids["draft-spare-0"], signal.SIGKILL)
     # a dead pool's rounds run plain at once (no wait for a block) and cost what a plain step
     # costs, so S falls only as its first position's acceptance decays toward 0 (hyperbolically,

@@ -185,7 +185,8 @@ def test_with_no_policy_stored_the_controller_may_move_a_class_to_any_pool_of_th
     controller move a class to the router's other pools: a class with no stored policy ends
     on the pool that pays. (It named the default pool alone: on the real CPU, where the
     `small` draft loses to plain and `ngram` wins, a class without a policy could choose
-    only between `small` and plain, at 0.64 of the n-gram arm at 1 stream in bench_peer.)"""
+    only between `small` and plain: 0.62-0.69 of the n-gram arm at 1 stream in bench_peer,
+    ADR 0014's session 10.)"""
     from specserve.config import RouterSettings
     from specserve.services.router.__main__ import builtin_policy
 
