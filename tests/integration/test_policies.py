@@ -296,9 +296,11 @@ def test_adaptive_k_settles_within_one_step_of_the_sweeps_best(routers, extracti
                 responses[k].append(_gen(gen0, prompt, sweep_cls, num_draft_tokens=k))
     rate = {k: _sweep_rate(responses[k]) for k in ks}
     top = max(rate.values())
-    # K values within 5 % of the best are ties: the curve is flat near its top (E(K) saturates
-    # while T(K) grows), and two calm sweeps on this machine differed by up to 4 % at one K
-    best = {k for k, v in rate.items() if v >= 0.95 * top}
+    # K values within 8 % of the best are ties: the curve is flat near its top (E(K) saturates
+    # while T(K) grows). Two calm sweeps on a 2-core AVX-512 machine differed by up to 4 % at
+    # one K; on a 2-core AVX2 one a sweep ran K = 1, 2, 3 at 52.0, 51.4, 54.8 tok/s (not even
+    # in order), and with a 5 % band K = 1 (0.949 of the top) was not a tie
+    best = {k for k, v in rate.items() if v >= 0.92 * top}
     # adaptive K under a fresh class: the controller decides to speculate, and the engine
     # picks each round's K in [k_min, k_max] from its measured step cost (ADR 0014)
     cls = _cls("adaptive")
