@@ -140,3 +140,44 @@ def test_replicas_dying_mid_generation_move_sessions_then_fail_closed_to_plain(m
     rounds = [r for s in sids for r in engine.ended[s].rounds]
     assert any(r.fallback_reason == DRAFT_UNAVAILABLE for r in rounds)  # plain once no replica was left
     assert sum(r.k for r in rounds) > 0
+
+
+def test_a_draining_replica_ends_its_links_at_once_and_its_sessions_move(models, run):
+    """SIGTERM drains a draft replica (`GrpcServer.stop`, here with a 30 s grace). A target's
+    `Draft.Link` stream never ends by itself, so the drain would wait out the whole grace while
+    the target kept its sessions on a replica going away. The replica ends its links as the
+    drain begins: the drain returns at once, and the target's source sees the stream end and
+    moves the session to the pool's other replica."""
+    from specserve.engine.link import replica_for
+    from specserve.serving.server import GrpcServer
+    from specserve.v1 import common_pb2
+
+    _, draft_model = models
+
+    async def go():
+        stays, stays_at = await _draft_server(draft_model)
+        servicer = DraftServicer(HFDrafter(draft_model), 8, batching=Batching(kv_budget_mb=8, max_sessions=8))
+        server = GrpcServer(["specserve.v1.Draft"], "127.0.0.1", 0, 30.0,
+                            lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
+        server.on_drain.append(servicer.end_links)
+        await server.start()
+        await server.set_serving()
+        drains_at = f"127.0.0.1:{server.port}"
+        pool = RemoteDrafts([stays_at, drains_at], asyncio.get_running_loop(), VOCAB, reconnect_s=30).start()
+        await _until(lambda: all(r.up for r in pool.replicas))
+        sid = next(f"s{i}" for i in range(100) if replica_for(f"s{i}", [stays_at, drains_at]) == drains_at)
+        pool._open(sid, [1, 2, 3], common_pb2.SamplingParams(), 1, 0)
+        await _until(lambda: len(servicer.links) == 1 and sid in next(iter(servicer.links)).sessions)
+        t0 = asyncio.get_running_loop().time()
+        await server.stop()
+        took = asyncio.get_running_loop().time() - t0
+        await _until(lambda: not pool.replicas[1].up, 5.0)  # the stream's end reaches the target
+        placed = pool.sessions[sid].replica
+        up = [r.up for r in pool.replicas]
+        await pool.stop()
+        await stays.stop(0)
+        return took, placed.address if placed else None, up, stays_at
+
+    took, placed, up, stays_at = run(go())
+    assert took < 5, f"the drain waited {took:.1f} s for a link"
+    assert up == [True, False] and placed == stays_at

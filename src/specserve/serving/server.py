@@ -170,6 +170,9 @@ class GrpcServer:
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         self._stopping: asyncio.Event | None = None
+        # called as the drain begins: each ends long-lived streams (a draft's Link) that would
+        # otherwise hold the drain for its whole grace while their peers could move elsewhere
+        self.on_drain: list[Callable[[], None]] = []
 
     async def start(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -203,6 +206,8 @@ class GrpcServer:
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()  # NOT_SERVING: load balancers move away
+        for end in self.on_drain:
+            end()
         await self.server.stop(self.grace_s)  # in-flight RPCs get grace_s to finish
 
 

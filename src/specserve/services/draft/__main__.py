@@ -80,6 +80,7 @@ async def main(settings: DraftSettings) -> None:
         settings.grace_s, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s),
         interceptors=[TracingServerInterceptor()],
         credentials=tls.server(require_client_cert=True) if (tls := load_tls(settings.tls_dir)) else None)
+    server.on_drain.append(servicer.end_links)
     await server.start()
     publish_ports(server.port, settings.port_file, servicer.metrics.registry, settings.metrics_port,
                   settings.metrics_port_file, settings.host)

@@ -64,6 +64,11 @@ class Link:
             for sid in self.sessions:
                 self.servicer.sessions.release(sid)
 
+    def end(self) -> None:
+        """End the reply stream (the replica drains): the target moves this link's sessions to
+        another replica at once."""
+        self.out.put_nowait(None)
+
     async def _pump(self, messages: AsyncIterator[draft_pb2.LinkIn]) -> None:
         try:
             async for msg in messages:

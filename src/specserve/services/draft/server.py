@@ -22,6 +22,7 @@ from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import Drafter, DraftProposal
 from specserve.errors import SessionNotFound
 from specserve.params import check_k
+from specserve.services.draft.link import Link
 from specserve.services.router.model_info import ModelInfo
 from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.telemetry import tracer
@@ -70,6 +71,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                max_batched_tokens, extra_s=self._simulated_s, on_close=_stop_ahead, name="draft",
                                executor=model_thread)
         self.sessions = self.core.sessions
+        self.links: set[Link] = set()  # the targets' open streams (ended as the replica drains)
 
     def _simulated_s(self, batch: list[Work]) -> float:
         """A slower draft device: simulated_token_ms per draft step of the batch."""
@@ -180,7 +182,16 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             span.end()
 
     async def Link(self, request_iterator, context):
-        from specserve.services.draft.link import Link
+        link = Link(self)
+        self.links.add(link)
+        try:
+            async for reply in link.serve(request_iterator):
+                yield reply
+        finally:
+            self.links.discard(link)
 
-        async for reply in Link(self).serve(request_iterator):
-            yield reply
+    def end_links(self) -> None:
+        """Draining: end every target's stream now (GrpcServer.on_drain), so the targets move
+        their sessions to the pool's other replicas instead of waiting out the grace."""
+        for link in list(self.links):
+            link.end()
