@@ -24,6 +24,10 @@ log = logging.getLogger("specserve.target.launcher")
 
 def launch(settings: TargetSettings, info_file: str = "") -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # ray.shutdown() waits up to this long to flush Ray's task events (about 6 s on a local head,
+    # where the flush never went idle): a stopping launcher should not sit out a pod's grace
+    # period for telemetry specserve does not read
+    os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "500")
     if not os.environ.get("RAY_ADDRESS"):
         # A local, single-node cluster: Ray resolves "127.0.0.1" to the host's outward address
         # unless it believes clusters are off, in which case every Ray process (raylet, GCS,
