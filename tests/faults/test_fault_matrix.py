@@ -265,7 +265,10 @@ def test_the_local_ray_cluster_refuses_a_driver_without_the_token(stack):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     code = f"import ray; ray.init(address={stack.info.target['ray_gcs']!r}); print('joined')"
-    env.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+               # the driver retries a refused GCS read 20 times, a second apart, before it gives
+               # up with the same AuthenticationError: 2 tries say it in 2 s instead of 20
+               RAY_NUM_REDIS_GET_RETRIES="2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "joined" not in out.stdout, out.stdout[-500:]
     assert "auth" in (out.stdout + out.stderr).lower()
