@@ -17,8 +17,9 @@ tokens, shapes vary with the batch), kept for the benchmark. ADR 0008 has the me
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -223,7 +224,38 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-def fused_tiles_agree(w: Weights, tile: int, upto: int) -> bool:
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def onednn_linear(x: torch.Tensor, m: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on a weight packed by `pack_weights`."""
+    return torch.ops.mkldnn._linear_pointwise(x, m, b, "none", [], "")
+
+
+def pack_weights(w: Weights) -> Weights | None:
+    """`w` with every projection and the LM head packed once for oneDNN (`onednn_linear`),
+    on a float32 CPU model where torch has oneDNN; else None (F.linear on `w`). ATen's CPU
+    GEMM packs the weight again at every call, which for the few rows of a decode or verify
+    step costs more than the product (the demo target's gate/up at 4 rows: 314 µs, packed 81;
+    ADR 0008, "Packed weights"). The packed copies replace the plain ones (the embedding
+    stays; a tied LM head gets a packed copy). SPECSERVE_ONEDNN_LINEAR=0 keeps F.linear."""
+    if (w.embed.device.type != "cpu" or w.embed.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+            or os.environ.get("SPECSERVE_ONEDNN_LINEAR", "1") == "0"):
+        return None
+
+    def pack(m: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(m, DEFAULT_TILE)
+
+    try:
+        layers = [replace(lay, wqkv=pack(lay.wqkv), wo=pack(lay.wo), w_gate_up=pack(lay.w_gate_up),
+                          w_down=pack(lay.w_down)) for lay in w.layers]
+        return replace(w, layers=layers, lm_head=pack(w.lm_head))
+    except (RuntimeError, AttributeError) as exc:  # a torch built without these ops
+        log.info("oneDNN packed weights unavailable (%s): F.linear", exc)
+        return None
+
+
+def fused_tiles_agree(w: Weights, tile: int, upto: int, linear: Linear = F.linear) -> bool:
     """Whether one GEMM over k tiles gives each row the bits that k calls of one tile give,
     for every weight shape and every k with k * tile <= upto, at this thread count.
 
@@ -238,8 +270,8 @@ def fused_tiles_agree(w: Weights, tile: int, upto: int) -> bool:
     n = upto // tile * tile
     for m, b in mats:
         x = torch.randn(n, m.shape[1], generator=g).to(m.device, m.dtype)
-        ref = torch.cat([F.linear(x[i:i + tile], m, b) for i in range(0, n, tile)])
-        if not all(torch.equal(F.linear(x[:k], m, b), ref[:k]) for k in range(2 * tile, n + 1, tile)):
+        ref = torch.cat([linear(x[i:i + tile], m, b) for i in range(0, n, tile)])
+        if not all(torch.equal(linear(x[:k], m, b), ref[:k]) for k in range(2 * tile, n + 1, tile)):
             log.info("tile GEMMs are not fused: one call over several tiles changes a row's bits")
             return False
     return True
@@ -253,7 +285,9 @@ class ModelRunner:
                  fuse_upto: int = 0, short_rows: bool | None = None) -> None:
         if tile is not None and tile <= 0:
             raise ValueError(f"tile must be >= 1 or None, got {tile}")
-        self.w = weights
+        packed = pack_weights(weights)
+        self.w = packed or weights
+        self.linear: Linear = onednn_linear if packed is not None else F.linear
         self.kv = kv
         self.tile = tile
         self.device = weights.embed.device
@@ -264,7 +298,7 @@ class ModelRunner:
         # One GEMM over several tiles instead of one per tile, where a start-up check shows
         # that it gives every row the same bits (ADR 0008); else tile by tile.
         self.fuse_upto, self.fused_threads = 0, 0
-        if tile is not None and fuse_upto >= 2 * tile and fused_tiles_agree(weights, tile, fuse_upto):
+        if tile is not None and fuse_upto >= 2 * tile and fused_tiles_agree(self.w, tile, fuse_upto, self.linear):
             self.fuse_upto, self.fused_threads = fuse_upto // tile * tile, torch.get_num_threads()
 
     @classmethod
@@ -398,7 +432,7 @@ class ModelRunner:
         out = torch.empty(h.shape[0], hq + 2 * hkv, w.head_dim, dtype=h.dtype, device=self.device)
         for t in self._tiles(h.shape[0]):
             x = rms_norm(h[t], layer.attn_norm, w.eps)
-            qkv = F.linear(x, layer.wqkv, layer.bqkv).view(x.shape[0], hq + 2 * hkv, w.head_dim)
+            qkv = self.linear(x, layer.wqkv, layer.bqkv).view(x.shape[0], hq + 2 * hkv, w.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qkv = torch.cat([rms_norm(qkv[:, :hq], layer.q_norm, w.eps),
                                  rms_norm(qkv[:, hq:hq + hkv], layer.k_norm, w.eps), qkv[:, hq + hkv:]], 1)
@@ -439,11 +473,11 @@ class ModelRunner:
 
     def _mlp_block(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> None:
         """h [T, H] (a view of the residual stream, updated in place), o [T, Hq D]."""
-        h += F.linear(o, layer.wo, layer.bo)
+        h += self.linear(o, layer.wo, layer.bo)
         x = rms_norm(h, layer.mlp_norm, self.w.eps)
-        gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+        gate, up = self.linear(x, layer.w_gate_up, None).chunk(2, dim=-1)
         act = silu_rows(gate) if self.tile else F.silu(gate)
-        h += F.linear(act * up, layer.w_down)
+        h += self.linear(act * up, layer.w_down, None)
 
     def _logits(self, h: torch.Tensor, rows: Sequence[Row], offsets: list[int],
                 sizes: list[int]) -> list[torch.Tensor]:
@@ -458,5 +492,5 @@ class ModelRunner:
         hs = h[to_device(wanted + [0] * (self._padded(r_total) - r_total), self.device, torch.long)]  # [Rp, H]
         out = torch.empty(hs.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
         for t in self._tiles(hs.shape[0]):
-            out[t] = F.linear(rms_norm(hs[t], self.w.norm, self.w.eps), self.w.lm_head).float()
+            out[t] = self.linear(rms_norm(hs[t], self.w.norm, self.w.eps), self.w.lm_head, None).float()
         return list(out[:r_total].split(counts))
