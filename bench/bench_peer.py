@@ -177,7 +177,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--target-threads", type=int, default=2, help="torch threads of specserve's target")
+    # 1: on the 2-core machines of our kind the router, Redis, the drafts and the client need the
+    # other core; a 2-thread target's OpenMP team stalled whenever they ran (stack / in process
+    # 0.43-0.61 with 2 threads, 0.82-0.87 with 1; ADR 0014, "Status (third wave, session 11)")
+    ap.add_argument("--target-threads", type=int, default=1,
+                    help="torch threads of specserve's target (and of the in-process engine)")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the engine loop in process (plain, each runner mode: inprocess_engine.py)")
     ap.add_argument("--exact-batching", default="invariant,fast",

@@ -67,8 +67,12 @@ def measure(pair: Path, prompts: list[str], loads: list[int], requests: int, max
     engine = model_thread.submit(loop.run_forever, stop)
     ids = [lp.tokenizer.encode(p) for p in prompts]
     try:
-        _cell(loop, watch, ids, 1, 1, 8, lp.tokenizer.decode)  # warm-up
-        return [_cell(loop, watch, ids, s, requests, max_tokens, lp.tokenizer.decode) for s in loads]
+        # the text a client gets: the served arms leave an EOS token out of it too
+        def text(ids: list[int]) -> str:
+            return lp.tokenizer.decode(ids, skip_special_tokens=True)
+
+        _cell(loop, watch, ids, 1, 1, 8, text)  # warm-up
+        return [_cell(loop, watch, ids, s, requests, max_tokens, text) for s in loads]
     finally:
         stop.set()
         loop.wake()
