@@ -236,7 +236,7 @@ def pack_weights(w: Weights) -> Weights | None:
     """`w` with every projection and the LM head packed once for oneDNN (`onednn_linear`),
     on a float32 CPU model where torch has oneDNN; else None (F.linear on `w`). ATen's CPU
     GEMM packs the weight again at every call, which for the few rows of a decode or verify
-    step costs more than the product (the demo target's gate/up at 4 rows: 314 µs, packed 81;
+    step costs more than the product (the demo target's gate/up at 4 rows: 360 µs, packed 141;
     ADR 0008, "Packed weights"). The packed copies replace the plain ones (the embedding
     stays; a tied LM head gets a packed copy). SPECSERVE_ONEDNN_LINEAR=0 keeps F.linear."""
     if (w.embed.device.type != "cpu" or w.embed.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
