@@ -148,15 +148,12 @@ class Stack:
 
     def _up(self, timeout_s: float) -> None:
         """Redis, then the draft replicas, then the target (its engine links to every replica,
-        ADR 0014: it starts once they serve) and the routers beside it (a router finds the
-        target in Redis when a session starts), each awaited once all are spawned."""
+        ADR 0014: it starts once they serve), then the routers."""
         self._start_redis()
         self._start_pools(timeout_s)
-        target = self._spawn_target()
-        routers = [self._spawn_router(i) for i in range(self.spec.routers)]
-        self._await_target(*target, timeout_s)
-        for i, (proc, log) in enumerate(routers):
-            self._await_router(i, proc, log, timeout_s)
+        self._start_target(timeout_s)
+        for i in range(self.spec.routers):
+            self._start_router(i, timeout_s)
         self.info.router = self.info.routers[0]
         self.info.http = self.info.https[0]
         self._save()
@@ -194,7 +191,7 @@ class Stack:
             self.info.pools.setdefault(pool, []).append(f"127.0.0.1:{port}")
             self.info.metrics[name] = f"127.0.0.1:{(self.run_dir / f'{name}.metrics').read_text().strip()}"
 
-    def _spawn_target(self) -> tuple[subprocess.Popen, Path]:
+    def _start_target(self, timeout_s: float) -> None:
         spec, pair = self.spec, Path(self.spec.pair_dir)
         target_info = self.run_dir / "target.json"
         target_info.unlink(missing_ok=True)
@@ -204,25 +201,17 @@ class Stack:
             "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
             "SPECSERVE_TARGET_METRICS_PORT": "0", "SPECSERVE_TARGET_DRAFT_POOLS": json.dumps(self.info.pools),
         })
-        return proc, log
-
-    def _await_target(self, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-        target_info = self.run_dir / "target.json"
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
         self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"
 
-    @staticmethod
-    def _router_name(i: int) -> str:
-        return "router" if i == 0 else f"router-{i}"
-
-    def _spawn_router(self, i: int) -> tuple[subprocess.Popen, Path]:
+    def _start_router(self, i: int, timeout_s: float) -> None:
         spec, pair = self.spec, Path(self.spec.pair_dir)
-        name = self._router_name(i)
+        name = "router" if i == 0 else f"router-{i}"
         router_port = self.run_dir / f"{name}.port"
         http_port = self.run_dir / f"{name}.http.port"
         router_port.unlink(missing_ok=True)
         http_port.unlink(missing_ok=True)
-        return self._spawn(name, "specserve.services.router", {
+        p, lg = self._spawn(name, "specserve.services.router", {
             "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(router_port),
             "SPECSERVE_ROUTER_HTTP_PORT": str(spec.http_port if i == 0 else 0),
             "SPECSERVE_ROUTER_HTTP_PORT_FILE": str(http_port),
@@ -234,11 +223,6 @@ class Stack:
             "SPECSERVE_ROUTER_DEFAULT_POOL": next(iter(spec.pools), "none"), **spec.router_env,
             **(spec.router_env_each[i] if i < len(spec.router_env_each) else {}),
         })
-
-    def _await_router(self, i: int, p: subprocess.Popen, lg: Path, timeout_s: float) -> None:
-        spec, name = self.spec, self._router_name(i)
-        router_port = self.run_dir / f"{name}.port"
-        http_port = self.run_dir / f"{name}.http.port"
         address = f"127.0.0.1:{_wait_file(router_port, p, name, timeout_s, lg)}"
         wait_serving(address, "specserve.v1.Generation", timeout_s, spec.tls_dir)
         self.info.routers.append(address)
