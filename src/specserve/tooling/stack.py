@@ -32,6 +32,14 @@ class PoolSpec:
     env: dict[str, str] = field(default_factory=dict)  # e.g. SPECSERVE_DRAFT_SIMULATED_TOKEN_MS
 
 
+def local_target_threads() -> int:
+    """The target's torch threads when every service shares this machine: all cores but one,
+    at most 2. The router, Redis, the drafts and the clients need a core; on 2 cores a 2-thread
+    target's OpenMP team stalled whenever they ran (bench_peer: the stack kept 0.49-0.57 of the
+    engine in process with 2 threads, 0.72-1.07 with 1; ADR 0014, session 11)."""
+    return max(1, min(2, (os.cpu_count() or 2) - 1))
+
+
 @dataclass
 class StackSpec:
     pair_dir: str  # built pair: target/ and draft/
@@ -39,7 +47,7 @@ class StackSpec:
     pools: dict[str, PoolSpec] = field(default_factory=dict)
     redis_url: str = ""  # empty: start a local redis-server
     key_prefix: str = "specserve"
-    target_threads: int = 2
+    target_threads: int = field(default_factory=local_target_threads)
     routers: int = 1  # router replicas (same Redis, same pools)
     router_env: dict[str, str] = field(default_factory=dict)
     router_env_each: list[dict[str, str]] = field(default_factory=list)  # router i's own additions
