@@ -489,11 +489,13 @@ class EngineLoop:
         failover), up to `exact_wait_s`: a plain round would change its sample path. It waits
         once per outage (not when its last round already ran plain for want of a replica),
         and not for a pool that refused it."""
-        if self._live(s):
-            return True
         source = self.sources.get(s.plan.pool or "")
+        if source is None:
+            return False
+        if source.drafts_for(s.id):
+            return True
         waited = bool(s.rounds) and s.rounds[-1].fallback_reason == DRAFT_UNAVAILABLE
-        return source is not None and s.plan.exact and not waited and not source.refused(s.id)
+        return s.plan.exact and not waited and not source.refused(s.id)
 
     def _live(self, s: EngineSession) -> bool:
         source = self.sources.get(s.plan.pool or "")
