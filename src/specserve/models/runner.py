@@ -255,9 +255,10 @@ def pack_weights(w: Weights) -> Weights | None:
         return None
 
 
-def fused_tiles_agree(w: Weights, tile: int, upto: int, linear: Linear = F.linear) -> bool:
-    """Whether one GEMM over k tiles gives each row the bits that k calls of one tile give,
-    for every weight shape and every k with k * tile <= upto, at this thread count.
+def fused_tiles_agree(w: Weights, tile: int, upto: int, linear: Linear) -> bool:
+    """Whether one `linear` call (the runner's: F.linear or `onednn_linear`) over k tiles
+    gives each row the bits that k calls of one tile give, for every weight shape and every k
+    with k * tile <= upto, at this thread count.
 
     Reduction order in a BLAS kernel depends on the call's shape, not on the data, so random
     inputs show any difference. The runner then calls one GEMM per run of at most `upto`
