@@ -43,22 +43,35 @@ class NgramSession:
 
 
 def lookup(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier match of the last n tokens."""
-    seq = np.asarray(token_ids, dtype=np.int64)
-    length = len(seq)
-    if k <= 0 or length < 2:
+    """Up to k tokens that followed the most recent earlier match of the last n tokens, for the
+    largest n in [min_n, max_n] that has a match.
+
+    One pass per n at most: every earlier position j holding the last token ends a candidate
+    match; its length grows backwards while the tokens agree (at most max_n). The longest
+    length n found wins, and among the matches at least that long, the latest j. (A sliding
+    window scan per n costs 4 scans of the whole sequence when nothing matches; this one
+    narrows the candidates at each step. It runs on the target's engine thread for a
+    `local:ngram` pool, once per session per step.)
+    """
+    length = len(token_ids)
+    if k <= 0 or length < 2 or max_n < min_n:
         return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = seq[length - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)  # starts < length-n
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            # The most recent match in periodic text sits right before the end, so its
-            # continuation runs into the proposal itself: extend it with the period.
-            begin = int(hits[-1]) + n
-            out: list[int] = []
-            for j in range(k):
-                i = begin + j
-                out.append(int(seq[i]) if i < length else out[i - length])
-            return out
-    return []
+    seq = np.asarray(token_ids, dtype=np.int64)
+    ends = np.flatnonzero(seq[: length - 1] == seq[-1])  # j < length - 1 ends a match of n = 1
+    n = 1
+    while ends.size and n < max_n:  # can the matches grow to n + 1?
+        longer = ends[ends >= n]  # a match ending at j starts at j - n >= 0
+        longer = longer[seq[longer - n] == seq[length - 1 - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if not ends.size or n < min_n:
+        return []
+    # The most recent match in periodic text sits right before the end, so its continuation
+    # runs into the proposal itself: extend it with the period.
+    begin = int(ends[-1]) + 1
+    out: list[int] = []
+    for j in range(k):
+        i = begin + j
+        out.append(int(seq[i]) if i < length else out[i - length])
+    return out
