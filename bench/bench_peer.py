@@ -3,7 +3,8 @@ same OpenAI-compatible streaming client, in one run.
 
 Arms:
 - vLLM plain, vLLM n-gram (K), vLLM draft model (the pair's draft, K);
-- specserve plain (`draft_pool: none`), `small` (K), `ngram` (K), and the control plane's
+- specserve plain (`draft_pool: none`), `small` (K), `ngram` (K: a replica process), `ngram-local`
+  (K: drafted inside the target, as vLLM's n-gram is), and the control plane's
   own choice (no pool, no K: the class policy and the engine decide), each with the runner
   batch-invariant (the default) and with `exact_batching: fast` ("(fast)" arms);
 - the engine loop in process, plain, in each runner mode (`inprocess_engine.py`: no network,
@@ -212,13 +213,16 @@ def main() -> None:
         for mode in a.exact_batching.split(","):
             stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(Path(tmp) / f"stack-{mode}"),
                                     target_threads=a.target_threads,
-                                    pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1)},
+                                    pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1),
+                                           "ngram-local": PoolSpec("ngram", local=True)},
                                     env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode}))
             suffix = "" if mode == "invariant" else f" ({mode})"
             with stack.running():
                 arms_ss = {"plain": {"draft_pool": "none"},
                            "small": {"draft_pool": "small", "num_draft_tokens": a.k},
                            "ngram": {"draft_pool": "ngram", "num_draft_tokens": a.k},
+                           # drafted inside the target, as vLLM's n-gram is (no replica, no hop)
+                           "ngram-local": {"draft_pool": "ngram-local", "num_draft_tokens": a.k},
                            "controller": {}}
                 for arm, extra in arms_ss.items():
                     rows += measure("specserve", arm + suffix, stack.info.http, prompts, loads, a, extra)
@@ -268,7 +272,7 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
             "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None}
         for sfx, key in (("", ""), (" (fast)", "_fast")):  # per runner mode
             ctrl = best("specserve", s, {"controller" + sfx})[1]
-            best_fixed = best("specserve", s, {x + sfx for x in ("plain", "small", "ngram")})[1]
+            best_fixed = best("specserve", s, {x + sfx for x in ("plain", "small", "ngram", "ngram-local")})[1]
             stack = best("specserve", s, {"plain" + sfx})[1]
             inproc = best("in-process", s, {"plain" + sfx})[1]  # the engine loop in process
             row[f"controller_over_best_arm{key}"] = ctrl / best_fixed if ctrl and best_fixed else None

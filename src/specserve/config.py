@@ -8,12 +8,20 @@ import math
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# A pool drafted inside the target's own process by prompt lookup (model-free: no replica, no
+# network hop on any round; ADR 0014, "n-gram beside the target"). It is a pool's only address.
+LOCAL_NGRAM = "local:ngram"
+
 
 def pools_have_replicas(v: dict[str, list[str]]) -> dict[str, list[str]]:
-    """draft_pools (router and target): every pool names at least one replica."""
+    """draft_pools (router and target): every pool names at least one replica, or is
+    `local:ngram` alone."""
     for name, addrs in v.items():
         if not addrs:
             raise ValueError(f"draft pool {name!r} has no replica addresses")
+        if any(a.startswith("local:") for a in addrs) and addrs != [LOCAL_NGRAM]:
+            raise ValueError(f"draft pool {name!r}: {LOCAL_NGRAM!r} (n-gram drafting inside the target) is a "
+                             f"pool's only address, and the only local drafter; got {addrs}")
     return v
 
 

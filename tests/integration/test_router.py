@@ -13,6 +13,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.config import LOCAL_NGRAM
 from specserve.drafters import NgramDrafter
 from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -54,7 +55,7 @@ def _prompts(eval_prompts, n_per_class: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("pool", ["small", "ngram"])
+@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local"])
 def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts, pool):
     drafted = 0
     for item in _prompts(eval_prompts, 4):
@@ -63,6 +64,8 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
         assert resp.finish_reason in ("eos", "length")
         assert resp.stats.draft_pool == pool and resp.stats.workload_class == item["workload_class"]
         drafted += resp.stats.draft_tokens
+        if pool == "ngram-local":  # drafted inside the target at each outcome: never waited for
+            assert not [r for r in resp.stats.round if r.fallback_reason == "draft_late"]
         chunks = list(stub.GenerateStream(_req(item["prompt"], draft_pool=pool), timeout=120))
         assert [t for c in chunks for t in c.token_ids] == list(resp.token_ids)
         assert "".join(c.text for c in chunks) == resp.text
@@ -72,7 +75,7 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
     assert drafted > 0
 
 
-@pytest.mark.parametrize("pool", ["small", "ngram"])
+@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local"])
 def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair, target_model, eval_prompts, pool):
     """Randomness is keyed by (seed, position, purpose) on every side of the wire, so the
     distributed rounds reproduce the in-process engine's sampled tokens exactly."""
@@ -182,7 +185,8 @@ def test_every_service_has_health_and_reflection(stack):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     services = {stack.info.router: "specserve.v1.Generation", stack.info.target["address"]: "specserve.v1.Target",
-                **{a: "specserve.v1.Draft" for addrs in stack.info.pools.values() for a in addrs}}
+                **{a: "specserve.v1.Draft" for addrs in stack.info.pools.values() for a in addrs
+                   if a != LOCAL_NGRAM}}  # drafted inside the target: no service of its own
     for address, name in services.items():
         with grpc.insecure_channel(address) as ch:
             health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.config import LOCAL_NGRAM
 from specserve.tooling.files import write_private
 from specserve.tooling.redis_server import LocalRedis
 
@@ -30,6 +31,8 @@ class PoolSpec:
     model: str  # "ngram" or a model directory
     replicas: int = 1
     env: dict[str, str] = field(default_factory=dict)  # e.g. SPECSERVE_DRAFT_SIMULATED_TOKEN_MS
+    # model "ngram" only: drafted inside the target (`local:ngram`), no replica process
+    local: bool = False
 
 
 def local_target_threads() -> int:
@@ -181,6 +184,11 @@ class Stack:
         spec, pair = self.spec, Path(self.spec.pair_dir)
         ports: list[tuple[str, str, subprocess.Popen, Path, Path]] = []
         for pool, ps in spec.pools.items():
+            if ps.local:
+                if ps.model != "ngram":
+                    raise StackError(f"pool {pool!r}: only an n-gram pool drafts inside the target")
+                self.info.pools[pool] = [LOCAL_NGRAM]
+                continue
             for i in range(ps.replicas):
                 name = f"draft-{pool}-{i}"
                 port_file = self.run_dir / f"{name}.port"

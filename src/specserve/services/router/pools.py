@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.config import LOCAL_NGRAM
 from specserve.serving.tls import TlsFiles, aio_channel
 
 _CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000)]
@@ -24,7 +25,7 @@ HEALTH_TIMEOUT_S = 1.0
 @dataclass
 class Replica:
     address: str
-    channel: grpc.aio.Channel
+    channel: grpc.aio.Channel | None  # None: `local:ngram`, drafted inside the target (always there)
     healthy: bool = True
 
 
@@ -37,7 +38,7 @@ class DraftPool:
 
     def __post_init__(self) -> None:
         for a in self.addresses:
-            self.replicas[a] = Replica(a, aio_channel(a, self.tls, _CHANNEL_OPTIONS))
+            self.replicas[a] = Replica(a, None if a == LOCAL_NGRAM else aio_channel(a, self.tls, _CHANNEL_OPTIONS))
 
     @property
     def healthy(self) -> int:
@@ -45,6 +46,8 @@ class DraftPool:
 
     async def check_health(self) -> None:
         async def one(r: Replica) -> None:
+            if r.channel is None:  # in the target: the target's own health covers it
+                return
             try:
                 resp = await health_pb2_grpc.HealthStub(r.channel).Check(
                     health_pb2.HealthCheckRequest(service="specserve.v1.Draft"), timeout=HEALTH_TIMEOUT_S)
@@ -55,4 +58,4 @@ class DraftPool:
         await asyncio.gather(*(one(r) for r in self.replicas.values()))
 
     async def close(self) -> None:
-        await asyncio.gather(*(r.channel.close() for r in self.replicas.values()))
+        await asyncio.gather(*(r.channel.close() for r in self.replicas.values() if r.channel is not None))

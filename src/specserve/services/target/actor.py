@@ -148,9 +148,13 @@ class TargetWorker:
 
 
 def engine_host(s: TargetSettings, engine, metrics, target, store, tls, model_thread=None):
-    """The engine beside the target: one remote draft source per configured pool."""
+    """The engine beside the target: one draft source per configured pool (remote replicas, or
+    n-gram drafting in this process for a `local:ngram` pool)."""
     from specserve.algorithm.stops import StopChecker
+    from specserve.config import LOCAL_NGRAM
     from specserve.control.controller import Controller, ShadowLog
+    from specserve.drafters.ngram import NgramDrafter
+    from specserve.engine.drafting import LocalDrafts
     from specserve.engine.link import RemoteDrafts
     from specserve.engine.scheduler import Budget
     from specserve.services.router.model_info import ModelInfo
@@ -163,9 +167,12 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls, model_th
     def stops_for(params):
         return StopChecker(info.eos_token_ids, params.stop, info.decode)
 
-    sources = {name: RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches,
-                                  tls=tls).start()
-               for name, addrs in s.draft_pools.items()}
+    def source(addrs: list[str]):
+        if addrs == [LOCAL_NGRAM]:  # drafted on the engine's thread at each outcome: no hop
+            return LocalDrafts(NgramDrafter(target.vocab_size))
+        return RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches, tls=tls).start()
+
+    sources = {name: source(addrs) for name, addrs in s.draft_pools.items()}
     controller = Controller(store.client, s.key_prefix, s.controller_half_life_s, ttl_s=s.stats_ttl_s)
     loop.create_task(controller.start())
 

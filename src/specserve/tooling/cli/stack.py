@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from specserve.config import LOCAL_NGRAM
 from specserve.tooling.cli.base import RUN_DIR, app
 
 
@@ -31,7 +32,7 @@ def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
                 "extraction": {"draft_pool": "ngram", "draft_pools": ["small"], "adaptive_k": True, "k_min": 2,
                                "k_max": 12}}
     return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
-                     pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1)},
+                     pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", local=True)},
                      redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""), http_port=http_port,
                      router_env={"SPECSERVE_ROUTER_ADMIN_TOKEN": token,
                                  "SPECSERVE_ROUTER_POLICIES": json.dumps(policies)})
@@ -64,7 +65,7 @@ def up(
         raise typer.Exit(1) from err
     typer.echo(f"router {info.router}  redis {info.redis_url}  target {info.target.get('address')}")
     for pool, addrs in info.pools.items():
-        typer.echo(f"draft pool {pool}: {', '.join(addrs)}")
+        typer.echo(f"draft pool {pool}: {', '.join(addrs)}" + (" (drafted inside the target)" if addrs == [LOCAL_NGRAM] else ""))
     (run_dir / "router.address").write_text(info.router)
     (run_dir / "router.http").write_text(info.http)
     typer.echo(f"OpenAI-compatible API: {info.http}/v1 (model \"specserve\")")
