@@ -177,3 +177,28 @@ def test_tls_mounts_the_secret_everywhere_and_probes_by_tcp(render):
     assert wired["router"]["SPECSERVE_ROUTER_TLS_SERVER_NAME"] == "specserve-workers"
     # the engine dials the draft replicas too (ADR 0014): their certificates, the same name
     assert wired["target-launcher"]["SPECSERVE_TARGET_TLS_SERVER_NAME"] == "specserve-workers"
+
+
+def test_an_in_target_ngram_pool_has_no_deployment_and_both_sides_name_it_local(helm, render, tmp_path):
+    from rendered import containers, env_of
+
+    from specserve.config import LOCAL_NGRAM
+
+    values = default_values()
+    values["draft"]["pools"][1]["inTarget"] = True  # the ngram pool
+    path = tmp_path / "in-target.yaml"
+    path.write_text(yaml.safe_dump(values))
+    manifests = render(path)
+    pools = {m["metadata"]["labels"].get("specserve.io/pool") for m in manifests
+             if m["kind"] in ("Deployment", "Service", "PodDisruptionBudget")}
+    assert "ngram" not in pools and "small" in pools
+    seen = {}
+    for _, _, c in containers(manifests):
+        for var in ("SPECSERVE_ROUTER_DRAFT_POOLS", "SPECSERVE_TARGET_DRAFT_POOLS"):
+            if var in env_of(c):
+                seen[var] = json.loads(env_of(c)[var]["value"])
+    assert set(seen) == {"SPECSERVE_ROUTER_DRAFT_POOLS", "SPECSERVE_TARGET_DRAFT_POOLS"}
+    for var, pools_json in seen.items():
+        assert pools_json["ngram"] == [LOCAL_NGRAM] and pools_json["small"] != [LOCAL_NGRAM], var
+    values["draft"]["pools"][0]["inTarget"] = True  # a model pool cannot
+    assert 'draft.pools "small": inTarget needs model "ngram"' in rejected(helm, tmp_path, values)

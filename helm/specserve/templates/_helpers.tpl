@@ -355,6 +355,9 @@ affinity:
 {{- fail (printf "draft.pools: pool name %q is used twice" $p.name) -}}
 {{- end -}}
 {{- $_ := set $seen $p.name true -}}
+{{- if and $p.inTarget (ne ($p.model | toString) "ngram") -}}
+{{- fail (printf "draft.pools %q: inTarget needs model \"ngram\" (only prompt lookup drafts inside the target)" $p.name) -}}
+{{- end -}}
 {{- $pool := deepCopy $p -}}
 {{- $_ := set $pool "settings" (mergeOverwrite (deepCopy ($.Values.draft.settings | default dict)) ($p.settings | default dict)) -}}
 {{- $gpu := int ($p.gpu | default 0) -}}
@@ -377,12 +380,17 @@ affinity:
 {{- toYaml (dict "pools" $out) -}}
 {{- end -}}
 
-{{/* SPECSERVE_ROUTER_DRAFT_POOLS: pool -> [its headless Service's DNS name:port] */}}
+{{/* SPECSERVE_ROUTER_DRAFT_POOLS: pool -> [its headless Service's DNS name:port], or
+     ["local:ngram"] for a pool drafted inside the target (inTarget: no Deployment) */}}
 {{- define "specserve.draftPoolsJson" -}}
 {{- $m := dict -}}
 {{- range $p := (include "specserve.draftPools" . | fromYaml).pools -}}
+{{- if $p.inTarget -}}
+{{- $_ := set $m $p.name (list "local:ngram") -}}
+{{- else -}}
 {{- $host := include "specserve.svcHost" (dict "ctx" $ "name" (include "specserve.draftName" (dict "ctx" $ "pool" $p))) -}}
 {{- $_ := set $m $p.name (list (printf "%s:%d" $host (int $.Values.draft.port))) -}}
+{{- end -}}
 {{- end -}}
 {{- toJson $m -}}
 {{- end -}}
