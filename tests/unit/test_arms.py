@@ -4,6 +4,7 @@ choice across several pools (learn all of them, settle on the best, move when it
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -192,8 +193,30 @@ def test_with_no_policy_stored_the_controller_may_move_a_class_to_any_pool_of_th
 
     settings = RouterSettings(draft_pools={"small": ["127.0.0.1:1"], "ngram": ["127.0.0.1:2"]}, default_pool="small")
     policy = builtin_policy(settings)
-    assert policy.pools == ("small", "ngram") and policy.mode == "enabled" and policy.k == settings.default_k
+    assert policy.pools == ("small", "ngram") and policy.mode == "enabled"
+    # the engine picks K at the load each round runs at, up to the router's default K
+    assert policy.adaptive_k and policy.k_range == (1, settings.default_k)
     a = assess(policy, {"small": est(POOR), "ngram": est(GOOD)}, MIN_ROUNDS)
     assert (a.decision, a.pool) == (Decision.SPECULATE, "ngram")
     # no pool of that name on this router, or K = 0 by default: speculation is off
     assert builtin_policy(RouterSettings(draft_pools={"ngram": ["127.0.0.1:2"]}, default_pool="small")).mode == "off"
+
+
+def test_an_adaptive_class_leaves_plain_to_the_engine_where_no_pool_pays_over_the_loads_measured():
+    """The controller's statistics mix the loads a class ran at; whether speculation pays
+    depends on the load (at 1 stream the n-gram pool ran at 1.95x plain on the real CPU, at 16
+    at 0.80x, in one run: ADR 0014, session 12). A fixed-K class goes plain on them; an
+    adaptive one speculates on its best pool and the engine, which measures the step cost at
+    the load a round runs at, holds its rounds plain where no K pays."""
+    fixed = Policy("c", draft_pool="a", draft_pools=("b",), k=4, probe_fraction=0.0)
+    adaptive = replace(fixed, adaptive_k=True, k_min=1, k_max=4)
+    estimates = {"a": est(POOR), "b": est(stats([0.3], {4: (4.0, 20.0, 2.0)}))}  # b: S < 1 at every K, above a
+    assert assess(fixed, estimates, MIN_ROUNDS).decision is Decision.PLAIN
+    a = assess(adaptive, estimates, MIN_ROUNDS)
+    assert (a.decision, a.pool) == (Decision.SPECULATE, "b") and "the engine runs each round plain" in a.reason
+    choice, _ = choose_arm(FACTS, adaptive, {"a", "b"}, estimates, random.Random(0), MIN_ROUNDS)
+    assert (choice.decision, choice.pool, choice.probe) == (Decision.SPECULATE, "b", False)
+    # speculation that pays is decided as before; policy off and the request's opt-out still win
+    assert assess(adaptive, {"a": est(GOOD)}, MIN_ROUNDS).reason.startswith("S=")
+    assert choose_arm(FACTS, replace(adaptive, mode="off"), {"a", "b"}, estimates, random.Random(0),
+                      MIN_ROUNDS)[0].pool is None

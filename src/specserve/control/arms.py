@@ -140,6 +140,15 @@ def assess(policy: Policy, estimates: Mapping[str, Estimate], min_rounds: float,
     if s >= threshold:
         return Assessment(Decision.SPECULATE, f"S={s:.2f} >= {threshold:.2f} on {best} at K={k} {costs}",
                           best, k, ests)
+    if policy.adaptive_k:
+        # The statistics mix every load the class ran at (decayed over the half-life), and
+        # whether speculation pays depends on the load (kchoice.py). The engine measures the
+        # step cost at the load each round runs at and holds a session plain, probing, where
+        # no K pays: so an adaptive class speculates on its best pool, and the engine turns
+        # it off per load (ADR 0014, session 12).
+        return Assessment(Decision.SPECULATE, f"S={s:.2f} < {threshold:.2f} on {best} at K={k} {costs} over the "
+                                              f"loads measured: adaptive K, so the engine runs each round plain "
+                                              f"or at K in [{k_min}, {k_max}] at its own load", best, k, ests)
     return Assessment(Decision.PLAIN, f"S={s:.2f} < {threshold:.2f} at the best arm, {best} K={k} {costs}: plain "
                                       f"decoding, probing {policy.probe_fraction:.0%}", best, k, ests)
 

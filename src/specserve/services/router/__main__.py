@@ -62,15 +62,16 @@ async def wait_for_redis(redis: aioredis.Redis, timeout_s: float = 60.0) -> None
 
 
 def builtin_policy(settings: RouterSettings) -> Policy:
-    """`default` while none is stored: the router's default pool and K under the controller,
-    which may move a class to any other pool this router has (ADR 0006: a deployment's
-    pools are there to be used; a stored policy narrows them)."""
+    """`default` while none is stored: the router's default pool under the controller, which
+    may move a class to any other pool this router has (ADR 0006: a deployment's pools are
+    there to be used; a stored policy narrows them), with adaptive K up to the router's
+    default K: the engine picks each round's K, or plain, at the load it runs at (ADR 0014)."""
     pools = settings.draft_pools
     if settings.default_pool not in pools or settings.default_k == 0:
         return Policy(DEFAULT_CLASS, mode="off", draft_pool="")
     others = tuple(sorted(p for p in pools if p != settings.default_pool))
     return Policy(DEFAULT_CLASS, mode="enabled", draft_pool=settings.default_pool, draft_pools=others,
-                  k=settings.default_k)
+                  k=settings.default_k, adaptive_k=True, k_min=1, k_max=settings.default_k)
 
 
 def classifier_from(settings: RouterSettings) -> Classifier:
