@@ -34,7 +34,8 @@ class ValidRequest:
     @property
     def facts(self) -> RequestFacts:
         """What the arm choice needs to know of the request."""
-        return RequestFacts(self.params.sampling.temperature, len(self.prompt_ids), self.pinned_pool, self.pinned_k)
+        return RequestFacts(self.params.sampling.temperature, len(self.prompt_ids), self.pinned_pool, self.pinned_k,
+                            seeded=self.params.seed is not None)
 
 
 def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str], classifier: Classifier,
