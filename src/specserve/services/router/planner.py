@@ -74,9 +74,9 @@ class Planner:
         self.metrics.decisions.labels(stats_class, choice.pool or "none", choice.decision.value, choice.arm).inc()
         self.metrics.policy_version.labels(stats_class).set(policy.version)
         # the engine picks K where the policy lets it (not for a pinned K, a probe, or a seeded
-        # sampled request, whose rounds must reproduce)
+        # sampled request, whose rounds must reproduce: arms._steady fixed its K)
         adaptive = policy.adaptive_k and choice.decision is Decision.SPECULATE and not choice.probe \
-            and not choice.shadow and not (req.params.seed is not None and req.params.sampling.temperature > 0)
+            and not choice.shadow and not req.facts.reproducible
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
                            policy.version, source, request_reason(choice, assessment),
                            req.prediction_ids if choice.pool == PREDICTION_POOL else (),
