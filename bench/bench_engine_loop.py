@@ -23,6 +23,12 @@ Reported per cell:
 Results: bench/results/engine_loop.json and engine_loop.png.
 
     python bench/bench_engine_loop.py [--profiles seed,h100] [--streams 1,4,16,64] [--alpha 0.7]
+
+On a GPU node, `--profiles real --device cuda --model 1b` runs the same loop with nothing
+simulated on the target's side: a 1B-class target (gpu_check's TinyLlama-shape random model,
+made decisive) steps on the device, and device busy is the measured forward time (which ends
+in the step's one host transfer) over the wall. The drafts still come from the synthetic pool,
+timed by the `h100` profile's draft (a 0.6B-class model on a small GPU of its own).
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ from specserve.params import GenerationParams
 from specserve.state.prefix import CommittedPrefix
 from specserve.worker.engines import Batching, target_engine
 
-VOCAB = 512
+VOCAB = 512  # the stand-in's; the 1B model's is gpu_check's (32000)
 PROMPT_LEN = 16
+REAL = "real"  # the profile name for a real device: no padding; the drafts as in `h100`
 
 
 class SyntheticDrafts:
@@ -73,7 +80,7 @@ class SyntheticDrafts:
         # rejected positions at the same step, and the engine's acceptance table would learn
         # from a handful of correlated draws.
         seeds = {sid: zlib.crc32(sid.encode()) for sid in reference}
-        self.drafted = {sid: [t if uniform(seeds[sid], i, Purpose.DRAFT) < alpha else (t + 1) % VOCAB
+        self.drafted = {sid: [t if uniform(seeds[sid], i, Purpose.DRAFT) < alpha else t + 1 if t == 0 else t - 1
                               for i, t in enumerate(ref)] for sid, ref in reference.items()}
         self.ahead = {sid: [uniform(seeds[sid] + 1, i, Purpose.DRAFT) < alpha for i in range(len(ref) + 1)]
                       for sid, ref in reference.items()}
@@ -147,8 +154,17 @@ class SyntheticDrafts:
                 self.deliver(block)
 
 
-def _model(seed: int) -> TargetModel:
+def _model(seed: int, size: str = "tiny", device: str = "cpu") -> TargetModel:
     torch.manual_seed(seed)
+    if size == "1b":  # gpu_check's target, decisive (see gpu_check._decisive), built where it will run
+        from gpu_check import SHAPES, _decisive
+
+        cfg = LlamaConfig(**SHAPES["full"]["target"], tie_word_embeddings=False, eos_token_id=None,
+                          bos_token_id=None, pad_token_id=None)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).eval()
+        _decisive(model)
+        return TargetModel(model)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       eos_token_id=None, bos_token_id=None, pad_token_id=None)
@@ -160,13 +176,13 @@ def _stops(p):
 
 
 def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float],
-          tile: int | None, gather: bool = True) -> EngineLoop:
+          tile: int | None, gather: bool = True, device: str = "cpu") -> EngineLoop:
     """`tile`: the stand-in forward's runner. Its own CPU time is not what a cell measures
     (the profile's step time is), so by default it is the fast one: no padding to tiles, the
     cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
-    model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=max(streams, 4), prefill_chunk=128,
-                                           tile=tile))
-    if tile is None:  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
+    model = target_engine(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096, max_sessions=max(streams, 4),
+                                           prefill_chunk=128, tile=tile, device=device, max_len=512))
+    if tile is None and device == "cpu":  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
         model.runner.short_rows = True
 
     def step_ms(works) -> float:
@@ -179,8 +195,8 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
 
 
 def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
-               tile: int | None) -> dict[str, list[int]]:
-    loop = _loop(target, {}, None, len(prompts), [], tile)
+               tile: int | None, device: str = "cpu") -> dict[str, list[int]]:
+    loop = _loop(target, {}, None, len(prompts), [], tile, device=device)
     for sid, p in prompts.items():
         loop.add(sid, p, EnginePlan(GenerationParams(max_tokens=tokens, num_draft_tokens=0, seed=1)))
     loop.run_until_idle()
@@ -188,15 +204,16 @@ def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
 
 
 def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: float, tile: int | None,
-         gather: bool = True) -> dict:
+         gather: bool = True, device: str = "cpu", real: bool = False) -> dict:
     """One arm at one load. A first wave of sessions warms the engine (its acceptance table,
-    cost fit and draft latency, as on a running server) and is not measured; the second is."""
+    cost fit and draft latency, as on a running server) and is not measured; the second is.
+    `real`: the target's steps are not padded; device busy is their measured forward time."""
     busy: list[float] = []
     waves = {f"{w}{sid}": (sid, p) for w in ("warm-", "") for sid, p in prompts.items()}
     drafts = SyntheticDrafts({wid: refs[sid] for wid, (sid, _) in waves.items()},
                              {wid: p for wid, (_, p) in waves.items()}, alpha, profile)
     book: list[float] = []
-    loop = _loop(target, {"syn": drafts}, profile, len(prompts), busy, tile, gather)
+    loop = _loop(target, {"syn": drafts}, None if real else profile, len(prompts), busy, tile, gather, device)
 
     k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.removeprefix("K="))
 
@@ -211,7 +228,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
 
     run_wave("warm-")
     busy.clear()
-    loop.on_step = lambda r: book.append(r.bookkeeping_ms)
+    loop.on_step = lambda r: (book.append(r.bookkeeping_ms), real and busy.append(r.forward_ms))
     gc.collect()  # the cells before left garbage: a full collection mid-wave would count as bookkeeping
     wall = run_wave("")
     drafts.stop()
@@ -221,6 +238,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     tpot = sorted(wall * 1e3 / len(s.generated) for s in sessions)  # all start together: wall per token
     return {"arm": arm, "streams": len(prompts), "tok_s": len(prompts) * tokens / wall,
             "tpot_ms_p50": statistics.median(tpot), "device_busy": sum(busy) / 1e3 / wall,
+            "forward_ms_p50": statistics.median(busy) if real else None,
             "bookkeeping_ms_p50": statistics.median(book), "bookkeeping_ms_p99": sorted(book)[int(0.99 * (len(book) - 1))],
             "steps": len(book), "pushed_share": sum(r.predraft == "pushed" for r in rounds) / max(len(rounds), 1),
             "late_share": sum(r.fallback_reason == "draft_late" for r in rounds) / max(len(rounds), 1),
@@ -239,30 +257,39 @@ def main() -> None:
                     help="the stand-in forward's runner (see _loop)")
     ap.add_argument("--gather", choices=("on", "off"), default="on",
                     help="hold a step for blocks due within it (EngineLoop.gather)")
+    ap.add_argument("--device", default="cpu", help="where the target steps: cpu, cuda (with --profiles real)")
+    ap.add_argument("--model", choices=("tiny", "1b"), default="tiny",
+                    help="tiny: the 2 x 64 stand-in; 1b: gpu_check's 1B-class target (for a GPU)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     tile = None if a.exact_batching == "fast" else Batching.tile
-    torch.set_num_threads(1)
-    target = _model(0)
+    if a.device == "cpu":
+        torch.set_num_threads(1)
+    target = _model(0, a.model, a.device)
+    vocab = target.model.config.vocab_size
     streams = [int(s) for s in a.streams.split(",")]
-    all_prompts = {f"s{i}": [(31 * i + 7 * j) % VOCAB for j in range(PROMPT_LEN)] for i in range(max(streams))}
-    refs = references(target, all_prompts, a.tokens, tile)
+    all_prompts = {f"s{i}": [(31 * i + 7 * j) % vocab for j in range(PROMPT_LEN)] for i in range(max(streams))}
+    refs = references(target, all_prompts, a.tokens, tile, a.device)
     rows = []
     for pname in a.profiles.split(","):
+        real = pname == REAL
         for n in streams:
             prompts = dict(list(all_prompts.items())[:n])
             for arm in a.arms.split(","):
-                r = {"profile": pname, **cell(target, prompts, refs, PROFILES[pname], arm, a.tokens, a.alpha, tile,
-                                                     a.gather == "on")}
+                r = {"profile": pname, **cell(target, prompts, refs, PROFILES["h100" if real else pname], arm,
+                                              a.tokens, a.alpha, tile, a.gather == "on", a.device, real)}
                 rows.append(r)
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
                       f"busy {r['device_busy']:.0%}  book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
                       f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
-                      f"  K {r['mean_k']:.1f}", flush=True)
+                      f"  K {r['mean_k']:.1f}" + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
+                      flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "exact_batching": a.exact_batching,
-                                                   "gather": a.gather, "rows": rows}, indent=1))
+                                                   "gather": a.gather, "device": a.device, "model": a.model,
+                                                   "device_name": torch.cuda.get_device_name() if a.device.startswith("cuda")
+                                                   else "cpu", "rows": rows}, indent=1))
     _plot(rows, out / "engine_loop.png")
 
 

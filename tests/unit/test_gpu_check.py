@@ -43,3 +43,24 @@ def test_without_cuda_it_says_so_and_exits_2(tmp_path):
     assert proc.returncode == 2
     assert "needs a CUDA device" in proc.stderr and "--smoke --device cpu" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_the_engine_loops_real_device_mode_runs_unpadded_on_the_cpu(tmp_path):
+    """bench_engine_loop's `--profiles real` (what a GPU node runs with `--device cuda --model
+    1b`): the target's steps are not padded to a profile, and device busy is their measured
+    forward time over the wall. Here on the CPU with the tiny stand-in: the speculative arm's
+    output is still the target's alone (the script asserts it), and its forward times are
+    reported, where a simulated profile has none."""
+    proc = subprocess.run([sys.executable, "bench/bench_engine_loop.py", "--profiles", "real,h100", "--streams", "1",
+                           "--arms", "plain,K=2", "--tokens", "8", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "engine_loop.json").read_text())
+    assert res["device"] == "cpu" and res["model"] == "tiny"
+    real = [r for r in res["rows"] if r["profile"] == "real"]
+    simulated = [r for r in res["rows"] if r["profile"] == "h100"]
+    assert [r["arm"] for r in real] == ["plain", "K=2"]
+    assert all(r["forward_ms_p50"] > 0 and 0 < r["device_busy"] <= 1.0 for r in real)
+    assert all(r["forward_ms_p50"] is None for r in simulated)
+    # the stand-in's real forward is far below the profile's 6.4 ms floor a pass
+    assert real[0]["forward_ms_p50"] < 6.4

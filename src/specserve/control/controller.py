@@ -31,9 +31,10 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from redis.asyncio import Redis
+if TYPE_CHECKING:  # annotations only: the engine's K choice imports this module without a Redis client
+    from redis.asyncio import Redis
 
 log = logging.getLogger("specserve.control.controller")
 

@@ -26,9 +26,10 @@ import math
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from redis.asyncio import Redis
+if TYPE_CHECKING:  # annotations only: the engine (control.arms) imports this module without a Redis client
+    from redis.asyncio import Redis
 
 from specserve.errors import InvalidRequest
 from specserve.params import MAX_K, check_k
