@@ -239,3 +239,42 @@ def test_a_seeded_sampled_request_runs_at_its_policys_k_whatever_the_statistics(
     assert choose_arm(greedy, adaptive, {"a"}, {"a": est(k1_best, 6)}, random.Random(0), MIN_ROUNDS)[0].k == 1
     assert choose_arm(replace(seeded, pinned_k=2), adaptive, {"a"}, {"a": est(GOOD, 6)}, random.Random(0),
                       MIN_ROUNDS)[0].k == 2
+
+
+def test_an_adaptive_class_chooses_its_pool_without_plain_statistics():
+    """An adaptive class speculates on every request, so its plain statistics decay (half-life
+    30 s) while it runs. It kept re-entering learning for want of them, and learning sent its
+    requests at random to plain and to every pool: the controller arm of bench_peer ran 1 of
+    its 5 requests at 1 stream plain, 2 on the replica's n-gram and 1 on `small` after the
+    fixed arms had measured every pool (ADR 0014, session 13). Priced from the pools' own
+    rounds, it decides on its best pool; a fixed-K class, which must weigh plain, still learns."""
+    pools = dict(draft_pool="a", draft_pools=("b",), probe_fraction=0.0)
+    adaptive = Policy("c", k=4, adaptive_k=True, k_min=1, k_max=4, **pools)
+    fixed = Policy("c", k=4, **pools)
+    no_plain = {"a": estimate(FAIR, {}, 4), "b": estimate(GOOD, {}, 4)}
+    a = assess(adaptive, no_plain, MIN_ROUNDS)
+    assert (a.decision, a.pool) == (Decision.SPECULATE, "b") and "priced from the pool's rounds" in a.reason
+    assert assess(fixed, no_plain, MIN_ROUNDS).decision is Decision.LEARN
+    rng = random.Random(1)
+    picks = [choose_arm(FACTS, adaptive, {"a", "b"}, no_plain, rng, MIN_ROUNDS)[0] for _ in range(200)]
+    assert {c.pool for c in picks} == {"b"}
+    # still learning (no pool measured): an adaptive class tries its pools, never plain
+    picks = [choose_arm(FACTS, adaptive, {"a", "b"}, {"a": Estimate(), "b": Estimate()}, rng, MIN_ROUNDS)[0].pool
+             for _ in range(200)]
+    assert set(picks) == {"a", "b"}
+
+
+def test_a_pool_whose_statistics_decayed_is_probed_not_explored_by_half_the_requests():
+    """A pool measured before and found slow, whose statistics have decayed below the
+    estimate's weight, goes back to the probes (unready pools first); half the requests go
+    only to a pool never measured."""
+    policy = Policy("c", draft_pool="a", draft_pools=("b",), k=4, probe_fraction=0.1)
+    decayed = estimate({f: v * 1e-3 for f, v in POOR.items()}, PLAIN, 4)  # 0.1 of a round left
+    assert not decayed.speedup and decayed.seen > 0
+    rng = random.Random(2)
+    picks = [choose_arm(FACTS, policy, {"a", "b"}, {"a": decayed, "b": est(GOOD)}, rng, MIN_ROUNDS)[0]
+             for _ in range(2000)]
+    on_a = sum(c.pool == "a" for c in picks) / len(picks)
+    # probes are 10 %, split between plain and the other pool: 5 % expected on `a` (binomial
+    # sd 0.005 at n=2000); half the requests (0.5) is what a never-measured pool gets
+    assert 0.02 < on_a < 0.08 and all(c.probe for c in picks if c.pool == "a")

@@ -53,9 +53,49 @@ def test_one_k_seen_scales_the_draft_cost_per_token():
     assert est.round_ms[8] == pytest.approx(16.0 + (10.0 + (14.0 - 10.0) * 2) + 2.0)
 
 
-def test_no_plain_statistics_means_no_estimate():
-    est = estimate(_stats([0.9], {4: (8.0, 14.0, 2.0)}), {}, k_max=4)
-    assert est.speedup == {}
+def test_without_plain_statistics_a_plain_step_is_priced_from_the_pools_rounds():
+    """An adaptive class speculates on every request (the engine holds rounds plain at its own
+    load), so its plain statistics decay; the pool's verify step plus overhead at its smallest
+    K stands in for a plain step, flagged. With plain statistics, they are used."""
+    spec = _stats([0.9], {2: (4.0, 12.0, 2.0), 4: (8.0, 14.0, 2.0)})
+    est = estimate(spec, {}, k_max=4)
+    assert est.plain_from_pool and est.plain_step_ms == pytest.approx(12.0 + 2.0)
+    assert est.speedup[4] == pytest.approx(est.emitted[4] * 14.0 / 24.0)
+    assert est.plain_rounds == 0.0  # the decision rules still see that no plain round was measured
+    with_plain = estimate(spec, PLAIN, k_max=4)
+    assert not with_plain.plain_from_pool and with_plain.plain_step_ms == pytest.approx(12.0)
+    # nothing speculative either: no estimate at all
+    assert estimate({}, {}, k_max=4).speedup == {}
+
+
+def _waited(spec: dict[str, float], wait_ms: dict[int, float]) -> dict[str, float]:
+    return {**spec, **{f"w:{k}": spec[f"n:{k}"] * w for k, w in wait_ms.items()}}
+
+
+def test_where_the_sessions_waits_were_measured_they_replace_the_drafts_compute():
+    """A block drafted ahead costs its session nothing; a late one costs its wait, which the
+    engine measures (RoundStats.wait_ms). The replica's compute is not on the round's path
+    then, and adding it would count the drafting twice."""
+    spec = _stats([0.8], {4: (8.0, 14.0, 2.0)})
+    assert estimate(spec, PLAIN, k_max=4).round_ms[4] == pytest.approx(24.0)  # no waits measured: d + v + o
+    assert estimate(_waited(spec, {4: 6.0}), PLAIN, k_max=4).round_ms[4] == pytest.approx(22.0)  # v + o + w
+
+
+def test_pools_measured_at_different_loads_rank_by_what_differs_between_them():
+    """An adaptive class's pools, each priced against its own steps (Controller.estimates'
+    plain_from_pools): `light` was measured at 1 stream (10 ms steps), `heavy` at 16 (40 ms
+    steps), with the same acceptance and no waits; `late` at 16 too, its rows waiting 20 ms a
+    round for blocks (a remote pool's). Against the class's plain step (12 ms, from 1 stream)
+    `light` looks nearly 3x as fast as `heavy`; against their own steps they are equal, and `late`
+    is below both. (On the real CPU the controller chose the replica's n-gram over the one
+    inside the target, which 16-stream cells had measured last: ADR 0014, session 13.)"""
+    light = _stats([0.7], {4: (0.1, 10.0, 1.0)})
+    heavy = _stats([0.7], {4: (0.1, 40.0, 2.0)})
+    late = _waited(heavy, {4: 20.0})
+    shared = {p: estimate(s, PLAIN, 4).best(1, 4)[1] for p, s in (("light", light), ("heavy", heavy))}
+    assert shared["light"] > 2.5 * shared["heavy"]
+    own = {p: estimate(s, {}, 4).best(1, 4)[1] for p, s in (("light", light), ("heavy", heavy), ("late", late))}
+    assert own["light"] == pytest.approx(own["heavy"], rel=0.05) and own["late"] < 0.8 * own["heavy"]
 
 
 MIN_ROUNDS = 8

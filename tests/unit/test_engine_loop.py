@@ -492,3 +492,22 @@ def test_a_session_whose_commits_go_unanswered_stops_at_the_commit_lag_and_resum
     assert not s.running and s.generated == free
     assert widest <= 3
     assert [t for r in held.records for t in r.tokens] == free  # every round handed over once, in order
+
+
+def test_a_round_records_how_long_its_session_waited_outside_the_steps(pair):
+    """`wait_ms`: the session's time between its previous round and the step of this one. The
+    controller prices pools with it: a remote pool whose blocks come late leaves its rows out
+    of steps, which no step's cost shows (ADR 0014, session 13). Beside a plain session that
+    runs in every 30 ms step, a session whose blocks come 20 ms after each outcome misses the
+    step that starts before its block is in (waiting is cheaper than a plain round): it waits
+    a step for every verified round; the plain one waits for none."""
+    target, _ = pair
+    loop = _loop(pair, {"small": LateDrafts(HFDrafter(target.model), 0.02, wrong=0)}, block_wait_max_s=0.05,
+                 simulated_step_ms=lambda works: 30.0, gather=False)
+    _run(loop, [("plain", PROMPTS[1], EnginePlan(GenerationParams(max_tokens=30, num_draft_tokens=0, seed=1))),
+                ("late", PROMPTS[2], EnginePlan(GenerationParams(max_tokens=12, num_draft_tokens=2, seed=1),
+                                                pool="small"))])
+    late = [r for r in loop.ended["late"].rounds[1:] if r.k]  # verified rounds after the first
+    plain = loop.ended["plain"].rounds[1:]
+    assert late and sum(r.wait_ms for r in late) / len(late) > 15.0, [round(r.wait_ms, 1) for r in late]
+    assert sum(r.wait_ms for r in plain) / len(plain) < 3.0, [round(r.wait_ms, 1) for r in plain]

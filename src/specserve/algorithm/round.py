@@ -57,6 +57,9 @@ class RoundStats:
     fallback_reason: str = ""  # why the round ran without drafts ("" when it had them)
     k_asked: int = 0  # K the round asked for (a drafter may propose fewer, or fail)
     predraft: str = ""  # the block was drafted ahead: "pushed" (no call) or "cached" (worker hit)
+    # the engine: the session's time since its previous round ended, outside this round's step
+    # (waiting for its block, held, or left out of steps); the controller prices pools with it
+    wait_ms: float = 0.0
 
     @property
     def rejected(self) -> int:

@@ -133,7 +133,9 @@ def assess(policy: Policy, estimates: Mapping[str, Estimate], min_rounds: float,
     # an estimate (a decayed one too: probes refresh it); a pool with none is explored by half
     # the requests (choose_arm), so the class reaches its best pool within a bounded number
     # of requests.
-    if not ready or plain_rounds < min_rounds:
+    # An adaptive class needs no plain statistics to choose its pool: the engine decides plain
+    # per round at its own load, and pools are ranked alike with or without them (estimate).
+    if not ready or (plain_rounds < min_rounds and not policy.adaptive_k):
         learn = unmeasured[0] if unmeasured else best
         e = ests[learn]
         k = e.best(k_min, k_max)[0] if e.speedup else (k_min + k_max + 1) // 2
@@ -144,7 +146,9 @@ def assess(policy: Policy, estimates: Mapping[str, Estimate], min_rounds: float,
     acc = ", ".join(f"{a:.2f}" for a in est.acceptance[:k])
     others = "".join(f"; {p} S={ests[p].best(k_min, k_max)[1]:.2f}" for p in known if p != best) + "".join(
         f"; exploring {p} (no statistics)" for p in pools if p not in known)
-    costs = f"(acceptance {acc}; round {est.round_ms[k]:.2f} ms vs plain step {est.plain_step_ms:.2f} ms{others})"
+    plain_of = " (priced from the pool's rounds)" if est.plain_from_pool else ""
+    costs = (f"(acceptance {acc}; round {est.round_ms[k]:.2f} ms vs plain step {est.plain_step_ms:.2f} ms{plain_of}"
+             f"{others})")
     if s >= threshold:
         return Assessment(Decision.SPECULATE, f"S={s:.2f} >= {threshold:.2f} on {best} at K={k} {costs}",
                           best, k, ests)
@@ -215,7 +219,10 @@ def _by_assessment(a: Assessment, policy: Policy, pools: list[str], rng: random.
     if a.decision is Decision.SHADOW:  # pool = the shadow run's; the served run is plain
         return Choice(a.pool, a.k, True, Decision.SHADOW, Fallback.SHADOW)
     unready = [p for p in pools if not _ready(a.estimates[p], min_rounds)]  # probes go there first
-    unknown = [p for p in pools if not a.estimates[p].speedup]  # explored by half the requests
+    # Never measured: explored by half the requests. A pool measured before whose statistics
+    # have decayed is measured again by the probes (unready pools first), not by half the
+    # traffic: a pool found slow minutes ago would otherwise get half of every cell again.
+    unknown = [p for p in pools if not a.estimates[p].speedup and not a.estimates[p].seen]
 
     def pool_arm(pool: str, decision: Decision, probe: bool) -> Choice:
         e = a.estimates[pool]
@@ -223,7 +230,8 @@ def _by_assessment(a: Assessment, policy: Policy, pools: list[str], rng: random.
         return Choice(pool, k, False, decision, Fallback.NONE, probe)
 
     if a.decision is Decision.LEARN:  # plain or one of the pools without statistics, at random
-        pool = rng.choice([None, *(unready or pools)])
+        # (an adaptive class learns its pools only: plain is the engine's to decide, per round)
+        pool = rng.choice([*([] if policy.adaptive_k else [None]), *(unready or pools)])
         if pool is None:
             return _plain(Decision.LEARN, Fallback.CONTROLLER_PROBE, probe=True)
         k = a.k if k_min == k_max else rng.randint(k_min, k_max)

@@ -68,11 +68,14 @@ class Batch:
 
     inc: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
-    def add_round(self, k: int, accepted: int, draft_ms: float, verify_ms: float, other_ms: float) -> None:
+    def add_round(self, k: int, accepted: int, draft_ms: float, verify_ms: float, other_ms: float,
+                  wait_ms: float = 0.0) -> None:
         self.inc[f"n:{k}"] += 1
         self.inc[f"d:{k}"] += draft_ms
         self.inc[f"v:{k}"] += verify_ms
         self.inc[f"o:{k}"] += other_ms
+        if wait_ms:
+            self.inc[f"w:{k}"] += wait_ms
         for i in range(1, min(accepted + 1, k) + 1):
             self.inc[f"pe:{i}"] += 1
         for i in range(1, accepted + 1):
@@ -83,6 +86,8 @@ class Batch:
 class Estimate:
     spec_rounds: float = 0.0
     plain_rounds: float = 0.0
+    seen: float = 0.0  # every speculative round ever recorded, decayed (> 0: measured once, maybe long ago)
+    plain_from_pool: bool = False  # no plain statistics: plain_step_ms is this pool's step without its drafts
     acceptance: list[float] = field(default_factory=list)
     plain_step_ms: float = 0.0
     speedup: dict[int, float] = field(default_factory=dict)  # K -> S(K)
@@ -121,15 +126,38 @@ def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float] | None
     return my - b * mx, b
 
 
-def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_weight: float = 0.5) -> Estimate:
-    """S(K) for K in 1..k_max from a (class, pool) hash and the class's plain hash."""
-    est = Estimate()
-    ks = sorted({int(f[2:]) for f in spec if f.startswith("n:") and spec[f] >= min_weight and f[2:] != "0"})
-    est.spec_rounds = sum(spec.get(f"n:{k}", 0.0) for k in ks)
+def _plain_step(spec: dict[str, float], plain: dict[str, float], ks: list[int], min_weight: float,
+                est: Estimate) -> dict[str, float]:
+    """A plain round's mean step, overhead and wait ({"v", "o", "w"}), from the class's plain
+    statistics or, without them, from this pool's rounds at their smallest K (`estimate`);
+    sets est.plain_rounds, plain_step_ms and plain_from_pool."""
     n0 = plain.get("n:0", 0.0)
     est.plain_rounds = n0
     if n0 >= min_weight:
-        est.plain_step_ms = (plain.get("v:0", 0.0) + plain.get("o:0", 0.0)) / n0
+        means = {c: plain.get(f"{c}:0", 0.0) / n0 for c in ("v", "o", "w")}
+    elif ks:
+        n = spec[f"n:{ks[0]}"]
+        means = {"v": spec.get(f"v:{ks[0]}", 0.0) / n, "o": spec.get(f"o:{ks[0]}", 0.0) / n, "w": 0.0}
+        est.plain_from_pool = True
+    else:
+        return {"v": 0.0, "o": 0.0, "w": 0.0}
+    est.plain_step_ms = sum(means.values())  # a plain session's time a token: its step, and any wait for one
+    return means
+
+
+def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_weight: float = 0.5) -> Estimate:
+    """S(K) for K in 1..k_max from a (class, pool) hash and the class's plain hash.
+
+    Without plain statistics (an adaptive class speculates on every request, and the engine's
+    plain rounds may be few), a plain step is priced as this pool's rounds at their smallest K
+    without their drafting: the verify step is the batch's step at that load, one row a few
+    tokens longer. That prices plain a little low, so S errs low; it is the same for every
+    pool of the class, so it ranks pools as the plain statistics would (`plain_from_pool`)."""
+    est = Estimate()
+    ks = sorted({int(f[2:]) for f in spec if f.startswith("n:") and spec[f] >= min_weight and f[2:] != "0"})
+    est.spec_rounds = sum(spec.get(f"n:{k}", 0.0) for k in ks)
+    est.seen = sum(v for f, v in spec.items() if f.startswith("n:") and f != "n:0")
+    per_plain = _plain_step(spec, plain, ks, min_weight, est)
     alphas: list[float] = []
     i = 1
     while spec.get(f"pe:{i}", 0.0) >= min_weight:
@@ -143,13 +171,10 @@ def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_we
         return spec.get(f"{prefix}:{k}", 0.0) / spec[f"n:{k}"]
 
     comps = {}
-    for prefix in ("d", "v", "o"):
+    for prefix in ("d", "v", "o", "w"):
         comps[prefix] = _fit([(k, mean(prefix, k), spec[f"n:{k}"]) for k in ks])
     k0 = ks[0]
-    plain_v = plain.get("v:0", 0.0) / n0
-    plain_o = plain.get("o:0", 0.0) / n0
-
-    at_zero = {"d": 0.0, "v": plain_v, "o": plain_o}  # K = 0 is a plain step: no draft
+    at_zero = {"d": 0.0, **per_plain}  # K = 0 is a plain step: no draft
 
     def component(prefix: str, k: int) -> float:
         fit = comps[prefix]
@@ -159,15 +184,19 @@ def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_we
         # cost, never the fitted line's intercept (a line through K = 4 and 8 can run below a
         # plain step at K = 1, and priced K = 1 rounds at 2 ms beside a 31 ms plain step)
         m = max(fit[0] + fit[1] * k0, 0.0) if fit is not None else mean(prefix, k0)
-        if prefix == "o" and fit is None:
+        if prefix in ("o", "w") and fit is None:
             return m
         return max(at_zero[prefix] + (m - at_zero[prefix]) * k / k0, 0.0)
 
+    waited = any(f.startswith("w:") and f != "w:0" for f in spec)
     prod, emitted = 1.0, 1.0
     for k in range(1, k_max + 1):
         prod *= alphas[min(k, len(alphas)) - 1]  # unseen positions: the last rate seen
         emitted += prod
-        t = component("d", k) + component("v", k) + component("o", k)
+        # Where the engine measured the sessions' waits, they are the drafting on the critical
+        # path (a block drafted ahead costs none; a late one its wait): the draft's compute is
+        # then not added again. Statistics recorded before waits were measured keep it.
+        t = (0.0 if waited else component("d", k)) + component("v", k) + component("o", k) + component("w", k)
         est.emitted[k] = emitted
         est.round_ms[k] = t
         est.speedup[k] = emitted * est.plain_step_ms / t if t > 0 else 0.0
@@ -194,9 +223,10 @@ class Controller:
 
     # -- feeding ---------------------------------------------------------------------------
     def record(self, workload_class: str, pool: str | None, k: int, accepted: int, draft_ms: float,
-               verify_ms: float, other_ms: float) -> None:
+               verify_ms: float, other_ms: float, wait_ms: float = 0.0) -> None:
         key = (workload_class, pool or PLAIN_POOL)
-        self._pending.setdefault(key, Batch()).add_round(k if pool else 0, accepted, draft_ms, verify_ms, other_ms)
+        self._pending.setdefault(key, Batch()).add_round(k if pool else 0, accepted, draft_ms, verify_ms, other_ms,
+                                                         wait_ms)
 
     async def flush(self) -> None:
         pending, self._pending = self._pending, {}
@@ -252,9 +282,18 @@ class Controller:
             with contextlib.suppress(Exception):
                 await self.refresh(new)
 
-    def estimates(self, workload_class: str, pools: Iterable[str], k_max: int) -> dict[str, Estimate]:
-        """S(K) for K in 1..k_max per pool, from the statistics last read (no I/O)."""
-        plain = self._stats.get((workload_class, PLAIN_POOL), {})
+    def estimates(self, workload_class: str, pools: Iterable[str], k_max: int,
+                  plain_from_pools: bool = False) -> dict[str, Estimate]:
+        """S(K) for K in 1..k_max per pool, from the statistics last read (no I/O).
+
+        `plain_from_pools` (an adaptive class): each pool's plain step is priced from its own
+        rounds (`estimate`), not from the class's plain statistics. The class's rounds ran at
+        whatever loads it met, and each pool's at different ones (a pool measured at 16
+        streams has 16-row steps); against one plain figure, the pool measured at the lighter
+        load would look faster. Against its own steps, a pool's S is its tokens a round times
+        the share of its sessions' time spent in steps: what differs between pools at any
+        load (acceptance, drafting, blocks that come late). Plain is the engine's to decide."""
+        plain = {} if plain_from_pools else self._stats.get((workload_class, PLAIN_POOL), {})
         return {p: estimate(self._stats.get((workload_class, p), {}), plain, k_max) for p in pools}
 
 

@@ -241,9 +241,14 @@ class EngineLoop:
         bookkeeping_ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
         # the step's wall prices K: the engine's own Python per row counts as the forward does
         self.cost.observe(len(works), sum(w.tokens for w in works), (forward_ms + bookkeeping_ms) / 1e3)
+        ended = time.perf_counter()
         for s, stats in rounds:
             if stats is not None:
-                stats_final = _with_overhead(stats, bookkeeping_ms)
+                # the session's time between its previous round and this step: a row left out
+                # of steps (its block late, or the budget) waited that long for its tokens
+                wait_ms = (t0 - s.last_round_end) * 1e3 if s.last_round_end is not None else 0.0
+                s.last_round_end = ended
+                stats_final = replace(stats, overhead_ms=bookkeeping_ms, wait_ms=max(wait_ms, 0.0))
                 s.rounds.append(stats_final)
                 for o in self.observers:
                     o.round(s, stats_final)
@@ -536,6 +541,3 @@ class EngineLoop:
         while len(self.ended) > self.keep_ended:
             self.ended.pop(next(iter(self.ended)))
 
-
-def _with_overhead(stats: RoundStats, bookkeeping_ms: float) -> RoundStats:
-    return replace(stats, overhead_ms=bookkeeping_ms)

@@ -167,6 +167,7 @@ class EngineSession:
     asks: dict[int, float] = field(default_factory=dict)
     grammar: Any = None  # its matcher when the plan has a constraint (structured/grammar.py: ConstrainedRow)
     unacked: int = 0  # its rounds handed to the committer that Redis has not answered yet
+    last_round_end: float | None = None  # perf_counter when its previous round's step ended
 
     @classmethod
     def new(cls, session_id: str, prompt_ids: list[int], plan: EnginePlan, stops: StopChecker,

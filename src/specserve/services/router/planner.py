@@ -59,7 +59,7 @@ class Planner:
         else:
             pools = [req.pinned_pool] if req.pinned_pool in self.pools else [p for p in policy.pools if p in self.pools]
             await self.controller.watch(stats_class, pools)
-            estimates = self.controller.estimates(stats_class, pools, policy.k_range[1])
+            estimates = self.controller.estimates(stats_class, pools, policy.k_range[1], policy.adaptive_k)
             choice, assessment = choose_arm(req.facts, policy, self.pools, estimates, self.rng,
                                             self.controller.min_rounds)
         if choice.reason is Fallback.POOL_UNKNOWN and policy.draft_pool not in self._warned:
@@ -89,7 +89,7 @@ class Planner:
         stats_class = self.stats_class(workload_class)
         pools = [p for p in policy.pools if p in self.pools] or list(policy.pools)
         await self.controller.refresh({(stats_class, p) for p in pools})
-        estimates = self.controller.estimates(stats_class, pools, policy.k_range[1])
+        estimates = self.controller.estimates(stats_class, pools, policy.k_range[1], policy.adaptive_k)
         return policy, source, stats_class, assess(policy, estimates, self.controller.min_rounds, pools)
 
     def _gauges(self, stats_class: str, a: Assessment) -> None:

@@ -333,10 +333,14 @@ class EngineHost:
         if self.controller is None or plan.pool == PREDICTION_POOL:
             return  # a request's own prediction says nothing about the class's pools
         if plan.pool and r.k_asked == 0:
-            return  # held plain by the engine, or the budget's last token: nothing about the pool
+            # held plain by the engine, or the budget's last token: nothing about the pool, but
+            # a plain step of this class at this load (an adaptive class has few plain requests)
+            self.controller.record(plan.stats_class or plan.workload_class, None, 0, 0, 0.0, r.verify_ms,
+                                   r.overhead_ms, r.wait_ms)
+            return
         drafted = bool(plan.pool) and not r.fallback_reason
         self.controller.record(plan.stats_class or plan.workload_class, plan.pool, r.k_asked if plan.pool else 0,
-                               r.accepted if drafted else 0, r.draft_ms, r.verify_ms, r.overhead_ms)
+                               r.accepted if drafted else 0, r.draft_ms, r.verify_ms, r.overhead_ms, r.wait_ms)
 
     @staticmethod
     def _round_span(d: _Driven, session: EngineSession, r: RoundStats, at: float, prefix_len: int) -> None:
