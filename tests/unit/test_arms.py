@@ -278,3 +278,19 @@ def test_a_pool_whose_statistics_decayed_is_probed_not_explored_by_half_the_requ
     # probes are 10 %, split between plain and the other pool: 5 % expected on `a` (binomial
     # sd 0.005 at n=2000); half the requests (0.5) is what a never-measured pool gets
     assert 0.02 < on_a < 0.08 and all(c.probe for c in picks if c.pool == "a")
+
+
+def test_an_adaptive_class_weighs_the_rounds_the_engine_held_plain_on_each_pool():
+    """The engine holds a session's rounds plain where its pool's blocks do not pay at the
+    load (a slow draft: on the real CPU it held 1024 of `small`'s rounds and verified 139 in
+    one 16-stream cell). The few it verified can look good; what the pool did for the class
+    is mostly plain rounds. An adaptive class ranks pools by that (Estimate.realized); a
+    fixed-K class, which runs its K on every round, by S."""
+    slow = replace(est(GOOD), held=9 * est(GOOD).spec_rounds)  # S 2.57 on 10 % of its rounds: 1.16
+    fair = est(FAIR)  # S 1.54, never held
+    pools = dict(draft_pool="slow", draft_pools=("fair",), probe_fraction=0.0)
+    adaptive = Policy("c", k=4, adaptive_k=True, k_min=1, k_max=4, **pools)
+    assert slow.realized(1, 4) == pytest.approx(1 + (slow.best(1, 4)[1] - 1) * 0.1)
+    a = assess(adaptive, {"slow": slow, "fair": fair}, MIN_ROUNDS)
+    assert a.pool == "fair" and "held plain 90%" in a.reason
+    assert assess(Policy("c", k=4, **pools), {"slow": slow, "fair": fair}, MIN_ROUNDS).pool == "slow"

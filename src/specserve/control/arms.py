@@ -122,7 +122,12 @@ def assess(policy: Policy, estimates: Mapping[str, Estimate], min_rounds: float,
         return Assessment(Decision.OFF, "policy mode is off", "", 0, ests)
     ready = [p for p in pools if _ready(ests[p], min_rounds)]
     known = [p for p in pools if ests[p].speedup]  # ready, or statistics decayed below min_rounds
-    best = max(known, key=lambda p: (ests[p].best(k_min, k_max)[1], -pools.index(p))) if ready else pools[0]
+    # an adaptive class ranks its pools by what they did with the engine deciding each round
+    # (Estimate.realized); a fixed-K class runs its K on every round, as its S says
+    def worth(p: str) -> float:
+        return ests[p].realized(k_min, k_max) if policy.adaptive_k else ests[p].best(k_min, k_max)[1]
+
+    best = max(known, key=lambda p: (worth(p), -pools.index(p))) if ready else pools[0]
     k, s = ests[best].best(k_min, k_max)
     if policy.mode == "shadow":
         return Assessment(Decision.SHADOW, f"shadow mode: serving plain, speculating beside it on {best} at K={k}",
@@ -144,7 +149,9 @@ def assess(policy: Policy, estimates: Mapping[str, Estimate], min_rounds: float,
                           learn, k, ests)
     est, threshold = ests[best], 1 + policy.safety_margin
     acc = ", ".join(f"{a:.2f}" for a in est.acceptance[:k])
-    others = "".join(f"; {p} S={ests[p].best(k_min, k_max)[1]:.2f}" for p in known if p != best) + "".join(
+    held = {p: f" (held plain {ests[p].held / (ests[p].held + ests[p].spec_rounds):.0%}: {worth(p):.2f})"
+            for p in known if policy.adaptive_k and ests[p].held}
+    others = "".join(f"; {p} S={ests[p].best(k_min, k_max)[1]:.2f}{held.get(p, '')}" for p in known if p != best) + "".join(
         f"; exploring {p} (no statistics)" for p in pools if p not in known)
     plain_of = " (priced from the pool's rounds)" if est.plain_from_pool else ""
     costs = (f"(acceptance {acc}; round {est.round_ms[k]:.2f} ms vs plain step {est.plain_step_ms:.2f} ms{plain_of}"

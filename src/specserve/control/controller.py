@@ -87,12 +87,21 @@ class Estimate:
     spec_rounds: float = 0.0
     plain_rounds: float = 0.0
     seen: float = 0.0  # every speculative round ever recorded, decayed (> 0: measured once, maybe long ago)
+    held: float = 0.0  # rounds of sessions on this pool the engine held plain (speculation not paying at its load)
     plain_from_pool: bool = False  # no plain statistics: plain_step_ms is this pool's step without its drafts
     acceptance: list[float] = field(default_factory=list)
     plain_step_ms: float = 0.0
     speedup: dict[int, float] = field(default_factory=dict)  # K -> S(K)
     round_ms: dict[int, float] = field(default_factory=dict)
     emitted: dict[int, float] = field(default_factory=dict)
+
+    def realized(self, k_min: int, k_max: int) -> float:
+        """S at the best K, where the engine speculated: its sessions' rounds held plain (S = 1)
+        weigh in. A pool whose blocks the engine mostly declines at its loads (a slow draft)
+        is worth little to the class, however well its few verified rounds did."""
+        s = self.best(k_min, k_max)[1]
+        share = self.spec_rounds / (self.spec_rounds + self.held) if self.spec_rounds + self.held > 0 else 1.0
+        return 1.0 + (s - 1.0) * share if s else 0.0
 
     def best(self, k_min: int, k_max: int) -> tuple[int, float]:
         cands = [(s, -k) for k, s in self.speedup.items() if k_min <= k <= k_max]
@@ -157,6 +166,7 @@ def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_we
     ks = sorted({int(f[2:]) for f in spec if f.startswith("n:") and spec[f] >= min_weight and f[2:] != "0"})
     est.spec_rounds = sum(spec.get(f"n:{k}", 0.0) for k in ks)
     est.seen = sum(v for f, v in spec.items() if f.startswith("n:") and f != "n:0")
+    est.held = spec.get("h:0", 0.0)
     per_plain = _plain_step(spec, plain, ks, min_weight, est)
     alphas: list[float] = []
     i = 1
@@ -222,6 +232,10 @@ class Controller:
         return f"{self.prefix}:stats:{workload_class}:{pool}"
 
     # -- feeding ---------------------------------------------------------------------------
+    def record_held(self, workload_class: str, pool: str) -> None:
+        """A round of a session on `pool` that the engine held plain: speculation did not pay."""
+        self._pending.setdefault((workload_class, pool), Batch()).inc["h:0"] += 1
+
     def record(self, workload_class: str, pool: str | None, k: int, accepted: int, draft_ms: float,
                verify_ms: float, other_ms: float, wait_ms: float = 0.0) -> None:
         key = (workload_class, pool or PLAIN_POOL)

@@ -43,7 +43,7 @@ from specserve.control.controller import Controller, ShadowLog
 from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.engine.committer import RedisCommitter
 from specserve.engine.drafting import DraftSource, PredictionDrafts
-from specserve.engine.loop import EngineLoop, ModelStep, StepReport
+from specserve.engine.loop import NOT_PAYING, EngineLoop, ModelStep, StepReport
 from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan, EngineSession, Status
 from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
@@ -337,6 +337,8 @@ class EngineHost:
             # a plain step of this class at this load (an adaptive class has few plain requests)
             self.controller.record(plan.stats_class or plan.workload_class, None, 0, 0, 0.0, r.verify_ms,
                                    r.overhead_ms, r.wait_ms)
+            if r.fallback_reason == NOT_PAYING:
+                self.controller.record_held(plan.stats_class or plan.workload_class, plan.pool)
             return
         drafted = bool(plan.pool) and not r.fallback_reason
         self.controller.record(plan.stats_class or plan.workload_class, plan.pool, r.k_asked if plan.pool else 0,
