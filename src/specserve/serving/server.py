@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -170,6 +171,7 @@ class GrpcServer:
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         self._stopping: asyncio.Event | None = None
+        self.stop_began = 0.0  # time.monotonic() when the drain began (stop)
         # called as the drain begins: each ends long-lived streams (a draft's Link) that would
         # otherwise hold the drain for its whole grace while their peers could move elsewhere
         self.on_drain: list[Callable[[], None]] = []
@@ -205,6 +207,7 @@ class GrpcServer:
             self._stopping.set()
 
     async def stop(self) -> None:
+        self.stop_began = time.monotonic()
         await self.health.enter_graceful_shutdown()  # NOT_SERVING: load balancers move away
         for end in self.on_drain:
             end()
