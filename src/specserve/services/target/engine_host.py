@@ -333,10 +333,8 @@ class EngineHost:
         if self.controller is None or plan.pool == PREDICTION_POOL:
             return  # a request's own prediction says nothing about the class's pools
         if plan.pool and r.k_asked == 0:
-            # held plain by the engine, or the budget's last token: nothing about the pool, but
-            # a plain step of this class at this load (an adaptive class has few plain requests)
-            self.controller.record(plan.stats_class or plan.workload_class, None, 0, 0, 0.0, r.verify_ms,
-                                   r.overhead_ms, r.wait_ms)
+            # held plain by the engine (counted against its pool: Estimate.realized), or the
+            # budget's last token: nothing about the pool's drafts
             if r.fallback_reason == NOT_PAYING:
                 self.controller.record_held(plan.stats_class or plan.workload_class, plan.pool)
             return
