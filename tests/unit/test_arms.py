@@ -244,9 +244,9 @@ def test_a_seeded_sampled_request_runs_at_its_policys_k_whatever_the_statistics(
 def test_an_adaptive_class_chooses_its_pool_without_plain_statistics():
     """An adaptive class speculates on every request, so its plain statistics decay (half-life
     30 s) while it runs. It kept re-entering learning for want of them, and learning sent its
-    requests at random to plain and to every pool: the controller arm of bench_peer ran 1 of
-    its 5 requests at 1 stream plain, 2 on the replica's n-gram and 1 on `small` after the
-    fixed arms had measured every pool (ADR 0014, session 13). Priced from the pools' own
+    requests at random to plain and to every pool: in a scratch run of the stack the
+    controller ran 1 of its 5 requests at 1 stream plain and 1 on `small` after a fixed
+    `ngram-local` arm (ADR 0014, session 13). Priced from the pools' own
     rounds, it decides on its best pool; a fixed-K class, which must weigh plain, still learns."""
     pools = dict(draft_pool="a", draft_pools=("b",), probe_fraction=0.0)
     adaptive = Policy("c", k=4, adaptive_k=True, k_min=1, k_max=4, **pools)
