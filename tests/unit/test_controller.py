@@ -236,3 +236,20 @@ def test_below_the_smallest_k_seen_a_round_costs_between_a_plain_step_and_k0():
     assert est.round_ms[1] == pytest.approx(1.0 + 12.5 + 1.75)
     assert est.round_ms[1] > est.plain_step_ms  # a round verifies at least what a plain step does
     assert est.speedup[1] <= est.emitted[1]
+
+
+def test_a_round_measured_cheaper_than_a_stale_plain_step_never_makes_s_exceed_e():
+    """A pool whose replica died runs its rounds plain (0 accepted, a plain step's cost), while
+    the class's plain statistics were measured minutes earlier on a busier machine (43 ms
+    against 35 ms now). The ratio of the two is drift, not speculation: S is bounded by E(K),
+    so the class leaves the dead pool (integration: test_policies' two-pool test, which kept
+    the class on its dead pool at S = 1.28 while the suite ran beside other work)."""
+    spec = _stats([0.01, 1.0, 0.96, 0.68], {4: (0.5, 34.0, 1.0)})  # 35.5 ms a round: plain now
+    stale_plain = {"n:0": 2.0, "v:0": 2 * 41.0, "o:0": 2 * 2.0}  # 43 ms a step, measured then
+    est = estimate(spec, stale_plain, k_max=4)
+    assert est.round_ms[4] < est.plain_step_ms  # as measured: cheaper than the stale plain step
+    assert est.speedup[4] == pytest.approx(est.emitted[4]) and est.speedup[4] < 1.1
+    # a pool measured at a real cost above the plain step is priced as before
+    healthy = _stats([0.8], {4: (4.0, 40.0, 2.0)})
+    assert estimate(healthy, stale_plain, k_max=4).speedup[4] == pytest.approx(
+        estimate(healthy, stale_plain, k_max=4).emitted[4] * 43.0 / 46.0)
