@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup prometheus-tools proto models test test-unit test-faults helm-lint bench gpu-check lint run down demo-local clean
+.PHONY: setup prometheus-tools proto models test test-serial test-unit test-faults helm-lint bench gpu-check lint run down demo-local clean
 
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := src/specserve/v1/__init__.py
@@ -46,8 +46,13 @@ $(STAMP): pyproject.toml
 models: setup
 	$(PY) -m specserve.tooling.cli models build --preset demo --out .cache/models
 
-# --durations: the slowest tests at the end of every run, where the suite's time goes
+# The whole suite as three pytest processes at once (tests/groups.py, ADR 0018): most of its
+# wall time is waiting (sleeping targets, rule windows, kills), so one core idled through it.
+# Each group prints its slowest tests at the end. `make test-serial` runs it in one process.
 test: setup prometheus-tools
+	$(PY) tests/groups.py
+
+test-serial: setup prometheus-tools
 	$(PY) -m pytest -q --durations=15 tests
 
 # promtool and prometheus for the rules tests and the real-scrape test (deploy/prometheus/):
