@@ -209,10 +209,8 @@ def estimate(spec: dict[str, float], plain: dict[str, float], k_max: int, min_we
         t = (0.0 if waited else component("d", k)) + component("v", k) + component("o", k) + component("w", k)
         est.emitted[k] = emitted
         est.round_ms[k] = t
-        # A round verifies at least what a plain step does, so S(K) <= E(K). A round measured
-        # cheaper than the plain step was measured at another time or load (plain statistics
-        # from a busier minute): the ratio of the two is the machine's drift, not speculation's
-        # worth, and it once kept a class on a dead pool (E = 1.01) at S = 1.28.
+        # A round verifies at least a plain step, so S(K) <= E(K): one measured cheaper than the
+        # plain step shows drift between their minutes (a dead pool once read S = 1.28, E = 1.01)
         est.speedup[k] = emitted * est.plain_step_ms / max(t, est.plain_step_ms) if t > 0 else 0.0
     return est
 
