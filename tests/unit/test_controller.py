@@ -250,6 +250,5 @@ def test_a_round_measured_cheaper_than_a_stale_plain_step_never_makes_s_exceed_e
     assert est.round_ms[4] < est.plain_step_ms  # as measured: cheaper than the stale plain step
     assert est.speedup[4] == pytest.approx(est.emitted[4]) and est.speedup[4] < 1.1
     # a pool measured at a real cost above the plain step is priced as before
-    healthy = _stats([0.8], {4: (4.0, 40.0, 2.0)})
-    assert estimate(healthy, stale_plain, k_max=4).speedup[4] == pytest.approx(
-        estimate(healthy, stale_plain, k_max=4).emitted[4] * 43.0 / 46.0)
+    healthy = estimate(_stats([0.8], {4: (4.0, 40.0, 2.0)}), stale_plain, k_max=4)
+    assert healthy.speedup[4] == pytest.approx(healthy.emitted[4] * 43.0 / 46.0)
