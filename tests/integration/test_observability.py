@@ -28,16 +28,19 @@ def _complete(trace: list[dict], services: int) -> bool:
         any(s["name"] == "specserve.engine.session" for s in trace)
 
 
-def _trace_of(receiver, session_id: str, services: int = 3, timeout_s: float = 30.0) -> list[dict]:
+def _trace_of(receiver, session_id: str, services: int = 3, timeout_s: float = 30.0,
+              until=lambda trace: True) -> list[dict]:
     """Spans of the request's trace, once every process has exported its share (each one
-    batches spans for up to 0.5 s, so they arrive at different times)."""
+    batches spans for up to 0.5 s, so they arrive at different times) and `until(trace)`
+    holds: a span that ends after the session (a draft's ahead span ends when the next round
+    cancels it or the session is released) may come in a later batch than the session's."""
     deadline = time.monotonic() + timeout_s
     while True:
         spans = receiver.snapshot()
         gen = [s for s in spans if s["name"] == "specserve.generate"
                and s["attributes"].get("specserve.session_id") == session_id]
         trace = [s for s in spans if gen and s["trace_id"] == gen[0]["trace_id"]]
-        if (trace and _complete(trace, services)) or time.monotonic() > deadline:
+        if (trace and _complete(trace, services) and until(trace)) or time.monotonic() > deadline:
             return trace
         time.sleep(0.3)
 
@@ -89,11 +92,15 @@ def test_trace_renders_as_a_waterfall(stub, otlp_receiver, eval_prompts, tmp_pat
 
     resp = stub.Generate(generation_pb2.GenerateRequest(prompt=eval_prompts[21]["prompt"], max_tokens=16,
                                                         draft_pool="small"), timeout=120)
-    trace = _trace_of(otlp_receiver, resp.session_id)
+    def speculative(trace: list[dict]) -> list[dict]:
+        return [r for r in rounds_of(trace) if int(r["round"]["attributes"]["specserve.k"])]
+
+    # the ahead spans end after their rounds and may reach the receiver a batch later
+    trace = _trace_of(otlp_receiver, resp.session_id, until=lambda t: any(r["ahead"] for r in speculative(t)))
     rounds = rounds_of(trace)
     assert len(rounds) == resp.stats.rounds
     # every speculative round found the block it verified, drafted before the round ran
-    spec = [r for r in rounds if int(r["round"]["attributes"]["specserve.k"])]
+    spec = speculative(trace)
     assert spec and all(r["block"] is not None and r["block"]["end_ns"] <= r["round"]["end_ns"] for r in spec)
     # drafting ahead (ADR 0010) is in the trace: the worker drafts likely next blocks while
     # the target verifies (the hatched bars of the waterfall)
