@@ -4,7 +4,7 @@ draft replica and one router replica, which the harness restarts on the same add
 
 Every request is greedy, so every finished output must equal target-only greedy decoding
 (the in-process engine). A client whose router dies retries the same request_id on another
-router (it joins the session; the session is taken over when the lease lapses); a client
+router (it joins the session, which the target drives on: a router kill does not touch it); a client
 that disconnects Resumes from its offset. Sampled every few seconds: tokens/s delivered,
 each process's RSS, and Redis's key count.
 

@@ -136,6 +136,36 @@ def test_a_restarted_incarnation_adopts_its_sessions_and_finishes_them_exactly(t
     assert second.engine.ended[handle.session_id].finish_reason == "length"
 
 
+def test_a_start_whose_caller_gives_up_midway_still_drives_the_session_and_the_engine_runs_on(
+        target, drafter, store, run):
+    """The 64-stream soak killed a router while its Start was waiting for the engine to open
+    the session: the RPC was cancelled, the engine's add future with it, and the engine loop
+    stopped on setting its result, stalling every session of the target. Now the start runs
+    to the end and both sessions finish."""
+    plan = _plan(40, "small")
+    reference = _reference(target, drafter, plan)
+
+    async def go():
+        host = _host(target, drafter, store, step_ms=30.0)  # the loop thread sleeps in its steps
+        try:
+            first = await store.create_or_join(None, plan.encode(), PROMPT, owner="router-0")
+            await host.start(first.session_id)
+            second = await store.create_or_join(None, plan.encode(), PROMPT, owner="router-0")
+            call = asyncio.create_task(host.start(second.session_id))
+            async with asyncio.timeout(10):  # until the start waits for the engine to open it
+                while second.session_id not in host.driving:
+                    await asyncio.sleep(0.001)
+            gave_up = call.cancel()
+            chunks = [await asyncio.wait_for(_all_chunks(store, h.session_id), 30) for h in (first, second)]
+            return gave_up, chunks, host.started
+        finally:
+            await host.close()
+
+    gave_up, chunks, started = run(go())
+    assert gave_up and started
+    assert [[t for c in ch for t in c.tokens] for ch in chunks] == [reference, reference]
+
+
 def test_bad_starts_are_refused_with_a_status_a_caller_can_act_on(target, drafter, store, run):
     async def go():
         host = _host(target, drafter, store)
@@ -159,12 +189,15 @@ def test_bad_starts_are_refused_with_a_status_a_caller_can_act_on(target, drafte
 
 
 def test_an_engine_loop_that_fails_is_logged_and_the_host_says_it_stopped(target, drafter, store, run, caplog):
+    """And hands the failure on: the target worker exits on it, so that Ray restarts it."""
+    failures: list[BaseException] = []
+
     def fail(stop):
         raise RuntimeError("boom in the engine loop")
 
     async def go():
         host = EngineHost(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
-                          {}, asyncio.get_running_loop())
+                          {}, asyncio.get_running_loop(), on_loop_failure=failures.append)
         host.engine.run_forever = fail
         host.start_loop()
         for _ in range(200):
@@ -177,6 +210,7 @@ def test_an_engine_loop_that_fails_is_logged_and_the_host_says_it_stopped(target
 
     with caplog.at_level("ERROR", logger="specserve.target"):
         assert run(go()) is False
+    assert [str(e) for e in failures] == ["boom in the engine loop"]
     assert any("engine loop stopped" in r.getMessage() and "boom in the engine loop" in r.getMessage()
                for r in caplog.records), caplog.text
 

@@ -374,6 +374,22 @@ def test_cancel_ends_a_session_and_frees_its_kv(pair):
     assert loop.model.slots[1] == free_before + 1 and "s" not in loop.sessions
 
 
+def test_an_add_whose_caller_gave_up_opens_nothing_and_the_loop_runs_on(pair):
+    """A caller that gave up on its add (the target's Start RPC cancelled when the router
+    calling it was killed: the 64-stream soak) cancels the future before the loop drains it.
+    The loop stopped there once (InvalidStateError from set_result), and every session of the
+    target stalled with it."""
+    loop = _loop(pair)
+    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=2, seed=1), pool="small")
+    gone = loop.add("gone", PROMPTS[1], plan)
+    assert gone.cancel()
+    kept = loop.add("kept", PROMPTS[2], plan)
+    loop.run_until_idle()
+    assert kept.result().status is Status.FINISHED and len(loop.ended["kept"].generated) == 8
+    assert "gone" not in loop.sessions and "gone" not in loop.ended  # never opened: no KV, no commits
+    assert loop.model.slots[0] == 0  # every slot free again
+
+
 def test_a_session_the_kv_cannot_hold_is_refused_at_add(pair):
     target, drafter = pair
     model = target_engine(target, Batching(kv_budget_mb=4, max_sessions=1, prefill_chunk=16))

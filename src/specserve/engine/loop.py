@@ -334,6 +334,8 @@ class EngineLoop:
 
     def _open(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, generated: list[int], epoch: int,
               done: Future) -> None:
+        if not done.set_running_or_notify_cancel():  # its caller gave up (a Start whose RPC was cancelled)
+            return
         old = self.sessions.get(session_id)
         if old is not None:  # adopted again (a new epoch): the old run ends here
             if old.running:

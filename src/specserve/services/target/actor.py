@@ -15,6 +15,7 @@ from specserve.config import TargetSettings
 from specserve.serving.server import configure_logging
 
 log = logging.getLogger("specserve.target")
+ENGINE_FAILED_EXIT = 70  # the process's status when its engine loop failed (EX_SOFTWARE)
 
 
 def _ray_gpu_ids() -> list:
@@ -191,4 +192,14 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls, model_th
                       kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
                       worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag,
-                      gather=s.gather_rows, model_thread=model_thread)
+                      gather=s.gather_rows, model_thread=model_thread, on_loop_failure=_exit_for_a_restart)
+
+
+def _exit_for_a_restart(exc: BaseException) -> None:
+    """The engine loop failed (logged with its traceback). Every session of this target
+    stalls without it, and the process would stay up serving nothing: exit, so that Ray
+    restarts the actor and the next incarnation adopts them from Redis (ADR 0014), as after
+    a kill -9."""
+    log.critical("the engine loop failed (%r): exiting so that Ray restarts this target", exc)
+    logging.shutdown()
+    os._exit(ENGINE_FAILED_EXIT)

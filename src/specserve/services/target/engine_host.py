@@ -78,6 +78,13 @@ class SessionIndex:
         return sorted(m if isinstance(m, str) else m.decode() for m in await self.redis.smembers(self.key))
 
 
+def _retrieved(task: asyncio.Task) -> None:
+    """A start's task is done: its error was the caller's (raised to it), or nobody's when the
+    caller had given up; either way asyncio need not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass
 class _Driven:
     """A session as the event loop side knows it."""
@@ -93,13 +100,6 @@ class _Driven:
     ended_at: float = 0.0
 
 
-def _report_loop_end(done: Future) -> None:
-    """The engine loop's call on the model thread ended: log why if it failed (nothing else
-    would: no one awaits it until `close`)."""
-    if not done.cancelled() and (exc := done.exception()) is not None:
-        log.error("the engine loop stopped: %r", exc, exc_info=exc)
-
-
 class EngineHost:
     def __init__(self, model: ModelStep, stops_for: Callable[[GenerationParams], StopChecker], store: SessionStore,
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
@@ -109,7 +109,8 @@ class EngineHost:
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
                  constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
-                 gather: bool = True, model_thread: Executor | None = None) -> None:
+                 gather: bool = True, model_thread: Executor | None = None,
+                 on_loop_failure: Callable[[BaseException], None] = lambda exc: None) -> None:
         self.store = store
         self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
         self.name = name
@@ -123,6 +124,9 @@ class EngineHost:
         self.heartbeat_s = heartbeat_s
         self.detached_idle_s = detached_idle_s
         self.on_no_room = on_no_room  # a Start refused for want of KV room (the refused-sessions counter)
+        # the engine loop failed: every session here stalls with it (the target worker exits,
+        # so that Ray restarts it and the next incarnation adopts them)
+        self.on_loop_failure = on_loop_failure
         self.committer = RedisCommitter(store, loop, self._refused, redis_outage_s)
         sources = {PREDICTION_POOL: PredictionDrafts(), **sources}
         self.carriers: dict[str, dict[str, str]] = {}  # session -> its span's context, for the draft links
@@ -147,9 +151,16 @@ class EngineHost:
     def start_loop(self) -> EngineHost:
         self.committer.start()
         self._running = self.model_thread.submit(self.engine.run_forever, self._stop)
-        self._running.add_done_callback(_report_loop_end)
+        self._running.add_done_callback(self._loop_ended)
         self._tasks.append(self.loop.create_task(self._heartbeat_forever()))
         return self
+
+    def _loop_ended(self, done: Future) -> None:
+        """The engine loop's call on the model thread ended: log why if it failed (nothing else
+        would: no one awaits it until `close`) and hand the failure on."""
+        if not done.cancelled() and (exc := done.exception()) is not None:
+            log.error("the engine loop stopped: %r", exc, exc_info=exc)
+            self.on_loop_failure(exc)
 
     @property
     def started(self) -> bool:
@@ -171,7 +182,18 @@ class EngineHost:
 
     async def start(self, session_id: str) -> tuple[int, int]:
         """Drive the session from its committed tokens: (epoch, committed generated tokens).
-        A session this incarnation drives already is left as it is."""
+        A session this incarnation drives already is left as it is.
+
+        A caller that gives up (its Start RPC cancelled: the router calling it was killed)
+        does not stop a start under way: the start runs in a task of its own to the end, and
+        the session is driven as if the call had returned (the client's retry, through
+        another router, finds it driven). Cut off half way, it would leave the engine
+        opening a session nobody drives."""
+        task = asyncio.get_running_loop().create_task(self._start_one(session_id))
+        task.add_done_callback(_retrieved)
+        return await asyncio.shield(task)
+
+    async def _start_one(self, session_id: str) -> tuple[int, int]:
         lock = self._starting.setdefault(session_id, asyncio.Lock())
         try:
             async with lock:  # one start at a time per session (adopt_mine and a router's Start race)
