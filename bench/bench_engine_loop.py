@@ -236,7 +236,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     assert all(s.generated == refs[s.id] for s in sessions), "the output must be the target's alone"
     rounds = [r for s in sessions for r in s.rounds]
     tpot = sorted(wall * 1e3 / len(s.generated) for s in sessions)  # all start together: wall per token
-    return {"arm": arm, "streams": len(prompts), "tok_s": len(prompts) * tokens / wall,
+    return {"arm": arm, "streams": len(prompts), "tok_s": len(prompts) * tokens / wall, "wall_s": wall,
             "tpot_ms_p50": statistics.median(tpot), "device_busy": sum(busy) / 1e3 / wall,
             "forward_ms_p50": statistics.median(busy) if real else None,
             "bookkeeping_ms_p50": statistics.median(book), "bookkeeping_ms_p99": sorted(book)[int(0.99 * (len(book) - 1))],
@@ -284,6 +284,8 @@ def main() -> None:
                       f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
                       f"  K {r['mean_k']:.1f}" + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
                       flush=True)
+            if not real:
+                _bounds([r for r in rows if r["profile"] == pname and r["streams"] == n], PROFILES[pname], a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "exact_batching": a.exact_batching,
@@ -291,6 +293,24 @@ def main() -> None:
                                                    "device_name": torch.cuda.get_device_name() if a.device.startswith("cuda")
                                                    else "cpu", "rows": rows}, indent=1))
     _plot(rows, out / "engine_loop.png")
+
+
+def _bounds(cells: list[dict], profile: Profile, a) -> None:
+    """Beside each fixed-K cell of a load: its tok/s over plain's, and the most that K can
+    gain in the profile (Profile.speculation_bound), with the engine's own time a step as
+    the plain cell measured it (its wall between the padded steps)."""
+    plain = next((r for r in cells if r["arm"] == "plain"), None)
+    if plain is None:
+        return
+    overhead_ms = plain["wall_s"] * (1.0 - plain["device_busy"]) / plain["steps"] * 1e3
+    cached = plain["streams"] * (PROMPT_LEN + a.tokens // 2)  # the mean over a session's life
+    for r in cells:
+        if r["arm"].startswith("K="):
+            r["vs_plain"] = r["tok_s"] / plain["tok_s"]
+            r["bound"] = profile.speculation_bound(a.alpha, int(r["arm"][2:]), r["streams"], cached, overhead_ms)
+            print(f"      {r['arm']:5} / plain {r['vs_plain']:.2f}: the most any schedule gets {r['bound']['any']:.2f}, "
+                  f"steps held for every block {r['bound']['held']:.2f} (busy {r['bound']['held_busy']:.0%}); "
+                  f"engine overhead {overhead_ms:.2f} ms a step", flush=True)
 
 
 def _plot(rows: list[dict], path: Path) -> None:
