@@ -12,8 +12,10 @@ Arms:
   the services cost beside the engine.
 At each load (1, 4, 16 streams) every stream sends `--requests` requests one after another,
 cycling through the pair's held-out prompts, greedy, `--max-tokens` tokens each. Reported
-per cell: tok/s (completion tokens over the cell's wall time), TTFT and TPOT p50/p90, and
-whether each greedy text equals vLLM plain's for the same prompt. The servers run one at a
+per cell: tok/s (completion tokens over the cell's wall time), TTFT and TPOT p50/p90,
+whether each greedy text equals vLLM plain's for the same prompt, and for specserve the arm
+each request ran (`ran`, by stream in order, from usage's `specserve` extension: which
+request of a controller cell went to which pool and K). The servers run one at a
 time, never beside each other; each gets one warm-up request first.
 
 The run is `--rounds` rounds (2); each round measures both systems, vLLM first in even rounds
@@ -52,6 +54,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import inprocess_engine
@@ -125,9 +128,10 @@ class VllmServer:
 
 
 def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -> dict:
-    """Stream one greedy completion: TTFT, TPOT, the text and the completion tokens."""
+    """Stream one greedy completion: TTFT, TPOT, the text and the completion tokens, and, from
+    specserve, the arm it ran (usage's `specserve` extension: pool and K; None from vLLM)."""
     t0 = time.perf_counter()
-    first, text, tokens = None, [], 0
+    first, text, tokens, ran = None, [], 0, None
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                        stream=True, stream_options={"include_usage": True}, extra_body=extra)
     for chunk in stream:
@@ -137,10 +141,12 @@ def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -
             text.append(chunk.choices[0].text)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+            if ext := (chunk.usage.model_extra or {}).get("specserve"):
+                ran = f"{ext['draft_pool'] or 'plain'} K={ext['k']}"
     end = time.perf_counter()
     first = first or end
     return {"ttft_ms": (first - t0) * 1e3, "tpot_ms": (end - first) * 1e3 / max(tokens - 1, 1),
-            "tokens": tokens, "text": "".join(text)}
+            "tokens": tokens, "text": "".join(text), "ran": ran}
 
 
 def run_cell(base_url: str, model: str, prompts: list[str], streams: int, requests: int, max_tokens: int,
@@ -162,8 +168,12 @@ def run_cell(base_url: str, model: str, prompts: list[str], streams: int, reques
     wall = run_threads(stream, streams)
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
-    return cell_summary([r for rs in results for _, r in rs], streams, wall,
+    cell = cell_summary([r for rs in results for _, r in rs], streams, wall,
                         {n: r["text"] for rs in results for n, r in rs})
+    # the arms the requests ran, by stream in order: which request of a controller cell lost
+    cell["ran"] = [[r["ran"] for _, r in rs] for rs in results] if any(r["ran"] for rs in results for _, r in rs) \
+        else None
+    return cell
 
 
 def served_model(base_url: str) -> str:
@@ -176,8 +186,10 @@ def _cell(system: str, arm: str, base_url: str, model: str, prompts, streams: in
     """One measured cell, printed as it ends."""
     cell = run_cell(base_url, model, prompts, streams, a.requests, a.max_tokens, extra)
     cell.update(system=system, arm=arm, repeat=repeat)
+    ran = f"  ran {dict(Counter(x for rs in cell['ran'] for x in rs))}" if arm.startswith("controller") and cell["ran"] \
+        else ""
     print(f"[peer] {system:9s} {arm:10s} {streams:3d} streams: {cell['tok_s']:7.1f} tok/s  "
-          f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms", file=sys.stderr, flush=True)
+          f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms{ran}", file=sys.stderr, flush=True)
     return cell
 
 

@@ -56,6 +56,8 @@ def test_completion_equals_grpc_and_usage_adds_up(client, grpc_generate, prompt,
     assert u.prompt_tokens == _count(demo_pair, prompt)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert u.completion_tokens_details.accepted_prediction_tokens == 0  # no prediction sent
+    ext = u.model_extra["specserve"]  # the arm it ran (specserve's extension of usage)
+    assert (ext["draft_pool"], ext["k"], ext["decision"]) == ("ngram", 4, "pinned") and ext["rounds"] >= 1
 
 
 def test_streamed_completion_is_the_same_text(client, grpc_generate, prompt):
@@ -66,6 +68,7 @@ def test_streamed_completion_is_the_same_text(client, grpc_generate, prompt):
     events = list(stream)
     assert "".join(e.choices[0].text for e in events if e.choices) == want.text
     assert events[-1].usage.completion_tokens == len(want.token_ids)
+    assert events[-1].usage.model_extra["specserve"]["draft_pool"] == "small"  # the last chunk's stats
 
 
 def test_chat_equals_grpc_on_the_templated_prompt(client, grpc_generate, demo_pair_dir):

@@ -26,7 +26,8 @@ class FakeService:
         self.fail: Exception | None = None
 
     def _stats(self) -> generation_pb2.GenerationStats:
-        return generation_pb2.GenerationStats(accepted_prediction_tokens=2, rejected_prediction_tokens=5)
+        return generation_pb2.GenerationStats(accepted_prediction_tokens=2, rejected_prediction_tokens=5,
+                                              draft_pool="ngram", k=6, decision="pinned", rounds=2, accepted_tokens=1)
 
     async def generate(self, req):
         self.requests.append(req)
@@ -76,6 +77,9 @@ def test_completion_maps_the_body_and_reports_usage():
     assert body["usage"]["total_tokens"] == 6
     assert body["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 2
     assert body["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] == 5
+    # specserve's extension: the arm the request ran, as GenerationStats gives it over gRPC
+    assert body["usage"]["specserve"] == {"draft_pool": "ngram", "k": 6, "decision": "pinned", "rounds": 2,
+                                          "accepted_tokens": 1}
 
 
 def test_completion_defaults_and_token_prompt():
@@ -112,6 +116,7 @@ def test_chat_stream_sends_role_deltas_finish_usage_then_done():
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == "abc"
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"  # eos -> stop
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    assert events[-1]["usage"]["specserve"]["draft_pool"] == "ngram"  # the last chunk's stats
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == "chatcmpl-s1" for e in events)
 
 

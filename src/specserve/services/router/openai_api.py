@@ -37,6 +37,7 @@ from specserve.services.router.openai_schema import (
     CompletionTokensDetails,
     ModelCard,
     ModelList,
+    SpeculationUsage,
     Usage,
     now,
 )
@@ -306,7 +307,9 @@ def _usage(prompt_tokens: int, completion_tokens: int, stats: generation_pb2.Gen
                  total_tokens=prompt_tokens + completion_tokens,
                  completion_tokens_details=CompletionTokensDetails(
                      accepted_prediction_tokens=stats.accepted_prediction_tokens,
-                     rejected_prediction_tokens=stats.rejected_prediction_tokens))
+                     rejected_prediction_tokens=stats.rejected_prediction_tokens),
+                 specserve=SpeculationUsage(draft_pool=stats.draft_pool, k=stats.k, decision=stats.decision,
+                                            rounds=stats.rounds, accepted_tokens=stats.accepted_tokens))
 
 
 class _Server(uvicorn.Server):

@@ -170,11 +170,24 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
+class SpeculationUsage(BaseModel):
+    """A specserve extension of `usage`: the arm the request ran (its plan's draft pool, K and
+    the controller's decision, as GenerationStats gives them over gRPC) and what it did.
+    Clients that read only OpenAI's fields ignore it."""
+
+    draft_pool: str = ""
+    k: int = 0
+    decision: str = ""
+    rounds: int = 0
+    accepted_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
+    specserve: SpeculationUsage = Field(default_factory=SpeculationUsage)
 
 
 def now() -> int:
