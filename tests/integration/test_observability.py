@@ -98,8 +98,9 @@ def test_trace_renders_as_a_waterfall(stub, otlp_receiver, eval_prompts, tmp_pat
     def settled(trace: list[dict]) -> bool:
         """The ahead spans end after their rounds and may reach the receiver a batch later:
         both the ones drafted under a round's block and the ones whose predrafted event is the
-        block a later (pushed) round verified (it failed once on the latter, beside the
-        units group: a pushed round with no block yet)."""
+        block a later (pushed) round verified. (The block check below failed once beside the
+        units group; its message could not tell a block not yet exported from a late one, so
+        it now names the rounds.)"""
         spec = speculative(trace)
         return bool(spec) and any(r["ahead"] for r in spec) and all(r["block"] is not None for r in spec)
 
