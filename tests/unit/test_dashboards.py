@@ -249,16 +249,25 @@ def _synthetic_trace(trace_id: str = "t1", session: str = "sess-1") -> list[dict
     spans.append(_span(trace_id, "r3", "es", "specserve.round", "INTERNAL", 45, 47, "target",
                        **{"specserve.k": 3, "specserve.num_accepted": 3, "specserve.emitted": 4,
                           "specserve.prefix_len": 22, "specserve.verify_ms": 2.0}))
+    # round 4 at prefix 30 verified the rest of a block for 28, while the block asked for 30
+    # came after the round had ended (the suite's waterfall test met this under load)
+    spans.append(_span(trace_id, "r4b", "es", "specserve.draft.block", "INTERNAL", 48, 50, "draft",
+                       **{"specserve.prefix_len": 28, "specserve.k": 4}))
+    spans.append(_span(trace_id, "r4", "es", "specserve.round", "INTERNAL", 51, 53, "target",
+                       **{"specserve.k": 2, "specserve.num_accepted": 2, "specserve.emitted": 3,
+                          "specserve.prefix_len": 30, "specserve.verify_ms": 2.0}))
+    spans.append(_span(trace_id, "r4late", "es", "specserve.draft.block", "INTERNAL", 52, 55, "draft",
+                       **{"specserve.prefix_len": 30, "specserve.k": 4}))
     return spans
 
 
 def test_rounds_pair_each_round_with_the_block_it_verified():
     rounds = waterfall.rounds_of(_synthetic_trace())
-    assert [r["round"]["span_id"] for r in rounds] == ["r0", "r1", "r2", "r3"]
-    assert [r["block"]["span_id"] for r in rounds] == ["r0b", "r1b", "ah", "r3b"]
+    assert [r["round"]["span_id"] for r in rounds] == ["r0", "r1", "r2", "r3", "r4"]
+    assert [r["block"]["span_id"] for r in rounds] == ["r0b", "r1b", "ah", "r3b", "r4b"]
     # the pre-drafted block's bar: from the ahead span's previous block to its own event
     assert (rounds[2]["block"]["start_ns"], rounds[2]["block"]["end_ns"]) == (8 * MS, 11 * MS)
-    assert [[a["span_id"] for a in r["ahead"]] for r in rounds] == [["ah"], [], [], []]
+    assert [[a["span_id"] for a in r["ahead"]] for r in rounds] == [["ah"], [], [], [], []]
 
 
 def test_pick_trace_selects_the_session_and_rejects_unknown_ones():

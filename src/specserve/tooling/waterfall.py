@@ -35,9 +35,10 @@ def rounds_of(trace: list[dict]) -> list[dict]:
     `specserve.draft.block` span, or, for a round that verified a block drafted ahead
     (`specserve.predraft`), the `specserve.predrafted` event of the ahead span that drafted it
     (the block's bar runs from the ahead span's previous block to that event). Of several for
-    one prefix length, the newest ready before the round ended. A round with no block for its
-    own prefix verified the rest of a block for a shorter one (a plain round committed that
-    block's first drafts meanwhile): the longest such prefix ready before the round ended."""
+    one prefix length, the newest ready before the round ended. A round with no block ready
+    for its own prefix by its end verified the rest of a block for a shorter one (a plain round
+    committed that block's first drafts meanwhile; the block asked for its own prefix came
+    late): the longest such prefix ready before the round ended."""
     candidates: dict[tuple[bool, int], list[dict]] = {}
     for b in trace:
         if b["name"] == "specserve.draft.block":
@@ -60,14 +61,14 @@ def rounds_of(trace: list[dict]) -> list[dict]:
         a, block = r["attributes"], None
         if int(a.get("specserve.k", 0)):
             pushed, n = bool(a.get("specserve.predraft")), int(a.get("specserve.prefix_len", -2))
-            found = sorted(candidates.get((pushed, n), []), key=lambda b: b["end_ns"])
-            ready = [b for b in found if b["end_ns"] <= r["end_ns"]]
+            own = sorted(candidates.get((pushed, n), []), key=lambda b: b["end_ns"])
+            ready = [b for b in own if b["end_ns"] <= r["end_ns"]]
             for back in range(1, MAX_K + 1):
-                if found:
+                if ready:
                     break
-                ready = [b for b in candidates.get((pushed, n - back), []) if b["end_ns"] <= r["end_ns"]]
-                found = sorted(ready, key=lambda b: b["end_ns"])
-            pick = ready or found
+                ready = sorted((b for b in candidates.get((pushed, n - back), []) if b["end_ns"] <= r["end_ns"]),
+                               key=lambda b: b["end_ns"])
+            pick = ready or own
             block = pick[-1] if pick else None
         out.append({"round": r, "block": block,
                     "ahead": ahead_of.get(block["span_id"], []) if block and block["name"] == "specserve.draft.block"
