@@ -181,7 +181,8 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
     (the profile's step time is), so by default it is the fast one: no padding to tiles, the
     cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
     model = target_engine(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096, max_sessions=max(streams, 4),
-                                           prefill_chunk=128, tile=tile, device=device, max_len=512))
+                                           prefill_chunk=128, tile=tile, device=device, max_len=512,
+                                           max_batch=max(streams, 4)))
     if tile is None and device == "cpu":  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
         model.runner.short_rows = True
 

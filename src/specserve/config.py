@@ -51,6 +51,11 @@ class WorkerSettings(BaseSettings):
     # lone row (a 1-token decode row is not padded to a tile) but a row's logits may move in
     # the last bits with the batch, and greedy near-ties with them (ADR 0016)
     exact_batching: str = Field("invariant", pattern=r"^(invariant|fast)$")
+    # ADR 0019: on CUDA, auto runs decode, verify and draft rows as fixed-shape steps replayed
+    # from CUDA graphs (one per bucket of rows x tokens x key span; prefill chunks stay eager);
+    # off keeps the eager forward (and, with exact_batching invariant, bitwise batch invariance
+    # on the GPU too). The CPU runs eagerly either way.
+    cuda_graphs: str = Field("auto", pattern=r"^(auto|off)$")
 
 
 class DraftSettings(WorkerSettings):

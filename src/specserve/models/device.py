@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
@@ -81,6 +82,16 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
     if t.device.type == "cpu" and device.type == "cuda" and _can_pin():
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def copy_in(dst: torch.Tensor, data: np.ndarray) -> None:
+    """Host numbers into a persistent device buffer `dst` of the same shape, without a stream
+    sync (through pinned memory on CUDA, as `to_device`): the device step's one copy in."""
+    t = torch.from_numpy(data)
+    if dst.device.type == "cuda" and _can_pin():
+        dst.copy_(t.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(t)
 
 
 def _can_pin() -> bool:

@@ -20,7 +20,7 @@ import logging
 import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from specserve.errors import InvalidRequest
 from specserve.models.device import to_device
 from specserve.models.kv_slots import KVLayout, KVSlots
+
+if TYPE_CHECKING:
+    from specserve.models.device_step import DeviceStep
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +294,8 @@ class ModelRunner:
         self.linear: Linear = onednn_linear if packed is not None else F.linear
         self.kv = kv
         self.tile = tile
+        self.device_step: DeviceStep | None = None
+        self.fixed_rows: dict[int, int] = {}  # the last forward's rows run by the device step -> their row there
         self.device = weights.embed.device
         # tile=None ("fast"): the short rows attend in one padded call where that pays, on CUDA
         # (one kernel launch, not one per row); on the CPU gathering every row's keys into one
@@ -359,9 +364,22 @@ class ModelRunner:
     def _padded(self, n: int) -> int:
         return n if self.tile is None else -(-n // self.tile) * self.tile
 
+    def enable_device_step(self, max_rows: int, max_width: int = SHORT_ROW, graphs: bool = False,
+                           max_graphs: int = 512) -> DeviceStep:
+        """Run short rows (at most `max_width` tokens) as the fixed-shape device step (ADR
+        0019), replayed from CUDA graphs where `graphs` is set and the runner is on CUDA. It
+        keeps one KV slot of the budget as its scratch slot."""
+        from specserve.models.device_step import DeviceStep
+
+        self.device_step = DeviceStep(self, max_rows, max_width, graphs, max_graphs)
+        return self.device_step
+
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """Append each row's tokens to its session; logits [num_logits, V] float32 per row."""
+        """Append each row's tokens to its session; logits [num_logits, V] float32 per row.
+        With the device step on, short rows run there (`fixed_rows` then maps each such row's
+        index to its row in the step's verdicts) and longer ones through the eager forward."""
+        self.fixed_rows = {}
         if not rows:
             return []
         sessions = [r.session for r in rows]
@@ -371,6 +389,41 @@ class ModelRunner:
             if len(r.tokens) == 0:
                 raise ValueError(f"row for session {r.session!r} has no tokens")
             self.kv.check_room(r.session, len(r.tokens))
+            if not isinstance(r.tokens, torch.Tensor) and (min(r.tokens) < 0 or max(r.tokens) >= self.vocab_size):
+                raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
+        ds = self.device_step
+        if ds is None:
+            return self._forward_eager(rows)
+        short = [i for i, r in enumerate(rows) if len(r.tokens) <= ds.max_width]
+        bucket = None
+        if short:
+            starts = [self.length(rows[i].session) for i in short]
+            bucket = ds.bucket_for([rows[i] for i in short], starts)
+            if bucket is None:
+                ds.counts.unbucketed += 1
+        fixed = short if bucket is not None else []
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        rest = [i for i in range(len(rows)) if i not in set(fixed)]
+        if rest:
+            for i, lg in zip(rest, self._forward_eager([rows[i] for i in rest]), strict=True):
+                out[i] = lg
+        if bucket is not None:
+            srows = [rows[i] for i in fixed]
+            ds.prepare(srows, [self.kv.slot(r.session) for r in srows], starts, bucket)
+            ds.launch(bucket)
+            w = bucket.width
+            for j, (i, r) in enumerate(zip(fixed, srows, strict=True)):
+                self.kv.append(r.session, r.tokens)
+                n = len(r.tokens)
+                c = n if r.num_logits is None else max(0, min(r.num_logits, n))
+                out[i] = ds.logits[j * w + n - c:j * w + n]
+                self.fixed_rows[i] = j
+        return out  # type: ignore[return-value]
+
+    def _forward_eager(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """The variable-shape forward (checked rows): prefill chunks, and every row where the
+        device step is off."""
+        sessions = [r.session for r in rows]
         slots = [self.kv.slot(s) for s in sessions]
         starts = [len(self.kv.ids[s]) for s in slots]
         sizes = [len(r.tokens) for r in rows]

@@ -110,7 +110,12 @@ def judge_rows(rows: Sequence[JudgeRow]) -> list[Verdict]:
     if not rows:
         return []
     groups, packed = judge_on_device(rows)
-    host = to_host([packed])[0].tolist()
+    return verdicts_of(rows, groups, to_host([packed])[0].tolist())
+
+
+def verdicts_of(rows: Sequence[JudgeRow], groups: dict[tuple[bool, bool], list[int]],
+                host: list[list[float]]) -> list[Verdict]:
+    """`judge_on_device`'s packed rows, copied to the host as lists, -> one Verdict per row."""
     out: list[Verdict | None] = [None] * len(rows)
     offset = 0
     for (greedy, _), idx in groups.items():

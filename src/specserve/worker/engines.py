@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from specserve.algorithm.rejection import QProbs, Verdict
+from specserve.algorithm.rejection import QProbs, Verdict, verdicts_from_host
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
@@ -51,7 +52,7 @@ from specserve.models.device import (
 )
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
-from specserve.models.verifier import JudgeRow, TargetModel, judge_rows, verify_block
+from specserve.models.verifier import JudgeRow, TargetModel, judge_on_device, judge_rows, verdicts_of, verify_block
 from specserve.structured.grammar import propose_constrained
 from specserve.worker.scheduler import AGAIN, Work
 
@@ -71,6 +72,12 @@ class Batching:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16, fp16
     gpu_memory_utilization: float = 0.9  # CUDA: the KV budget's share of device memory (device.kv_budget_bytes)
     max_batch: int = 32  # work items per step: with prefill_chunk, bounds a step's activations
+    # ADR 0019: on CUDA, "auto" runs decode, verify and draft rows as the fixed-shape device step
+    # replayed from CUDA graphs; "off" keeps the eager forward. `fixed_step` forces the device
+    # step's fixed shapes on (True, graphs only on CUDA) or off (False); None: with the graphs
+    cuda_graphs: str = "auto"
+    fixed_step: bool | None = None
+    capture_budget_s: float = 60.0  # start-up capture of the common buckets stops after this long
 
     @classmethod
     def from_settings(cls, s) -> Batching:
@@ -78,7 +85,7 @@ class Batching:
         return cls(enabled=s.batching, kv_budget_mb=s.kv_budget_mb, max_sessions=s.max_sessions, max_len=s.max_len,
                    prefill_chunk=s.prefill_chunk, device=s.device, dtype=s.dtype,
                    gpu_memory_utilization=s.gpu_memory_utilization, max_batch=s.max_batch,
-                   tile=None if s.exact_batching == "fast" else cls.tile)
+                   tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs)
 
 
 @dataclass
@@ -121,8 +128,15 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
         reserve = activation_reserve_bytes(model.config, b.max_batch * b.prefill_chunk, b.max_batch * SHORT_ROW, dtype)
         return kv_budget_bytes(device, b.kv_budget_mb, b.gpu_memory_utilization, reserve)
 
-    return ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions, max_len=b.max_len or None,
-                               device=device, dtype=dtype, tile=b.tile, fuse_upto=b.fuse_upto)
+    runner = ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions,
+                                 max_len=b.max_len or None, device=device, dtype=dtype, tile=b.tile,
+                                 fuse_upto=b.fuse_upto)
+    if b.cuda_graphs not in ("auto", "off"):
+        raise ValueError(f"cuda_graphs must be auto or off, got {b.cuda_graphs!r}")
+    graphs = b.cuda_graphs == "auto" and device.type == "cuda"
+    if b.fixed_step if b.fixed_step is not None else graphs:
+        runner.enable_device_step(max_rows=b.max_batch, graphs=graphs)
+    return runner
 
 
 class WorkerEngine(Protocol):
@@ -171,7 +185,8 @@ class _RunnerSessions:
     def slots(self) -> tuple[int, int]:
         """(used, free) KV slots."""
         kv = self.runner.kv
-        return kv.num_slots - kv.free_slots, kv.free_slots
+        scratch = 1 if self.runner.device_step is not None else 0  # the device step's own slot
+        return kv.num_slots - kv.free_slots - scratch, kv.free_slots
 
     def _feed(self, handle: Any, ids: Sequence[int], extra: int) -> tuple[int, list[int], bool]:
         """Reconcile to `ids`; (positions dropped, tokens to feed now, whether they are the
@@ -208,17 +223,49 @@ class BatchedTarget(_RunnerSessions):
             live.append((i, job, last, dropped))
         logits = self.runner.forward(rows)  # on the runner's device: judged there, one copy back
         judged = []
-        for (i, job, last, dropped), lg in zip(live, logits, strict=True):
+        for r, ((i, job, last, dropped), lg) in enumerate(zip(live, logits, strict=True)):
             if not last:
                 results[i] = AGAIN
             else:
-                judged.append((i, job, lg, dropped))
-        verdicts = judge_rows([JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed) for _, j, lg, _ in judged])
-        for (i, job, _, dropped), verdict in zip(judged, verdicts, strict=True):
+                judged.append((i, job, lg, dropped, r))
+        verdicts = self._judge(judged)
+        for (i, job, _, dropped, _), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
             dropped += self.runner.rollback(job.handle, keep)
             results[i] = VerifyResult(verdict, keep, dropped)
         return results
+
+
+    def _judge(self, judged: list) -> list[Verdict]:
+        """The judged rows' verdicts in one copy to the host. A greedy row without banned
+        tokens or a constraint that the device step ran takes the verdict that step already
+        computed on the device (ADR 0019: inside its graph); the rest are judged here."""
+        ds, fixed = self.runner.device_step, self.runner.fixed_rows
+        fast = [k for k, (_, job, _, _, r) in enumerate(judged) if r in fixed and job.sampling.greedy
+                and not job.sampling.banned_token_ids and job.allowed is None]
+        if ds is None or not fast:
+            return judge_rows([JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed)
+                               for _, j, lg, _, _ in judged])
+        chosen = set(fast)
+        slow = [k for k in range(len(judged)) if k not in chosen]
+        at = [fixed[judged[k][4]] for k in fast]
+        parts = [ds.verdicts[:len(at)] if at == list(range(len(at)))
+                 else ds.verdicts.index_select(0, to_device(at, ds.device))]
+        slow_rows = [JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed)
+                     for _, j, lg, _, _ in (judged[k] for k in slow)]
+        if slow_rows:
+            groups, packed = judge_on_device(slow_rows)
+            width = max(2, packed.shape[1])
+            parts = [F.pad(parts[0], (0, width - 2)), F.pad(packed, (0, width - packed.shape[1]))]
+        host = to_host([torch.cat(parts) if len(parts) > 1 else parts[0]])[0].tolist()
+        out: list[Verdict | None] = [None] * len(judged)
+        for k, v in zip(fast, verdicts_from_host([h[:2] for h in host[:len(fast)]],
+                                                 [judged[k][1].drafts for k in fast], False), strict=True):
+            out[k] = v
+        if slow_rows:
+            for k, v in zip(slow, verdicts_of(slow_rows, groups, host[len(fast):]), strict=True):
+                out[k] = v
+        return out  # type: ignore[return-value]
 
 
 @dataclass

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# make gpu-check's device half, runnable as one prepared call on a GPU node that has torch,
+# transformers and numpy but no package index (ADR 0016, 0019): the node's own python3 with
+# src/ and bench/ on its path. Results go to ${OUT:-bench/results/gpu}.
+set -u
+out=${OUT:-bench/results/gpu}
+mkdir -p "$out"
+export PYTHONPATH=src:bench PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+py=${PYTHON:-python3}
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader
+$py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+timeout "${GPU_CHECK_S:-330}" $py bench/gpu_check.py --models models --out "$out" ${GPU_CHECK_ARGS:-} 2>&1 \
+  | grep -v "^\[transformers\]" | tee "$out/gpu_check.log"
+(cd bench && timeout "${ENGINE_LOOP_S:-150}" $py bench_engine_loop.py --profiles real --device cuda --model 1b \
+  --streams 1,4,16,64 --arms ${ENGINE_LOOP_ARMS:-plain,K=4} --tokens 32 --out "$out/loop" 2>&1 | tail -12 \
+  | tee "$out/engine_loop.log")

@@ -1,0 +1,328 @@
+"""The device step (ADR 0019): decode, verify and draft rows run as one fixed-shape forward,
+prepared on the host and run on the device, replayed from a CUDA graph per bucket.
+
+A step of short rows (each at most `max_width` tokens: a plain token, the last token + K
+drafts, a draft's new committed tokens or its own pick) is laid out as a bucket of
+(rows R, width W, span S): every row padded to W tokens, the batch to R rows, and each row
+attending to the first S positions of its KV slot, S at least its length after the step.
+
+- `prepare(rows)` is the host's part: the bucket, then every number the forward needs
+  (token ids, positions, the KV slot each token writes and each row reads, the rows' cached
+  lengths, where each row's judged positions are) written into one host array and copied into
+  persistent device buffers in one non-blocking copy (tokens already on the device, a draft's
+  picks, are put in place there). Nothing on the device is read.
+- `run(bucket)` is the device's part: a pure tensor function of those buffers whose shapes
+  depend on the bucket alone (no `.item()`, no branch on data, no host tensor): embed, the
+  layers with attention over the rows' slots under a mask built from the lengths and a per-row
+  block mask (causal by default; a token tree's ancestor mask fits the same tensor), the LM
+  head into a persistent logits buffer, and the greedy verdict of every row (argmax at its
+  judged positions against the tokens after them) into a persistent verdict buffer.
+- On CUDA (`graphs=True`), `run` is captured once per bucket into a CUDA graph (lazily, on
+  the first step of that bucket, or up front by `capture`) and replayed; graphs share one
+  memory pool. Elsewhere, or past `max_graphs`, `run` runs eagerly: the same function.
+
+Padding never touches a session's KV: padding tokens write into a scratch slot the step keeps
+for itself, and padding rows read it. `tests/unit/test_device_step.py` holds the graph-safety
+audit (same buffers, no host read, no new shapes over steps of one bucket) on the fake CUDA
+device, and the exactness checks against the eager forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specserve.algorithm.rejection import greedy_judge
+from specserve.errors import InvalidRequest
+from specserve.models.device import copy_in, to_device
+
+if TYPE_CHECKING:
+    from specserve.models.runner import ModelRunner, Row
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# every width up to 8 exactly (a verify row of K drafts is K + 1 tokens: vLLM pads nothing
+# there either), then coarser
+WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+MIN_SPAN = 128  # key spans: 128, 256, 512, ... up to the slot length
+SCRATCH = "\0device-step-scratch"
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    rows: int  # R
+    width: int  # W: tokens per row
+    span: int  # S: key positions each row attends over
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+@dataclass
+class StepCounts:
+    """What ran how: decode/verify steps replayed from a graph, run eagerly through the same
+    fixed shapes (no graphs: the CPU, `cuda_graphs: off`, or past `max_graphs`), or through
+    the eager variable-shape forward because they fit no bucket (more rows than the largest)."""
+
+    replayed: int = 0
+    eager: int = 0
+    unbucketed: int = 0
+    captured: int = 0
+    capture_s: float = 0.0
+    by_bucket: dict[Bucket, int] = field(default_factory=dict)
+
+
+def _up(value: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
+class DeviceStep:
+    """The fixed-shape step of one `ModelRunner` (which owns the weights and KV)."""
+
+    def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
+                 max_graphs: int = 512) -> None:
+        self.r = runner
+        self.device = runner.device
+        self.row_buckets = tuple(b for b in ROW_BUCKETS if b < max_rows) + (max_rows,)
+        self.width_buckets = tuple(b for b in WIDTH_BUCKETS if b < max_width) + (max_width,)
+        self.max_rows, self.max_width = max_rows, max_width
+        max_len = runner.kv.max_len
+        spans, s = [], MIN_SPAN
+        while s < max_len:
+            spans.append(s)
+            s *= 2
+        self.span_buckets = tuple(spans) + (max_len,)
+        self.graphs_on = graphs and self.device.type == "cuda"
+        self.max_graphs = max_graphs
+        self.counts = StepCounts()
+        self.scratch = runner.kv.allocate(SCRATCH)  # padding writes here (one slot of the budget)
+
+        t, r, w = max_rows * max_width, max_rows, max_width
+        # one int64 buffer, its fields at fixed offsets: one copy in per step, fixed addresses
+        self._fields = {"ids": t, "pos": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t, "ndraft": r}
+        self._at: dict[str, int] = {}
+        at = 0
+        for name, n in self._fields.items():
+            self._at[name] = at
+            at += n
+        self.ints = torch.zeros(at, dtype=torch.long, device=self.device)
+        self.keys_at = torch.arange(max_len, dtype=torch.long, device=self.device)  # key positions
+        # the rows' block masks: [R, W, W] bool, query i sees new token j; causal unless a step says otherwise
+        self.causal = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
+        self.within = self.causal.expand(r, w, w).clone()
+        self._custom_mask = False
+        self.logits = torch.zeros(t, runner.vocab_size, dtype=torch.float32, device=self.device)
+        self.verdicts = torch.zeros(r, 2, dtype=torch.float64, device=self.device)  # accepted, final token
+        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.last: Bucket | None = None
+
+    def field(self, name: str, n: int) -> torch.Tensor:
+        """The first `n` entries of one field of the int buffer (a view: a fixed address)."""
+        at = self._at[name]
+        return self.ints[at:at + n]
+
+    # ---- the host's part -------------------------------------------------------------------
+
+    def bucket_for(self, rows: Sequence[Row], starts: Sequence[int]) -> Bucket | None:
+        """The smallest bucket that holds these rows, or None (then the eager forward runs)."""
+        r = _up(len(rows), self.row_buckets)
+        w = _up(max(len(row.tokens) for row in rows), self.width_buckets)
+        if r is None or w is None:
+            return None
+        s = _up(max(st + len(row.tokens) for row, st in zip(rows, starts, strict=True)), self.span_buckets)
+        return None if s is None else Bucket(r, w, s)
+
+    def prepare(self, rows: Sequence[Row], slots: Sequence[int], starts: Sequence[int], b: Bucket,
+                masks: Sequence[torch.Tensor | None] | None = None) -> None:
+        """Write the step's numbers into the device buffers (one copy in, no wait). `masks`:
+        per row an [n, n] bool block mask over its new tokens (a token tree), None = causal."""
+        w, max_len, vocab = b.width, self.r.kv.max_len, self.r.vocab_size
+        host = np.zeros(self.ints.shape[0], dtype=np.int64)
+
+        def put(name: str, values) -> None:
+            arr = np.asarray(values, dtype=np.int64).reshape(-1)
+            host[self._at[name]:self._at[name] + arr.shape[0]] = arr
+
+        lane = np.arange(w)
+        pos = np.minimum(np.tile(lane, b.rows), max_len - 1)  # padding rows: positions 0..W-1 of the scratch slot
+        wslot = np.full(b.tokens, self.scratch)
+        ids = np.zeros(b.tokens, dtype=np.int64)
+        rslot = np.full(b.rows, self.scratch)
+        start = np.zeros(b.rows, dtype=np.int64)
+        jpos = np.repeat(np.arange(b.rows) * w, w)  # [R * W]
+        ndraft = np.zeros(b.rows, dtype=np.int64)
+        on_device: list[tuple[int, torch.Tensor]] = []
+        for i, (row, slot, st) in enumerate(zip(rows, slots, starts, strict=True)):
+            n, base = len(row.tokens), i * w
+            pos[base:base + w] = np.minimum(st + lane, max_len - 1)  # padding tokens: clamped, scratch slot
+            wslot[base:base + n] = slot
+            rslot[i], start[i] = slot, st
+            if isinstance(row.tokens, torch.Tensor):
+                on_device.append((base, row.tokens))
+            else:
+                toks = np.asarray(row.tokens, dtype=np.int64)
+                if toks.min() < 0 or toks.max() >= vocab:
+                    raise InvalidRequest(f"a token id is outside the vocabulary (size {vocab})")
+                ids[base:base + n] = toks
+            c = n if row.num_logits is None else max(0, min(row.num_logits, n))
+            first = base + n - max(c, 1)
+            jpos[base:base + w] = first + np.minimum(lane, max(c, 1) - 1)
+            ndraft[i] = max(c - 1, 0)
+        dst = [base + j for base, t in on_device for j in range(t.shape[0])]
+        put("ids", ids)
+        put("pos", pos)
+        put("wslot", wslot)
+        put("dst", dst)
+        put("rslot", rslot)
+        put("start", start)
+        put("jpos", jpos)
+        put("ndraft", ndraft)
+        copy_in(self.ints, host)
+        if on_device:  # a draft's picks, fed from where they are
+            toks = torch.cat([t.to(dtype=torch.long).view(-1) for _, t in on_device])
+            self.field("ids", b.tokens).index_copy_(0, self.field("dst", len(dst)), toks)
+        custom = masks is not None and any(m is not None for m in masks)
+        if custom or self._custom_mask:
+            within = self.causal.expand(self.max_rows, self.max_width, self.max_width).clone()
+            for i, m in enumerate(masks or ()):
+                if m is not None:
+                    n = m.shape[0]
+                    within[i, :n, :n] = to_device(m, self.device, torch.bool)
+            self.within.copy_(within)
+            self._custom_mask = custom
+        self.last = b
+
+    # ---- the device's part -----------------------------------------------------------------
+
+    def run(self, b: Bucket) -> None:
+        """The forward of a prepared bucket: a tensor function of the step buffers, the
+        weights and the KV; writes `logits[:T]` and `verdicts[:R]`."""
+        w, linear = self.r.w, self.r.linear
+        from specserve.models.runner import rms_norm, rotate
+
+        t = b.tokens
+        ids, pos, wslot = self.field("ids", t), self.field("pos", t), self.field("wslot", t)
+        hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
+        cos, sin = w.cos.index_select(0, pos).unsqueeze(1), w.sin.index_select(0, pos).unsqueeze(1)
+        mask = self._mask(b)
+        h = w.embed.index_select(0, ids)  # [T, H]
+        for li, layer in enumerate(w.layers):
+            x = rms_norm(h, layer.attn_norm, w.eps)
+            qkv = linear(x, layer.wqkv, layer.bqkv).view(t, hq + 2 * hkv, d)
+            q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = rms_norm(q, layer.q_norm, w.eps), rms_norm(k, layer.k_norm, w.eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.r.kv.write(li, wslot, pos, k, v)
+            h = h + linear(self._attend(li, q, mask, b), layer.wo, layer.bo)
+            x = rms_norm(h, layer.mlp_norm, w.eps)
+            gate, up = linear(x, layer.w_gate_up, None).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer.w_down, None)
+        logits = self.logits[:t]
+        logits.copy_(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None))
+        jpos = self.field("jpos", t).view(b.rows, b.width)
+        top = logits.argmax(-1)  # the first index on ties, as greedy_tokens
+        judged = greedy_judge(top.index_select(0, jpos.reshape(-1)).view(b.rows, b.width),
+                              ids.index_select(0, jpos[:, 1:].reshape(-1)).view(b.rows, b.width - 1),
+                              self.field("ndraft", b.rows))
+        self.verdicts[:b.rows].copy_(judged.packed())
+
+    def _mask(self, b: Bucket) -> torch.Tensor:
+        """[R, 1, G W, S] bool: query i of row r sees the keys before the row's start, and
+        the row's new tokens its block mask allows (causal: j <= i). The queries of the G
+        heads that share a KV head are folded into one axis (`_attend`)."""
+        r, w, s = b.rows, b.width, b.span
+        g = self.r.w.num_heads // self.r.w.num_kv_heads
+        rel = self.keys_at[:s].unsqueeze(0) - self.field("start", r).unsqueeze(1)  # [R, S]
+        block = self.within[:r, :w, :w].gather(2, rel.clamp(0, w - 1).unsqueeze(1).expand(r, w, s))  # [R, W, S]
+        seen = (rel < 0).unsqueeze(1) | (block & (rel < w).unsqueeze(1))  # [R, W, S]
+        return seen.unsqueeze(1).expand(r, g, w, s).reshape(r, 1, g * w, s)
+
+    def _attend(self, layer: int, q: torch.Tensor, mask: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq D]: each row over the first S positions of its slot, in
+        one call. GQA without copying keys: the G query heads of a KV head are one axis."""
+        r, w, s = b.rows, b.width, b.span
+        hq, hkv, d = q.shape[1], self.r.w.num_kv_heads, q.shape[2]
+        g = hq // hkv
+        rslot = self.field("rslot", r)
+        keys = self.r.kv.keys[layer][:, :, :s].index_select(0, rslot)  # [R, Hkv, S, D]
+        values = self.r.kv.values[layer][:, :, :s].index_select(0, rslot)
+        qf = q.view(r, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * w, d)
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=d ** -0.5)  # [R, Hkv, G W, D]
+        return out.view(r, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(r * w, hq * d)
+
+    # ---- graphs ----------------------------------------------------------------------------
+
+    def launch(self, b: Bucket) -> None:
+        """Run the prepared bucket: its graph's replay where graphs are on (captured now if
+        this is the bucket's first step), else `run` eagerly."""
+        self.counts.by_bucket[b] = self.counts.by_bucket.get(b, 0) + 1
+        graph = self._graph(b) if self.graphs_on else None
+        if graph is None:
+            self.counts.eager += 1
+            self.run(b)
+            return
+        self.counts.replayed += 1
+        graph.replay()
+
+    def _graph(self, b: Bucket) -> torch.cuda.CUDAGraph | None:
+        graph = self.graphs.get(b)
+        if graph is not None or len(self.graphs) >= self.max_graphs:
+            return graph
+        t0 = time.perf_counter()
+        # a warm-up run first, on a side stream (lazy initialisation stays out of the graph);
+        # it computes the prepared step, which the replay then computes again: same values
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.run(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self.run(b)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.graphs[b] = graph
+        self.counts.captured += 1
+        self.counts.capture_s += time.perf_counter() - t0
+        return graph
+
+    def dummy(self, b: Bucket) -> None:
+        """Prepare a step of padding rows only (the scratch slot): for capturing up front."""
+        self.prepare([], [], [], b)
+
+    def capture(self, buckets: Sequence[Bucket], budget_s: float) -> int:
+        """Capture graphs for `buckets` (largest first: later ones reuse the pool's memory)
+        until `budget_s` is spent; returns how many were captured. Logged."""
+        if not self.graphs_on:
+            return 0
+        t0 = time.perf_counter()
+        done = 0
+        for b in sorted(set(buckets), reverse=True):
+            if time.perf_counter() - t0 > budget_s or len(self.graphs) >= self.max_graphs:
+                break
+            if b in self.graphs:
+                continue
+            self.dummy(b)
+            self._graph(b)
+            done += 1
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs in %.1f s (budget %.0f s; %d buckets asked)", done,
+                 time.perf_counter() - t0, budget_s, len(set(buckets)))
+        return done
+
+    def buckets(self, widths: Sequence[int], max_span: int | None = None) -> list[Bucket]:
+        """Every (rows, width, span) bucket for these widths, spans up to `max_span`."""
+        ws = sorted({_up(x, self.width_buckets) or self.max_width for x in widths})
+        spans = [s for s in self.span_buckets if max_span is None or s <= max(max_span, self.span_buckets[0])]
+        return [Bucket(r, w, s) for r in self.row_buckets for w in ws for s in spans]
