@@ -86,7 +86,7 @@ def parse_args(argv=None):
                    help="the workers' runner mode (config.py: exact_batching)")
     p.add_argument("--profile", action="store_true",
                    help="also write <out>/gpu_check_profile.txt: torch.profiler's table of plain steps at each load")
-    p.add_argument("--graphs", default="auto,off",
+    p.add_argument("--graphs", default="auto,off",  # or compile: auto with the run torch.compile'd
                    help="the workers' cuda_graphs settings to measure, side by side (ADR 0019): auto replays the "
                         "device step's graphs, off is the eager forward of before; the first is the one judged")
     p.add_argument("--off-decode", type=int, default=32, help="tokens a session in the off (eager) arm: it is slow")
@@ -114,8 +114,8 @@ def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: 
     out = {}
     for mode in graphs:  # the eager forward, and the device step replayed from graphs (ADR 0019)
         runner = ModelRunner.from_hf(model, max_sessions=3, max_len=1024, device=device, dtype=dtype, fuse_upto=0)
-        if mode == "auto":
-            runner.enable_device_step(max_rows=4, graphs=True)
+        if mode != "off":
+            runner.enable_device_step(max_rows=4, graphs=True, compile=mode == "compile")
         out[mode] = greedy_agreement(model, runner, prompts, new_tokens, TOLERANCE[dtype])
         if runner.device_step is not None:
             out[mode]["steps"] = {"replayed": runner.device_step.counts.replayed,
@@ -309,6 +309,7 @@ def phase_times(target: BatchedTarget, draft: BatchedDraft, prompt: list[int], r
     the same shapes. The inputs of the speculative bound."""
     th, dh = target.open("phase-t"), draft.open("phase-d")
     out: dict[str, list[float]] = {"plain_ms": [], "verify_ms": [], "draft_ms": []}
+    graphs: dict = {}
     try:
         seq = _prefill(target, [th], [prompt])[0]
         start = len(seq)
@@ -324,6 +325,7 @@ def phase_times(target: BatchedTarget, draft: BatchedDraft, prompt: list[int], r
             res, ms = timed(lambda: target.step([Work("p", VerifyJob(th, seq, [], None, GREEDY, 0), 1)]))
             seq.extend(res[0].verdict.tokens)
             out["plain_ms"].append(ms)
+        graphs.update(replay_profile(target, "plain", device))
         while len(seq) - start < rounds * (k + 2):  # rounds with every draft accepted
             done = len(seq) - len(prompt)
             job = [Work("d", DraftJob(dh, seq, k, GREEDY, 0), k)]
@@ -332,19 +334,50 @@ def phase_times(target: BatchedTarget, draft: BatchedDraft, prompt: list[int], r
                 if res[0] is not AGAIN:
                     break
             out["draft_ms"].append(ms)
+            if not graphs.get("draft_graph_ms"):
+                graphs.update(replay_profile(draft, "draft", device))
             drafts = reference[done:done + k]
             if len(drafts) < k:
                 break
             res, ms = timed(lambda: target.step([Work("v", VerifyJob(th, seq, drafts, None, GREEDY, 0), 1 + k)]))
             seq.extend(res[0].verdict.tokens)
             out["verify_ms"].append(ms)
+            if not graphs.get("verify_graph_ms"):
+                graphs.update(replay_profile(target, "verify", device))
     finally:
         target.close(th)
         draft.close(dh)
     import statistics
 
     # the first draft step feeds the prompt (a prefill); the median of the rest
-    return {key: statistics.median(v[1:] if key == "draft_ms" and len(v) > 2 else v) for key, v in out.items()}
+    res = {key: statistics.median(v[1:] if key == "draft_ms" and len(v) > 2 else v) for key, v in out.items()}
+    res.update(graphs)
+    return res
+
+
+def replay_profile(engine, name: str, device: torch.device, reps: int = 20) -> dict:
+    """The device's own time for the last step's graph (its replays timed with CUDA events: a
+    replay computes the same step again, same KV values) and the kernels one replay runs."""
+    ds = engine.runner.device_step
+    if ds is None or device.type != "cuda" or ds.last not in ds.graphs:
+        return {}
+    graph = ds.graphs[ds.last]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize(device)
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {f"{name}_graph_ms": start.elapsed_time(end) / reps, f"{name}_kernels": kernels,
+            f"{name}_bucket": str(ds.last)}
 
 
 def speculative_bound(alpha: float, k: int, phases: dict) -> float:
@@ -382,8 +415,8 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
     and how the decode and verify steps ran (replayed / eager)."""
     b = Batching(device=str(device), dtype=args.dtype, max_sessions=most + 2,
                  max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
-                 kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs=mode,
-                 fixed_step=True if (args.smoke and mode == "auto") else None,
+                 kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs="off" if mode == "off" else "auto",
+                 fixed_step=True if (args.smoke and mode != "off") else None, compile_step=mode == "compile",
                  tile=Batching.tile if args.exact_batching == "invariant" else None)
     target = BatchedTarget(TargetModel(target_model), b)
     draft = BatchedDraft(HFDrafter(draft_model), b)
@@ -421,7 +454,7 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
 
 
 def fmt(d: dict) -> str:
-    return ", ".join(f"{k} {v:.3f}" for k, v in d.items())
+    return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in d.items())
 
 
 def targets(res: dict, args) -> dict:

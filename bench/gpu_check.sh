@@ -4,8 +4,8 @@
 # src/ and bench/ on its path. Results go to ${OUT:-bench/results/gpu}.
 set -u
 out=${OUT:-bench/results/gpu}
-mkdir -p "$out"
-export PYTHONPATH=src:bench PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+export PYTHONPATH=$PWD/src:$PWD/bench PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 py=${PYTHON:-python3}
 git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv,noheader

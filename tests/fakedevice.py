@@ -115,6 +115,8 @@ class LowerIndexing(TorchFunctionMode):
             return to(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return to(args[0], "cuda" if len(args) < 2 else args[1])
+        if func is torch.Tensor.copy_:  # (a copy between devices takes the guard too)
+            return aten.copy_.default(args[0], args[1], kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
         if func is torch.Tensor.pin_memory:  # (this build has no pinned memory: the data stays as it is)
             return args[0]
         if func is torch.Tensor.numpy and not isinstance(args[0], FakeTensor):
@@ -147,8 +149,9 @@ class HostCopies(TorchDispatchMode):
             frm = args[1] if func is aten.copy_.default else src
             if frm.device.type != "cpu" and out.device.type == "cpu":
                 self.copies.append((str(func), tuple(frm.shape)))
-            if func is aten._to_copy.default and frm.device.type == "cpu" and out.device.type == "cuda" \
-                    and not kwargs.get("non_blocking", False):
+            non_blocking = kwargs.get("non_blocking", args[2] if func is aten.copy_.default and len(args) > 2
+                                      else False)
+            if frm.device.type == "cpu" and out.device.type == "cuda" and not non_blocking:
                 self.blocking_in.append(tuple(frm.shape))
         return out
 

@@ -102,7 +102,8 @@ def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to
         model = ARCHITECTURES[arch]().eval()
         target = TargetModel(model)
         engine = BatchedTarget(target, Batching(kv_budget_mb=1, max_sessions=8, max_len=64, prefill_chunk=8,
-                                                device="cuda", dtype="bf16", fuse_upto=0, tile=tile))
+                                                device="cuda", dtype="bf16", fuse_upto=0, tile=tile,
+                                                cuda_graphs="off"))
         assert engine.runner.short_rows == (tile is None)
         assert engine.runner.w.embed.device.type == "cuda" and engine.runner.kv.keys[0].device.type == "cuda"
         assert engine.runner.w.embed.dtype is torch.bfloat16
@@ -189,7 +190,7 @@ def test_a_batched_draft_step_on_a_fake_cuda_device_copies_only_its_picks_to_the
         model = ARCHITECTURES[arch]().eval()
         engine = BatchedDraft(HFDrafter(model, q_max_entries=Q_ENTRIES),
                               Batching(kv_budget_mb=1, max_sessions=8, max_len=64, prefill_chunk=8, device="cuda",
-                                       dtype="bf16", fuse_upto=0))
+                                       dtype="bf16", fuse_upto=0, cuda_graphs="off"))
         assert engine.runner.w.embed.device.type == "cuda"
         batch = _draft_jobs(engine)
         for _ in range(3):  # the prompt's chunks of 8 (8, 16, its last 5) beside the others' next blocks

@@ -89,11 +89,14 @@ class DeviceStep:
     """The fixed-shape step of one `ModelRunner` (which owns the weights and KV)."""
 
     def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
-                 max_graphs: int = 512) -> None:
+                 max_graphs: int = 512, compile: bool = False, heads: bool = False) -> None:
         self.r = runner
         self.device = runner.device
-        self.row_buckets = tuple(b for b in ROW_BUCKETS if b < max_rows) + (max_rows,)
-        self.width_buckets = tuple(b for b in WIDTH_BUCKETS if b < max_width) + (max_width,)
+        # compiled (torch.compile, dynamic shapes): no bucket of 1 row or 1 token, so one compiled
+        # program serves every bucket (a size of 1 would be specialised: a compile of its own)
+        least = 2 if compile else 1
+        self.row_buckets = tuple(b for b in ROW_BUCKETS if least <= b < max_rows) + (max(max_rows, least),)
+        self.width_buckets = tuple(b for b in WIDTH_BUCKETS if least <= b < max_width) + (max(max_width, least),)
         self.max_rows, self.max_width = max_rows, max_width
         max_len = runner.kv.max_len
         spans, s = [], MIN_SPAN
@@ -122,6 +125,18 @@ class DeviceStep:
         self._custom_mask = False
         self.logits = torch.zeros(t, runner.vocab_size, dtype=torch.float32, device=self.device)
         self.verdicts = torch.zeros(r, 2, dtype=torch.float64, device=self.device)  # accepted, final token
+        self.picks = torch.zeros(r, dtype=torch.long, device=self.device)  # the final token, as an id
+        # a draft's greedy picks with their heads (`drafters.hf._heads`: token, runner-up, and both
+        # their probabilities), at each row's last position, computed in the same run
+        self.with_heads = heads
+        self.heads = torch.zeros(r, 4, dtype=torch.float64, device=self.device)
+        self._run = self.run
+        if compile:
+            import torch._dynamo
+
+            # one compiled program per step object (its buffers are guarded): room for several
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._run = torch.compile(self.run, dynamic=True)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.last: Bucket | None = None
@@ -236,6 +251,12 @@ class DeviceStep:
                               ids.index_select(0, jpos[:, 1:].reshape(-1)).view(b.rows, b.width - 1),
                               self.field("ndraft", b.rows))
         self.verdicts[:b.rows].copy_(judged.packed())
+        self.picks[:b.rows].copy_(judged.final)
+        if self.with_heads:
+            from specserve.drafters.hf import _heads
+
+            last = logits.index_select(0, jpos[:, -1])  # [R, V]: a draft row's one logit position
+            self.heads[:b.rows].copy_(_heads(last, judged.final, torch.softmax(last, -1)))
 
     def _mask(self, b: Bucket) -> torch.Tensor:
         """[R, 1, G W, S] bool: query i of row r sees the keys before the row's start, and
@@ -270,7 +291,7 @@ class DeviceStep:
         graph = self._graph(b) if self.graphs_on else None
         if graph is None:
             self.counts.eager += 1
-            self.run(b)
+            self._run(b)
             return
         self.counts.replayed += 1
         graph.replay()
@@ -285,11 +306,11 @@ class DeviceStep:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.run(b)
+            self._run(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.run(b)
+            self._run(b)
         if self._pool is None:
             self._pool = graph.pool()
         self.graphs[b] = graph

@@ -78,6 +78,7 @@ class Batching:
     cuda_graphs: str = "auto"
     fixed_step: bool | None = None
     capture_budget_s: float = 60.0  # start-up capture of the common buckets stops after this long
+    compile_step: bool = False  # torch.compile the device step's run (dynamic shapes), measured in gpu_check
 
     @classmethod
     def from_settings(cls, s) -> Batching:
@@ -135,7 +136,7 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
         raise ValueError(f"cuda_graphs must be auto or off, got {b.cuda_graphs!r}")
     graphs = b.cuda_graphs == "auto" and device.type == "cuda"
     if b.fixed_step if b.fixed_step is not None else graphs:
-        runner.enable_device_step(max_rows=b.max_batch, graphs=graphs)
+        runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=b.compile_step)
     return runner
 
 
@@ -285,6 +286,9 @@ class BatchedDraft(_RunnerSessions):
     def __init__(self, drafter: HFDrafter, b: Batching) -> None:
         self.drafter = drafter
         super().__init__(drafter.model, drafter.max_positions, b)
+        self._fixed: dict = {}
+        if self.runner.device_step is not None:
+            self.runner.device_step.with_heads = True
 
     def step(self, batch: list[Work]) -> list[Any]:
         """Step 0 feeds each session's new committed tokens (1 logit), then one batched
@@ -315,21 +319,38 @@ class BatchedDraft(_RunnerSessions):
                 results[i] = AGAIN
         self._uniforms(live)
         done: list[_Drafting] = []
-        logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
+        logits = self._forward(rows)
         while live:
             rows, live = self._position(live, logits, batch, done)
-            logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
+            logits = self._forward(rows)
         self._finish(done, results)
         return results
+
+    def _forward(self, rows: list[Row]) -> dict:
+        """The rows' logits by session; `self._fixed`: the sessions the device step ran, by
+        their row there (its greedy picks and heads are already computed, ADR 0019)."""
+        logits = dict(zip((r.session for r in rows), self.runner.forward(rows), strict=True))
+        self._fixed = {rows[i].session: j for i, j in self.runner.fixed_rows.items()}
+        return logits
 
     def _position(self, live: list[_Drafting], logits: dict, batch: list[Work],
                   done: list[_Drafting]) -> tuple[list[Row], list[_Drafting]]:
         """One draft position for every live row, on the device: its pick from its logits
-        (unconstrained greedy rows together: one kernel per op for all of them). Returns the
-        next forward's rows (each pick fed from the device) and the rows still drafting."""
+        (unconstrained greedy rows together: one kernel per op for all of them, or none where
+        the device step picked them in its own run). Returns the next forward's rows (each
+        pick fed from the device) and the rows still drafting."""
         rows, still = [], []
         together = [d for d in live if d.job.sampling.greedy and not d.job.guess and d.masks is None]
-        if together:
+        ds = self.runner.device_step
+        if together and ds is not None and ds.with_heads and all(
+                d.job.handle in self._fixed and not d.job.sampling.banned_token_ids for d in together):
+            at_rows = [self._fixed[d.job.handle] for d in together]
+            if at_rows == list(range(len(at_rows))):  # copies: the next replay writes over the buffers
+                toks, packed = ds.picks[:len(at_rows)].clone(), ds.heads[:len(at_rows)].clone()
+            else:
+                index = to_device(at_rows, ds.device)
+                toks, packed = ds.picks.index_select(0, index), ds.heads.index_select(0, index)
+        elif together:
             toks, packed = greedy_picks_on_device(torch.stack([logits[d.job.handle][-1] for d in together]),
                                                   [d.job.sampling for d in together])
         at = {id(d): j for j, d in enumerate(together)}
