@@ -132,10 +132,10 @@ class DeviceStep:
         self.heads = torch.zeros(r, 4, dtype=torch.float64, device=self.device)
         self._run = self.run
         if compile:
-            import torch._dynamo
+            import torch._dynamo as dynamo
 
             # one compiled program per step object (its buffers are guarded): room for several
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
             self._run = torch.compile(self.run, dynamic=True)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self._pool = None
