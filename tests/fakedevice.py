@@ -115,6 +115,8 @@ class LowerIndexing(TorchFunctionMode):
             return to(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return to(args[0], "cuda" if len(args) < 2 else args[1])
+        if func is torch.Tensor.__invert__:  # (the binding takes the guard; the op is bitwise_not)
+            return aten.bitwise_not.default(args[0])
         if func is torch.Tensor.copy_:  # (a copy between devices takes the guard too)
             return aten.copy_.default(args[0], args[1], kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
         if func is torch.Tensor.pin_memory:  # (this build has no pinned memory: the data stays as it is)
@@ -163,3 +165,90 @@ def fake_cuda() -> Iterator[tuple[FakeTensorMode, HostCopies]]:
     meets a CUDA tensor without being copied in still raises."""
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, LowerIndexing(), HostCopies() as copies:
         yield mode, copies
+
+
+class OpTrace(TorchDispatchMode):
+    """The graph-safety audit's recorder (ADR 0019): every op a function runs, with each
+    tensor it reads described either as a buffer that existed before (its storage, shape,
+    strides, offset: a CUDA graph replays reads of exactly these addresses) or as one made
+    during the function (its shape and dtype only), and every copy from the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+        self.made: set[int] = set()
+        self.from_host: list[str] = []
+        self.read: set[int] = set()  # storages of buffers from before that the function read
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def _describe(self, t: torch.Tensor) -> tuple:
+        if self._key(t) in self.made:
+            return ("made", tuple(t.shape), str(t.dtype))
+        self.read.add(self._key(t))
+        return ("buffer", self._key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.dtype))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in ins if t.dim() > 0 or t.device.type != "cpu"}
+        if "cpu" in devices or (func in (aten._to_copy.default, aten.copy_.default) and any(
+                t.device.type == "cpu" for t in ins)):
+            self.from_host.append(str(func))
+        desc = tuple(self._describe(t) for t in ins)
+        out = func(*args, **kwargs)
+        seen = {self._key(t) for t in ins}
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            if self._key(t) not in seen:
+                self.made.add(self._key(t))
+        self.ops.append((str(func), desc, tuple(tuple(t.shape) for t in outs)))
+        return out
+
+
+def audit_runs(traces: list[OpTrace], allowed: set[int]) -> list[str]:
+    """What makes a function unsafe to replay from one CUDA graph, over several calls that
+    should share one (the same bucket): a different op sequence, buffers or shapes between
+    calls (a graph replays exactly the first), a read of a buffer outside `allowed` (the
+    weights, the KV and the step's persistent buffers: anything else was made for one step),
+    or a copy from the host inside it. Host reads need no check: on the fake device they raise."""
+    problems = []
+    for i, t in enumerate(traces):
+        if t.from_host:
+            problems.append(f"call {i} copies from the host: {sorted(set(t.from_host))}")
+        stray = t.read - allowed
+        if stray:
+            problems.append(f"call {i} reads {len(stray)} buffers made for this call alone")
+        if i and t.ops != traces[0].ops:
+            diff = next((j for j, (a, b) in enumerate(zip(t.ops, traces[0].ops)) if a != b),
+                        min(len(t.ops), len(traces[0].ops)))
+            problems.append(f"call {i} differs from call 0 at op {diff} of {len(traces[0].ops)}: "
+                            f"{traces[0].ops[diff][0] if diff < len(traces[0].ops) else 'end'}")
+    return problems
+
+
+def storages(*tensors) -> set[int]:
+    """The storage keys of tensors (lists, dicts and dataclass fields of them taken apart)."""
+    import dataclasses
+
+    out: set[int] = set()
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            out.add(x.untyped_storage()._cdata)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+
+    walk(tensors)
+    return out

@@ -111,7 +111,10 @@ class DeviceStep:
 
         t, r, w = max_rows * max_width, max_rows, max_width
         # one int64 buffer, its fields at fixed offsets: one copy in per step, fixed addresses
-        self._fields = {"ids": t, "pos": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t, "ndraft": r}
+        # pos: a token's rotary position; at: the slot position its KV goes to (start + i: they
+        # differ in a token tree, whose tokens sit in order but rotate by depth)
+        self._fields = {"ids": t, "pos": t, "at": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t,
+                        "ndraft": r}
         self._at: dict[str, int] = {}
         at = 0
         for name, n in self._fields.items():
@@ -119,6 +122,7 @@ class DeviceStep:
             at += n
         self.ints = torch.zeros(at, dtype=torch.long, device=self.device)
         self.keys_at = torch.arange(max_len, dtype=torch.long, device=self.device)  # key positions
+        self.neg_inf = torch.full((), float("-inf"), dtype=runner.w.embed.dtype, device=self.device)
         # the rows' block masks: [R, W, W] bool, query i sees new token j; causal unless a step says otherwise
         self.causal = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
         self.within = self.causal.expand(r, w, w).clone()
@@ -158,9 +162,12 @@ class DeviceStep:
         return None if s is None else Bucket(r, w, s)
 
     def prepare(self, rows: Sequence[Row], slots: Sequence[int], starts: Sequence[int], b: Bucket,
-                masks: Sequence[torch.Tensor | None] | None = None) -> None:
+                masks: Sequence[torch.Tensor | None] | None = None,
+                depths: Sequence[Sequence[int] | None] | None = None) -> None:
         """Write the step's numbers into the device buffers (one copy in, no wait). `masks`:
-        per row an [n, n] bool block mask over its new tokens (a token tree), None = causal."""
+        per row an [n, n] bool block mask over its new tokens (a token tree), None = causal;
+        `depths`: per row its tokens' positions after the row's start (a tree's depths; None:
+        0, 1, 2, ...). Token i still takes slot position start + i: the mask says who sees it."""
         w, max_len, vocab = b.width, self.r.kv.max_len, self.r.vocab_size
         host = np.zeros(self.ints.shape[0], dtype=np.int64)
 
@@ -195,6 +202,10 @@ class DeviceStep:
             ndraft[i] = max(c - 1, 0)
         dst = [base + j for base, t in on_device for j in range(t.shape[0])]
         put("ids", ids)
+        put("at", pos)
+        for i, (row, st) in enumerate(zip(rows, starts, strict=True)):
+            if depths is not None and depths[i] is not None:
+                pos[i * w:i * w + len(row.tokens)] = st + np.asarray(depths[i], dtype=np.int64)
         put("pos", pos)
         put("wslot", wslot)
         put("dst", dst)
@@ -226,7 +237,7 @@ class DeviceStep:
         from specserve.models.runner import rms_norm, rotate
 
         t = b.tokens
-        ids, pos, wslot = self.field("ids", t), self.field("pos", t), self.field("wslot", t)
+        ids, pos, at, wslot = self.field("ids", t), self.field("pos", t), self.field("at", t), self.field("wslot", t)
         hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
         cos, sin = w.cos.index_select(0, pos).unsqueeze(1), w.sin.index_select(0, pos).unsqueeze(1)
         mask = self._mask(b)
@@ -234,11 +245,14 @@ class DeviceStep:
         for li, layer in enumerate(w.layers):
             x = rms_norm(h, layer.attn_norm, w.eps)
             qkv = linear(x, layer.wqkv, layer.bqkv).view(t, hq + 2 * hkv, d)
-            q, k, v = qkv.split([hq, hkv, hkv], dim=1)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = rms_norm(q, layer.q_norm, w.eps), rms_norm(k, layer.k_norm, w.eps)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self.r.kv.write(li, wslot, pos, k, v)
+                qk = torch.cat([rms_norm(qkv[:, :hq], layer.q_norm, w.eps),
+                                rms_norm(qkv[:, hq:hq + hkv], layer.k_norm, w.eps)], 1)
+            else:
+                qk = qkv[:, :hq + hkv]
+            qk = rotate(qk, cos, sin)  # q and k in one pass (elementwise: the same values as apart)
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+            self.r.kv.write(li, wslot, at, k, v)
             h = h + linear(self._attend(li, q, mask, b), layer.wo, layer.bo)
             x = rms_norm(h, layer.mlp_norm, w.eps)
             gate, up = linear(x, layer.w_gate_up, None).chunk(2, dim=-1)
@@ -259,15 +273,18 @@ class DeviceStep:
             self.heads[:b.rows].copy_(_heads(last, judged.final, torch.softmax(last, -1)))
 
     def _mask(self, b: Bucket) -> torch.Tensor:
-        """[R, 1, G W, S] bool: query i of row r sees the keys before the row's start, and
-        the row's new tokens its block mask allows (causal: j <= i). The queries of the G
-        heads that share a KV head are folded into one axis (`_attend`)."""
+        """[R, 1, G W, S] additive, in the model's dtype (0 where seen, -inf elsewhere, made
+        once a step rather than converted from bool by every layer's attention): query i of
+        row r sees the keys before the row's start, and the row's new tokens its block mask
+        allows (causal: j <= i). The queries of the G heads that share a KV head are folded
+        into one axis (`_attend`)."""
         r, w, s = b.rows, b.width, b.span
         g = self.r.w.num_heads // self.r.w.num_kv_heads
         rel = self.keys_at[:s].unsqueeze(0) - self.field("start", r).unsqueeze(1)  # [R, S]
         block = self.within[:r, :w, :w].gather(2, rel.clamp(0, w - 1).unsqueeze(1).expand(r, w, s))  # [R, W, S]
         seen = (rel < 0).unsqueeze(1) | (block & (rel < w).unsqueeze(1))  # [R, W, S]
-        return seen.unsqueeze(1).expand(r, g, w, s).reshape(r, 1, g * w, s)
+        add = torch.zeros(r, w, s, dtype=self.r.w.embed.dtype, device=self.device).masked_fill_(~seen, self.neg_inf)
+        return add.unsqueeze(1).expand(r, g, w, s).reshape(r, 1, g * w, s)
 
     def _attend(self, layer: int, q: torch.Tensor, mask: torch.Tensor, b: Bucket) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq D]: each row over the first S positions of its slot, in
@@ -308,9 +325,17 @@ class DeviceStep:
         with torch.cuda.stream(side):
             self._run(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        # capture_begin/end, not `torch.cuda.graph`: that context collects Python's garbage and
+        # empties the allocator's cache at every capture (tens of ms each); `capture` does it once
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._run(b)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                self._run(b)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = graph.pool()
         self.graphs[b] = graph
@@ -323,13 +348,18 @@ class DeviceStep:
         self.prepare([], [], [], b)
 
     def capture(self, buckets: Sequence[Bucket], budget_s: float) -> int:
-        """Capture graphs for `buckets` (largest first: later ones reuse the pool's memory)
-        until `budget_s` is spent; returns how many were captured. Logged."""
+        """Capture graphs for `buckets` (the shortest spans and narrowest rows first: what
+        serving meets most) until `budget_s` is spent; returns how many were captured. Logged.
+        The rest are captured when a step first needs them."""
         if not self.graphs_on:
             return 0
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         done = 0
-        for b in sorted(set(buckets), reverse=True):
+        for b in sorted(set(buckets), key=lambda x: (x.span, x.width, x.rows)):  # the common ones first
             if time.perf_counter() - t0 > budget_s or len(self.graphs) >= self.max_graphs:
                 break
             if b in self.graphs:
@@ -341,6 +371,11 @@ class DeviceStep:
         log.info("captured %d CUDA graphs in %.1f s (budget %.0f s; %d buckets asked)", done,
                  time.perf_counter() - t0, budget_s, len(set(buckets)))
         return done
+
+    def startup_buckets(self) -> list[Bucket]:
+        """What start-up captures: every row count, plain and verify rows of K <= 4 (the
+        policies' default K), spans up to 1024 positions."""
+        return self.buckets(range(1, 6), 1024)
 
     def buckets(self, widths: Sequence[int], max_span: int | None = None) -> list[Bucket]:
         """Every (rows, width, span) bucket for these widths, spans up to `max_span`."""

@@ -129,14 +129,17 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
         reserve = activation_reserve_bytes(model.config, b.max_batch * b.prefill_chunk, b.max_batch * SHORT_ROW, dtype)
         return kv_budget_bytes(device, b.kv_budget_mb, b.gpu_memory_utilization, reserve)
 
-    runner = ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions,
-                                 max_len=b.max_len or None, device=device, dtype=dtype, tile=b.tile,
-                                 fuse_upto=b.fuse_upto)
     if b.cuda_graphs not in ("auto", "off"):
         raise ValueError(f"cuda_graphs must be auto or off, got {b.cuda_graphs!r}")
     graphs = b.cuda_graphs == "auto" and device.type == "cuda"
-    if b.fixed_step if b.fixed_step is not None else graphs:
-        runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=b.compile_step)
+    fixed = b.fixed_step if b.fixed_step is not None else graphs
+    # the device step's scratch slot comes on top of the sessions' (within the byte budget)
+    runner = ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions + int(fixed),
+                                 max_len=b.max_len or None, device=device, dtype=dtype, tile=b.tile,
+                                 fuse_upto=b.fuse_upto)
+    if fixed:
+        step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=b.compile_step)
+        step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
     return runner
 
 

@@ -1,0 +1,421 @@
+"""The device step (ADR 0019): fixed-shape decode, verify and draft rows, prepared on the host
+and run on the device as one function a CUDA graph can replay.
+
+1. The graph-safety audit, on the fake CUDA device (`tests/fakedevice.py`): over three steps
+   of one bucket with different sessions, lengths, positions and tokens (one fed from the
+   device), `run` performs the same ops on the same buffers (same storage, shapes, strides)
+   with the same intermediate shapes, reads nothing made for one step, copies nothing from or
+   to the host, and reads no value back (on the fake device that raises). The same for the
+   K positions of one draft step. The same audit fails on the eager forward (the control: it
+   is what the runner ran before).
+2. Exactness: the runner's logits through the device step equal HF's own forward on each
+   sequence (fp32, the exactness scenario of test_runner_exactness); greedy and seeded
+   speculative decoding of the held-out prompts through device-step runners gives exactly
+   the tokens of the batch-invariant runners alone (which equal HF's greedy generation:
+   test_runner_invariance); a step of mixed row kinds (prefill chunk, plain, greedy K = 3,
+   K = 1 with banned tokens, sampled with and without q) gives the eager step's verdicts; the
+   sampled rows' first token follows the target's distribution (chi-squared, with a control
+   that fails).
+3. What runs where: buckets, the rows past the largest bucket (eager, counted), rows longer
+   than the widest (eager), the scratch slot, and a block mask (a token tree's) on the row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fakedevice import OpTrace, audit_runs, fake_cuda, storages
+from test_device_audit import ARCHITECTURES, DesignatedCopy
+from test_runner_exactness import RANDOM_MODELS, SMALL, run_scenario
+from test_runner_invariance import MAX_NEW, SAMPLINGS, spec_generate
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+import specserve.models.device as device_module
+import specserve.worker.engines as engines_module
+from specserve.algorithm.rejection import SparseQ
+from specserve.drafters.hf import HFDrafter
+from specserve.models.device_step import Bucket, DeviceStep
+from specserve.models.runner import ModelRunner, Row
+from specserve.models.verifier import TargetModel
+from specserve.params import SamplingParams
+from specserve.worker.engines import BatchedDraft, BatchedTarget, Batching, DraftJob, VerifyJob, VerifyResult
+from specserve.worker.scheduler import AGAIN, Work
+
+# ---- 1. the graph-safety audit ----------------------------------------------------------------
+
+
+def _fake_runner(arch: str, monkeypatch) -> ModelRunner:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
+    monkeypatch.setattr(device_module, "_can_pin", lambda: True)  # to_device's CUDA path: pinned, non-blocking
+    model = ARCHITECTURES[arch]().eval()
+    return ModelRunner.from_hf(model, max_sessions=8, max_len=64, device="cuda", dtype=torch.bfloat16, tile=None,
+                               fuse_upto=0)
+
+
+def _three_steps(runner: ModelRunner) -> list[list[Row]]:
+    """Three steps of one bucket (3 rows -> 4, at most 4 tokens, span 64) over sessions of
+    different lengths: the rows, sessions, positions and tokens all differ, and the third
+    step feeds one row's token from the device (a draft's pick)."""
+    with unset_fake_temporarily():
+        pick = torch.tensor([9])
+    for s, n in (("a", 5), ("b", 11), ("c", 17), ("d", 23)):
+        runner.allocate(s)
+        runner.forward([Row(s, [(7 * n + i) % 200 for i in range(n)], num_logits=0)])
+    return [
+        [Row("a", [1]), Row("b", [2, 3, 4, 5], num_logits=4), Row("c", [6, 7])],
+        [Row("d", [8, 9, 10], num_logits=3), Row("a", [11]), Row("c", [12, 13, 14, 15], num_logits=4)],
+        [Row("b", pick.to("cuda")), Row("d", [16, 17]), Row("a", [18, 19, 20, 21], num_logits=1)],
+    ]
+
+
+def _step_buffers(ds: DeviceStep) -> set[int]:
+    r = ds.r
+    return storages(r.w, r.kv.keys, r.kv.values, ds.ints, ds.keys_at, ds.neg_inf, ds.causal, ds.within, ds.logits,
+                    ds.verdicts, ds.picks, ds.heads)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_device_steps_run_is_graph_safe_on_a_fake_cuda_device(arch, monkeypatch):
+    with fake_cuda() as (_, host_copies):
+        runner = _fake_runner(arch, monkeypatch)
+        ds = runner.enable_device_step(max_rows=4, graphs=False)
+        traces: list[OpTrace] = []
+
+        def traced(b: Bucket) -> None:
+            with OpTrace() as t:
+                ds.run(b)
+            traces.append(t)
+
+        ds._run = traced
+        steps = _three_steps(runner)  # (their prefill runs too: rows of up to 16 tokens fit the step)
+        host_copies.copies.clear()
+        host_copies.blocking_in.clear()
+        traces.clear()
+        before = ds.counts.eager
+        buckets = []
+        for rows in steps:
+            runner.forward(rows)
+            buckets.append(ds.last)
+        assert buckets == [Bucket(4, 4, 64)] * 3 and ds.counts.eager - before == 3
+        assert len(traces) == 3 and len(traces[0].ops) > 50
+        assert audit_runs(traces, _step_buffers(ds)) == []
+        assert host_copies.copies == [] and host_copies.blocking_in == []
+        # what the graph reads: weights, KV and the step's buffers, nothing else
+        assert traces[0].read <= _step_buffers(ds)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_audit_fails_on_the_eager_forward(arch, monkeypatch):
+    """The control (the runner before ADR 0019): its forward's shapes follow the rows'
+    lengths, it copies each step's positions and ids in, and it reads them."""
+    with fake_cuda():
+        runner = _fake_runner(arch, monkeypatch)
+        traces = []
+        for rows in _three_steps(runner):
+            with OpTrace() as t:
+                runner._forward_eager(rows)
+            traces.append(t)
+        allowed = storages(runner.w, runner.kv.keys, runner.kv.values)
+        problems = audit_runs(traces, allowed)
+        assert any("differs from call 0" in p for p in problems), problems
+        assert any("copies from the host" in p for p in problems), problems
+        assert any("made for this call alone" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_draft_steps_positions_are_one_graph_on_a_fake_cuda_device(arch, monkeypatch):
+    """K = 4 for three greedy sessions: positions 1..3 of a step replay one bucket; their
+    picks (and heads) come from the step's own run, fed to the next position on the device."""
+    copy = DesignatedCopy(max_width=4)
+    monkeypatch.setattr(engines_module, "to_host", copy)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
+    monkeypatch.setattr(device_module, "_can_pin", lambda: True)
+    with fake_cuda() as (_, host_copies):
+        model = ARCHITECTURES[arch]().eval()
+        engine = BatchedDraft(HFDrafter(model), Batching(kv_budget_mb=1, max_sessions=8, max_len=64, prefill_chunk=8,
+                                                         device="cuda", dtype="bf16", fuse_upto=0, cuda_graphs="off",
+                                                         fixed_step=True, max_batch=4))
+        ds = engine.runner.device_step
+        assert ds is not None and ds.with_heads and not ds.graphs_on
+        traces: list[OpTrace] = []
+
+        def traced(b: Bucket) -> None:
+            with OpTrace() as t:
+                ds.run(b)
+            traces.append(t)
+
+        ds._run = traced
+        jobs = [Work(f"s{i}", DraftJob(engine.open(f"s{i}"), [3 * i + j for j in range(5 + i)], 4, SamplingParams(), i), 4)
+                for i in range(3)]
+        for _ in range(2):
+            traces.clear()
+            host_copies.copies.clear()
+            results = engine.step(jobs)
+            assert all(r is not AGAIN and not isinstance(r, Exception) for r in results), results
+            assert len(traces) == 4  # the committed tokens, then 3 positions fed from the device
+            assert audit_runs(traces[1:], _step_buffers(ds)) == []
+            assert host_copies.copies == [] and len(copy.calls) >= 1
+            copy.calls.clear()
+            for w in jobs:
+                w.payload.ids = w.payload.ids + [1]
+
+
+# ---- 2. exactness -------------------------------------------------------------------------------
+
+
+def _with_device_step(monkeypatch, max_rows: int = 4) -> None:
+    original = ModelRunner.from_hf
+
+    def build(*args, **kwargs):
+        runner = original(*args, **kwargs)
+        runner.enable_device_step(max_rows=max_rows)
+        return runner
+
+    monkeypatch.setattr(ModelRunner, "from_hf", build)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_demo_pair_through_the_device_step_matches_hf_per_sequence(demo_pair, monkeypatch, one_thread):
+    """The exactness scenario (prefill chunks, decode, verify, rollbacks; rows of up to 16
+    tokens run in the device step, the 20-token one eagerly beside them) at fp32, atol 1e-4."""
+    _with_device_step(monkeypatch)
+    for model in (demo_pair.target, demo_pair.draft):
+        run_scenario(model, None, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_MODELS))
+def test_random_configs_through_the_device_step_match_hf_per_sequence(name, monkeypatch, one_thread):
+    _with_device_step(monkeypatch)
+    run_scenario(RANDOM_MODELS[name](), None, SMALL["vocab_size"], seed=1)
+
+
+@pytest.fixture(scope="module")
+def heldout_runs(demo_pair, eval_prompts):
+    """Greedy and seeded speculative decoding of the held-out prompts (K 0-4 by prompt):
+    each prompt alone through the batch-invariant runners (the reference), and all at once,
+    then staggered in groups of 3, through runners with the device step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prompts = [demo_pair.tokenizer.encode(p["prompt"]) for p in eval_prompts]
+        ks = [(0, 1, 2, 4, 3)[i % 5] for i in range(len(prompts))]
+        eos = frozenset([demo_pair.target.generation_config.eos_token_id or 0])
+        n = len(prompts)
+        ref_t = ModelRunner.from_hf(demo_pair.target, max_sessions=n + 1, max_len=512)
+        ref_d = ModelRunner.from_hf(demo_pair.draft, max_sessions=n + 1, max_len=512)
+        dev_t = ModelRunner.from_hf(demo_pair.target, max_sessions=n + 1, max_len=512, tile=None)
+        dev_d = ModelRunner.from_hf(demo_pair.draft, max_sessions=n + 1, max_len=512, tile=None)
+        dev_t.enable_device_step(max_rows=n)
+        dev_d.enable_device_step(max_rows=n)
+        out = {}
+        for name, sp in SAMPLINGS.items():
+            alone = spec_generate(ref_t, ref_d, prompts, ks, sp, [[i] for i in range(n)], 0, eos)
+            together = spec_generate(dev_t, dev_d, prompts, ks, sp, [list(range(n))], 0, eos)
+            groups = spec_generate(dev_t, dev_d, prompts, ks, sp, [list(range(i, min(i + 3, n)))
+                                                                   for i in range(0, n, 3)], 1, eos)
+            out[name] = (alone, together, groups)
+        return out, (dev_t.device_step.counts, dev_d.device_step.counts)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_heldout_tokens_through_the_device_step_equal_the_invariant_runners_alone(heldout_runs, sampling):
+    runs, (target_counts, draft_counts) = heldout_runs
+    alone, together, groups = runs[sampling]
+    for i in alone:
+        assert together[i] == alone[i], f"all at once: prompt {i} diverged"
+        assert groups[i] == alone[i], f"groups of 3: prompt {i} diverged"
+    assert sum(len(t) for t in alone.values()) >= len(alone) * MAX_NEW // 2
+    # the device step ran the decode and verify rows (prefill chunks of 16 fit it too)
+    assert target_counts.eager > 100 and draft_counts.eager > 100 and target_counts.unbucketed == 0
+
+
+def _mixed_jobs(engine: BatchedTarget, vocab: int, seed: int = 0) -> list[Work]:
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    q = SparseQ(torch.tensor([[5, 6, 0], [7, 8, 0]]), torch.tensor([[0.6, 0.4, 0.0], [0.9, 0.1, 0.0]]))
+    prompt = [(3 * i + seed) % vocab for i in range(1, 41)]
+    jobs = {
+        "prefill": VerifyJob(None, prompt, [], None, greedy, 1),  # 40 tokens, chunks of 16: AGAIN twice
+        "plain": VerifyJob(None, [1, 2, 3 + seed], [], None, greedy, 2),
+        "greedy-k3": VerifyJob(None, [4, 5, 6, 7], [8, 9, 10], None, greedy, 3),
+        "greedy-k1-banned": VerifyJob(None, [4, 5], [6], None, SamplingParams(banned_token_ids=(0, 7)), 4),
+        "sampled-sparse-q": VerifyJob(None, [9, 8, 7], [5, 7], q, sampled, 5 + seed),
+        "sampled-one-hot": VerifyJob(None, [11, 12], [13, 14, 15, 16], None, sampled, 6 + seed),
+    }
+    out = []
+    for name, job in jobs.items():
+        job.handle = engine.open(name)
+        out.append(Work(name, job, 1))
+    return out
+
+
+def test_a_step_of_mixed_rows_gives_the_eager_steps_verdicts(demo_pair, one_thread):
+    """Every kind of row in one step, three steps running (the prompt's chunks beside the
+    others' next rows): the device step's verdicts, greedy ones from its own run, equal the
+    eager step's."""
+    vocab = demo_pair.target.config.vocab_size
+    runs = []
+    for fixed in (False, True):
+        engine = BatchedTarget(TargetModel(demo_pair.target), Batching(max_sessions=8, max_len=128, prefill_chunk=16,
+                                                                       tile=None, fuse_upto=0, fixed_step=fixed))
+        batch = _mixed_jobs(engine, vocab)
+        got = []
+        for _ in range(3):
+            results = engine.step(batch)
+            got.append([r if r is AGAIN else (r.verdict.num_accepted, r.verdict.tokens, r.cached_len)
+                        for r in results])
+            for w, r in zip(batch, results, strict=True):
+                if isinstance(r, VerifyResult):
+                    w.payload.ids = w.payload.ids + r.verdict.tokens
+        runs.append(got)
+        if fixed:
+            assert engine.runner.device_step.counts.eager == 3
+    assert runs[0] == runs[1]
+    assert runs[0][2][0] != AGAIN  # the prompt's last chunk was judged in the third step
+
+
+def _first_token_counts(engine: BatchedTarget, ids: list[int], sampling: SamplingParams, n: int) -> np.ndarray:
+    """The emitted token of a plain sampled row, over n seeds, as counts over the vocabulary."""
+    counts = np.zeros(engine.runner.vocab_size)
+    handles = [engine.open(f"x{i}") for i in range(4)]
+    for start in range(0, n, 4):
+        batch = [Work(f"x{i}", VerifyJob(h, ids, [], None, sampling, 10_000 + start + i), 1)
+                 for i, h in enumerate(handles)]
+        for r in engine.step(batch):
+            counts[r.verdict.tokens[0]] += 1
+    return counts
+
+
+def test_sampled_rows_through_the_device_step_follow_the_targets_distribution(demo_pair, one_thread):
+    """Chi-squared at the first position, 2000 draws (4 rows a step): the device step's
+    sampled rows against the target's own softmax(logits / T) from HF, pooled to bins of
+    expected count >= 5. Threshold: the 0.999 quantile of chi-squared (p < 0.001 fails),
+    with the seeds fixed. The control, the same draws against the distribution at another
+    temperature, must fail."""
+    from scipy.stats import chi2
+
+    sampling = SamplingParams(temperature=1.3)
+    ids = demo_pair.tokenizer.encode("def add(a, b):\n    return")
+    engine = BatchedTarget(TargetModel(demo_pair.target), Batching(max_sessions=8, max_len=128, tile=None, fuse_upto=0,
+                                                                   fixed_step=True))
+    counts = _first_token_counts(engine, ids, sampling, 2000)
+    assert engine.runner.device_step.counts.eager > 0
+    with torch.inference_mode():
+        logits = demo_pair.target(input_ids=torch.tensor([ids])).logits[0, -1].double()
+
+    def statistic(temperature: float) -> tuple[float, float]:
+        p = torch.softmax(logits / temperature, -1).numpy()
+        order = np.argsort(-p)
+        exp, obs, bins = [], [], []
+        acc_e = acc_o = 0.0
+        for t in order:  # pool the tail into bins of expected count >= 5
+            acc_e += p[t] * counts.sum()
+            acc_o += counts[t]
+            if acc_e >= 5:
+                exp.append(acc_e)
+                obs.append(acc_o)
+                acc_e = acc_o = 0.0
+        exp[-1] += acc_e
+        obs[-1] += acc_o
+        stat = float(sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True)))
+        return stat, float(chi2.ppf(0.999, len(exp) - 1))
+
+    stat, limit = statistic(1.3)
+    assert stat < limit, (stat, limit)
+    control, control_limit = statistic(0.9)
+    assert control > control_limit, (control, control_limit)
+
+
+# ---- 3. what runs where ------------------------------------------------------------------------
+
+
+def test_buckets_round_up_and_rows_past_the_largest_run_eagerly(one_thread):
+    from test_runner_exactness import _random
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = _random(Qwen3ForCausalLM, Qwen3Config, head_dim=16, max_position_embeddings=512)
+    runner = ModelRunner.from_hf(model, max_sessions=8, max_len=300, tile=None, fuse_upto=0)
+    ds = runner.enable_device_step(max_rows=4, max_width=8)
+    assert ds.row_buckets == (1, 2, 4) and ds.width_buckets == (1, 2, 3, 4, 5, 6, 7, 8)
+    assert ds.span_buckets == (128, 256, 300)
+    assert runner.kv.free_slots == 7  # the scratch slot
+    for s in "abcde":
+        runner.allocate(s)
+    runner.forward([Row("a", list(range(20)))])  # 20 tokens > 8: the eager forward
+    assert ds.counts.eager == 0 and ds.counts.unbucketed == 0
+    runner.forward([Row("a", [1, 2, 3]), Row("b", [4])])
+    assert ds.last == Bucket(2, 3, 128)
+    runner.forward([Row("a", [i % 90 for i in range(110)], num_logits=0)])
+    runner.forward([Row("a", [5] * 6), Row("b", [6]), Row("c", [7])])  # a reaches 139: span 256
+    assert ds.last == Bucket(4, 6, 256) and ds.counts.eager == 2
+    out = runner.forward([Row(s, [8]) for s in "abcde"])  # 5 rows > 4: eagerly, counted
+    assert ds.counts.unbucketed == 1 and ds.counts.eager == 2 and len(out) == 5
+    assert runner.fixed_rows == {}
+
+
+def test_a_block_mask_on_a_row_verifies_a_token_tree(one_thread):
+    """A row [a, b1, b2] where b2 is a sibling of b1 (both follow a; b2 at b1's depth, not
+    seeing it): b2's logits equal those of a session fed [a, b2]. The block mask and the
+    positions by depth are what tree verification will give the step (issue 40)."""
+    model = RANDOM_MODELS["llama-llama3-bias"]()
+    runner = ModelRunner.from_hf(model, max_sessions=4, max_len=64, tile=None, fuse_upto=0)
+    ds = runner.enable_device_step(max_rows=2)
+    prompt = [3, 14, 15, 92, 65]
+    for s in ("tree", "chain"):
+        runner.allocate(s)
+        runner.forward([Row(s, prompt, num_logits=0)])
+    start = runner.length("tree")
+    rows = [Row("tree", [35, 89, 79])]
+    b = ds.bucket_for(rows, [start])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    ds.prepare(rows, [runner.kv.slot("tree")], [start], b, masks=[tree], depths=[[0, 1, 1]])
+    ds.launch(b)
+    got = ds.logits[:3].clone()
+    chain = runner.forward([Row("chain", [35, 79])])[0]
+    assert torch.allclose(got[2], chain[1], atol=1e-5), (got[2] - chain[1]).abs().max()
+    assert torch.allclose(got[0], chain[0], atol=1e-5)
+    # the next step (no mask given) is causal again
+    runner.allocate("other")
+    runner.forward([Row("other", prompt, num_logits=0)])
+    plain = runner.forward([Row("other", [35, 89, 79])])[0]
+    fresh = ModelRunner.from_hf(model, max_sessions=2, max_len=64, tile=None, fuse_upto=0)
+    fresh.allocate(0)
+    assert torch.allclose(plain, fresh.forward([Row(0, prompt + [35, 89, 79])])[0][-3:], atol=1e-5)
+
+
+def test_bad_rows_change_nothing_through_the_device_step(one_thread):
+    from specserve.errors import InvalidRequest
+
+    model = RANDOM_MODELS["qwen2"]()
+    runner = ModelRunner.from_hf(model, max_sessions=4, max_len=32, tile=None, fuse_upto=0)
+    ds = runner.enable_device_step(max_rows=2)
+    runner.allocate("a")
+    runner.forward([Row("a", [5, 6, 7])])
+    before = ds.ints.clone()
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        runner.forward([Row("a", [SMALL["vocab_size"]])])
+    assert runner.length("a") == 3 and torch.equal(ds.ints, before)
+
+
+def test_cuda_graphs_setting_reaches_the_runner():
+    from specserve.config import DraftSettings, TargetSettings
+
+    assert Batching.from_settings(TargetSettings()).cuda_graphs == "auto"
+    assert Batching.from_settings(DraftSettings(cuda_graphs="off")).cuda_graphs == "off"
+    with pytest.raises(ValueError):
+        TargetSettings(cuda_graphs="sometimes")
+    # on the CPU "auto" keeps the eager forward (graphs are CUDA's); fixed_step forces the shapes
+    model = RANDOM_MODELS["qwen3"]()
+    assert engines_module.make_runner(model, Batching(max_sessions=2, max_len=32)).device_step is None
+    forced = engines_module.make_runner(model, Batching(max_sessions=2, max_len=32, fixed_step=True))
+    assert forced.device_step is not None and not forced.device_step.graphs_on
+    assert forced.kv.num_slots == 3  # two sessions and the scratch slot
