@@ -79,10 +79,10 @@ test-faults: setup
 # On a GPU node (issue 21): greedy identity on CUDA, then plain and speculative speed with a
 # 1B-class random-init pair against transformers' generate; exit 2 where torch sees no GPU.
 # Then the engine loop with that target on the device (ADR 0016: the engine on an H100).
+# bench/gpu_check.sh is the same two steps with the node's own python3 (a GPU node without a
+# package index cannot run setup): cuda_graphs auto and off side by side (ADR 0019).
 gpu-check: setup
-	$(PY) bench/gpu_check.py --models $(MODELS_DIR) --out bench/results
-	cd bench && ../$(PY) bench_engine_loop.py --profiles real --device cuda --model 1b --streams 1,4,16,64 \
-		--arms plain,K=2,K=4,adaptive,plain,K=2,K=4,adaptive --tokens 32 --out results/gpu
+	PYTHON=$(abspath $(PY)) OUT=bench/results/gpu bash bench/gpu_check.sh
 
 bench: setup
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results

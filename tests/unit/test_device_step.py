@@ -22,6 +22,8 @@ and run on the device as one function a CUDA graph can replay.
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -419,3 +421,30 @@ def test_cuda_graphs_setting_reaches_the_runner():
     forced = engines_module.make_runner(model, Batching(max_sessions=2, max_len=32, fixed_step=True))
     assert forced.device_step is not None and not forced.device_step.graphs_on
     assert forced.kv.num_slots == 3  # two sessions and the scratch slot
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama-llama3-bias"])
+def test_a_rows_logits_depend_on_its_bucket_not_on_its_companions(name, one_thread):
+    """What batch invariance means through the device step (ADR 0019): inside one bucket a
+    row's logits are bitwise the same whatever the other rows hold and wherever it sits."""
+    model = RANDOM_MODELS[name]()
+    runner = ModelRunner.from_hf(model, max_sessions=8, max_len=96, tile=None, fuse_upto=0)
+    ds = runner.enable_device_step(max_rows=4)
+    rng = random.Random(0)
+    outs = []
+    for trial in range(3):
+        for s in list(runner.kv.slot_of):
+            if s != "\0device-step-scratch":
+                runner.free(s)
+        runner.allocate("probe")
+        runner.forward([Row("probe", [5, 9, 2, 7, 1, 8], num_logits=0)])
+        others = []
+        for j in range(3):
+            runner.allocate(j)
+            runner.forward([Row(j, [rng.randrange(97) for _ in range(rng.randrange(1, 40))], num_logits=0)])
+            others.append(Row(j, [rng.randrange(97) for _ in range(rng.randrange(1, 5))]))
+        rows = others[:trial] + [Row("probe", [3, 4, 6, 2])] + others[trial:]
+        logits = runner.forward(rows)[trial]
+        assert ds.last == Bucket(4, 4, 96)
+        outs.append(logits.clone())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -163,7 +163,7 @@ def test_a_runner_on_cuda_sizes_its_kv_from_the_memory_its_weights_leave(monkeyp
     with fake_cuda():
         model = _tiny_llama()
         b = Batching(kv_budget_mb=1, max_sessions=10_000, max_len=64, device="cuda", dtype="bf16",
-                     gpu_memory_utilization=0.5, max_batch=4, prefill_chunk=8, fuse_upto=0)
+                     gpu_memory_utilization=0.5, max_batch=4, prefill_chunk=8, fuse_upto=0, cuda_graphs="off")
         runner = make_runner(model, b)
     assert seen == ["weights", "memory of cuda"]
     reserve = activation_reserve_bytes(model.config, 4 * 8, 4 * 16, torch.bfloat16)
