@@ -60,8 +60,8 @@ from common import parser, warn_if_busy
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.models.loading import load_pair
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 from specserve.tooling.modelbuild.build import find_pair
 from specserve.tooling.textquality import is_degenerate
@@ -99,7 +99,7 @@ def load_prompts(pair: Path, per_class: int) -> dict[str, list[str]]:
     return {c: ps[:per_class] for c, ps in by_class.items()}
 
 
-def engine_runner(engine: SpecEngine, temp: float, k: int, max_tokens: int, banned: tuple):
+def engine_runner(engine: ReferenceDecoder, temp: float, k: int, max_tokens: int, banned: tuple):
     sampling = SamplingParams(temperature=temp, banned_token_ids=banned)
 
     def run(ids: list[int], seed: int):
@@ -206,7 +206,7 @@ def nondegenerate(res: dict, keep: list[int]) -> dict:
     return out | {k: fig[k] for k in ("mean_accepted", "alpha", "per_position") if k in fig}
 
 
-def degenerate_prompts(engine: SpecEngine, prompts: list[list[int]], max_tokens: int, banned: tuple) -> list[bool]:
+def degenerate_prompts(engine: ReferenceDecoder, prompts: list[list[int]], max_tokens: int, banned: tuple) -> list[bool]:
     """Per prompt: is the target's greedy continuation degenerate (the same test at every T)."""
     params = GenerationParams(max_tokens, SamplingParams(banned_token_ids=banned), num_draft_tokens=0)
     return [is_degenerate(engine.generate(ids, params).token_ids) for ids in prompts]
@@ -217,8 +217,8 @@ def bench(args, pair: Path) -> tuple[list[dict], dict]:
     target, draft, tok = lp.target, lp.draft, lp.tokenizer
     tm = TargetModel(target)
     banned = () if args.natural_eos else tuple(sorted(tm.eos_token_ids))
-    engines = {"target": SpecEngine(tm, None, tok), "spec-model": SpecEngine(tm, HFDrafter(draft), tok),
-               "spec-ngram": SpecEngine(tm, NgramDrafter(tm.vocab_size), tok)}
+    engines = {"target": ReferenceDecoder(tm, None, tok), "spec-model": ReferenceDecoder(tm, HFDrafter(draft), tok),
+               "spec-ngram": ReferenceDecoder(tm, NgramDrafter(tm.vocab_size), tok)}
     passes = [0]
     target.register_forward_pre_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
 

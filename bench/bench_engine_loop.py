@@ -55,7 +55,7 @@ from specserve.engine.session import DraftBlock, EnginePlan, EngineSession, Outc
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.state.prefix import CommittedPrefix
-from specserve.worker.engines import Batching, target_engine
+from specserve.worker.model_step import Batching, make_target_step
 
 VOCAB = 512  # the stand-in's; the 1B model's is gpu_check's (32000)
 PROMPT_LEN = 16
@@ -180,14 +180,14 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
     """`tile`: the stand-in forward's runner. Its own CPU time is not what a cell measures
     (the profile's step time is), so by default it is the fast one: no padding to tiles, the
     cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
-    model = target_engine(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096, max_sessions=max(streams, 4),
+    model = make_target_step(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096, max_sessions=max(streams, 4),
                                            prefill_chunk=128, tile=tile, device=device, max_len=512,
                                            max_batch=max(streams, 4)))
     if tile is None and device == "cpu":  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
         model.runner.short_rows = True
 
-    def step_ms(works) -> float:
-        ms = profile.target_ms(sum(w.tokens for w in works), sum(len(w.payload.ids) for w in works))
+    def step_ms(step, out) -> float:
+        ms = profile.target_ms(sum(r.fed for r in out.rows), sum(len(row.ids) for row in step.rows))
         busy.append(ms)
         return ms
 

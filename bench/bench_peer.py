@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--target-threads", type=int, default=local_target_threads(),
-                    help="torch threads of specserve's target and the in-process engine (default: all cores but one, at most 2)")
+                    help="torch threads of specserve's target and the in-process reference decoder (default: all cores but one, at most 2)")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the engine loop in process (plain, each runner mode: inprocess_engine.py)")
     ap.add_argument("--exact-batching", default="invariant,fast",

@@ -1,8 +1,8 @@
-"""The distributed stack beside the in-process engine, same pair, same held-out prompts.
+"""The distributed stack beside the in-process reference decoder, same pair, same held-out prompts.
 
 Starts the local stack (Redis, Ray + target, draft pools `small` and `ngram`, router) and
 sends each prompt through the router with speculation off (plain decoding through the same
-stack) and on, then runs the in-process engine on the same prompts. Reports per class:
+stack) and on, then runs the in-process reference decoder on the same prompts. Reports per class:
 ms/token and speedup over plain *through the same path*, and the per-round overhead outside
 model time (router wall time of a round minus the draft worker's and the target's own
 reported compute: gRPC, serialisation, Redis commit) as p50/p99. Speedup and acceptance are
@@ -24,8 +24,8 @@ from common import parser
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
 from specserve.models.loading import load_pair
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
@@ -51,7 +51,7 @@ def via_router(stub, prompt: str, pool: str, k: int | None, max_tokens: int, ban
     return best, resp
 
 
-def in_process(engine: SpecEngine, prompt: str, k: int, max_tokens: int, banned: tuple, repeats: int):
+def in_process(engine: ReferenceDecoder, prompt: str, k: int, max_tokens: int, banned: tuple, repeats: int):
     best, res = float("inf"), None
     params = GenerationParams(max_tokens=max_tokens, num_draft_tokens=k, sampling=SamplingParams(banned_token_ids=banned))
     for _ in range(repeats):
@@ -113,8 +113,8 @@ def main() -> None:
     torch.set_num_threads(2)
     lp = load_pair(str(pair / "target"), str(pair / "draft"))
     tm = TargetModel(lp.target)
-    engines = {"none": SpecEngine(tm, None, lp.tokenizer), "small": SpecEngine(tm, HFDrafter(lp.draft), lp.tokenizer),
-               "ngram": SpecEngine(tm, NgramDrafter(tm.vocab_size), lp.tokenizer)}
+    engines = {"none": ReferenceDecoder(tm, None, lp.tokenizer), "small": ReferenceDecoder(tm, HFDrafter(lp.draft), lp.tokenizer),
+               "ngram": ReferenceDecoder(tm, NgramDrafter(tm.vocab_size), lp.tokenizer)}
     in_process(engines["small"], prompts["code"][0], a.k, 8, tuple(banned), 1)
     for cls, ps in prompts.items():
         print(f"[bench] in-process {cls}", file=sys.stderr, flush=True)

@@ -81,7 +81,7 @@ def main() -> None:
     from specserve.params import GenerationParams
     from specserve.structured.constraint import Constraint
     from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
-    from specserve.worker.engines import Batching, target_engine
+    from specserve.worker.model_step import Batching, make_target_step
 
     torch.set_num_threads(2)
     pair_dir = Path(args.models) / args.pair
@@ -94,7 +94,7 @@ def main() -> None:
     encode = lambda text: pair.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     loops = {}
     for forced in (False, True):
-        model = target_engine(target, Batching(kv_budget_mb=64, max_sessions=4, prefill_chunk=64, max_len=512))
+        model = make_target_step(target, Batching(kv_budget_mb=64, max_sessions=4, prefill_chunk=64, max_len=512))
         loops[forced] = EngineLoop(
             model, lambda p: StopChecker(target.eos_token_ids, p.stop, pair.tokenizer.decode),
             {"small": LocalDrafts(HFDrafter(pair.draft)), "ngram": LocalDrafts(NgramDrafter(target.vocab_size)),
@@ -170,10 +170,10 @@ def _batched_cost(args, target, pair, cache, encode, prompts, plan) -> dict:
     from specserve.engine.drafting import LocalDrafts
     from specserve.engine.loop import EngineLoop
     from specserve.structured.grammar import ConstrainedRow
-    from specserve.worker.engines import Batching, target_engine
+    from specserve.worker.model_step import Batching, make_target_step
 
     n = len(prompts)
-    model = target_engine(target, Batching(kv_budget_mb=16 * n, max_sessions=n, prefill_chunk=64, max_len=512))
+    model = make_target_step(target, Batching(kv_budget_mb=16 * n, max_sessions=n, prefill_chunk=64, max_len=512))
     steps: list[tuple[int, float, float]] = []
     loop = EngineLoop(model, lambda p: StopChecker(target.eos_token_ids, p.stop, pair.tokenizer.decode),
                       {"small": LocalDrafts(HFDrafter(pair.draft))},

@@ -46,17 +46,10 @@ from specserve.models.loading import load_model, load_tokenizer
 from specserve.models.runner import ModelRunner
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
+from specserve.step import Step, StepRow
 from specserve.tooling.hf_agreement import TOLERANCE, greedy_agreement
 from specserve.tooling.modelbuild.build import load_eval_prompts
-from specserve.worker.engines import (
-    AGAIN,
-    BatchedDraft,
-    BatchedTarget,
-    Batching,
-    DraftJob,
-    VerifyJob,
-)
-from specserve.worker.scheduler import Work
+from specserve.worker.model_step import BatchedDraft, BatchedTarget, Batching
 
 GREEDY = SamplingParams()
 SHAPES = {
@@ -164,12 +157,12 @@ def _prefill(engine: BatchedTarget, handles: list, prompts: list[list[int]]) -> 
     pending = set(range(len(prompts)))
     while pending:
         order = sorted(pending)
-        batch = [Work(str(i), VerifyJob(handles[i], seqs[i], [], None, GREEDY, i), 1) for i in order]
-        for i, res in zip(order, engine.step(batch), strict=True):
-            if res is AGAIN:
+        batch = [StepRow.verify(handles[i], seqs[i], [], None, GREEDY, i) for i in order]
+        for i, res in zip(order, engine.step(Step(batch)).rows, strict=True):
+            if res.again:
                 continue
-            if isinstance(res, Exception):
-                raise res
+            if res.error is not None:
+                raise res.error
             seqs[i].extend(res.verdict.tokens)
             pending.discard(i)
     return seqs
@@ -183,8 +176,8 @@ def plain(engine: BatchedTarget, prompts: list[list[int]], decode: int, device: 
         sync(device)
         t0 = time.perf_counter()
         for _ in range(decode - 1):
-            batch = [Work(str(i), VerifyJob(h, seqs[i], [], None, GREEDY, i), 1) for i, h in enumerate(handles)]
-            for i, res in enumerate(engine.step(batch)):
+            batch = [StepRow.verify(h, seqs[i], [], None, GREEDY, i) for i, h in enumerate(handles)]
+            for i, res in enumerate(engine.step(Step(batch)).rows):
                 seqs[i].extend(res.verdict.tokens)
         sync(device)
         wall = time.perf_counter() - t0
@@ -212,8 +205,8 @@ def speculative(target: BatchedTarget, draft: BatchedDraft, prompts: list[list[i
         t0 = time.perf_counter()
         while any(len(s) - b < decode for s, b in zip(seqs, start, strict=True)):
             live = [i for i, s in enumerate(seqs) if len(s) - start[i] < decode]
-            jobs = [Work(str(i), DraftJob(dh[i], seqs[i], k, GREEDY, i), k) for i in live]
-            while any(r is AGAIN for r in draft.step(jobs)):  # the draft's prefill, then its K forwards
+            jobs = Step([StepRow.draft(dh[i], seqs[i], k, GREEDY, i) for i in live])
+            while any(r.again for r in draft.step(jobs).rows):  # the draft's prefill, then its K forwards
                 pass
             batch = []
             for i in live:
@@ -224,8 +217,8 @@ def speculative(target: BatchedTarget, draft: BatchedDraft, prompts: list[list[i
                         drafts.append((t + 1 + rng.randrange(vocab - 1)) % vocab)  # another token: rejected
                         break
                     drafts.append(t)
-                batch.append(Work(str(i), VerifyJob(th[i], seqs[i], drafts, None, GREEDY, i), 1 + len(drafts)))
-            for i, res in zip(live, target.step(batch), strict=True):
+                batch.append(StepRow.verify(th[i], seqs[i], drafts, None, GREEDY, i))
+            for i, res in zip(live, target.step(Step(batch)).rows, strict=True):
                 seqs[i].extend(res.verdict.tokens)
                 emitted += len(res.verdict.tokens)
             rounds += 1
@@ -314,24 +307,24 @@ def phase_times(target: BatchedTarget, draft: BatchedDraft, prompt: list[int], r
         seq = _prefill(target, [th], [prompt])[0]
         start = len(seq)
 
-        def timed(fn):
+        def timed(model, step: Step):
             sync(device)
             t0 = time.perf_counter()
-            r = fn()
+            r = model.step(step).rows
             sync(device)
             return r, 1e3 * (time.perf_counter() - t0)
 
         for _ in range(rounds):  # plain steps
-            res, ms = timed(lambda: target.step([Work("p", VerifyJob(th, seq, [], None, GREEDY, 0), 1)]))
+            res, ms = timed(target, Step([StepRow.verify(th, seq, [], None, GREEDY, 0)]))
             seq.extend(res[0].verdict.tokens)
             out["plain_ms"].append(ms)
         graphs.update(replay_profile(target, "plain", device))
         while len(seq) - start < rounds * (k + 2):  # rounds with every draft accepted
             done = len(seq) - len(prompt)
-            job = [Work("d", DraftJob(dh, seq, k, GREEDY, 0), k)]
+            job = Step([StepRow.draft(dh, seq, k, GREEDY, 0)])
             while True:
-                res, ms = timed(lambda: draft.step(job))
-                if res[0] is not AGAIN:
+                res, ms = timed(draft, job)
+                if not res[0].again:
                     break
             out["draft_ms"].append(ms)
             if not graphs.get("draft_graph_ms"):
@@ -339,7 +332,7 @@ def phase_times(target: BatchedTarget, draft: BatchedDraft, prompt: list[int], r
             drafts = reference[done:done + k]
             if len(drafts) < k:
                 break
-            res, ms = timed(lambda: target.step([Work("v", VerifyJob(th, seq, drafts, None, GREEDY, 0), 1 + k)]))
+            res, ms = timed(target, Step([StepRow.verify(th, seq, drafts, None, GREEDY, 0)]))
             seq.extend(res[0].verdict.tokens)
             out["verify_ms"].append(ms)
             if not graphs.get("verify_graph_ms"):

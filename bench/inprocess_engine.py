@@ -48,7 +48,7 @@ def measure(pair: Path, prompts: list[str], loads: list[int], requests: int, max
     from specserve.engine.loop import EngineLoop
     from specserve.models.loading import load_pair
     from specserve.models.verifier import TargetModel
-    from specserve.worker.engines import Batching, target_engine
+    from specserve.worker.model_step import Batching, make_target_step
     from specserve.worker.threads import ModelThread
 
     torch.set_num_threads(threads)
@@ -57,7 +57,7 @@ def measure(pair: Path, prompts: list[str], loads: list[int], requests: int, max
     def build():
         lp = load_pair(str(pair / "target"), None)
         target = TargetModel(lp.target)
-        return lp, target, target_engine(target, Batching(tile=None if mode == "fast" else Batching.tile))
+        return lp, target, make_target_step(target, Batching(tile=None if mode == "fast" else Batching.tile))
 
     lp, target, model = model_thread.submit(build).result()
     watch = _Watch()

@@ -3,7 +3,7 @@ with random cancels and client disconnects, and every `--kill-every-s` a `kill -
 draft replica and one router replica, which the harness restarts on the same address.
 
 Every request is greedy, so every finished output must equal target-only greedy decoding
-(the in-process engine). A client whose router dies retries the same request_id on another
+(the in-process reference decoder). A client whose router dies retries the same request_id on another
 router (it joins the session, which the target drives on: a router kill does not touch it); a client
 that disconnects Resumes from its offset. Sampled every few seconds: tokens/s delivered,
 each process's RSS, and Redis's key count.
@@ -81,13 +81,13 @@ def main() -> None:
 
 def references(pair: Path, prompts: list[str]) -> dict[str, list[int]]:
     from specserve.drafters import NgramDrafter
-    from specserve.models.engine import GenerationParams, SpecEngine
     from specserve.models.loading import load_pair
+    from specserve.models.reference import GenerationParams, ReferenceDecoder
     from specserve.models.verifier import TargetModel
 
     loaded = load_pair(str(pair / "target"), str(pair / "draft"))
     target = TargetModel(loaded.target)
-    engine = SpecEngine(target, NgramDrafter(target.vocab_size), loaded.tokenizer)
+    engine = ReferenceDecoder(target, NgramDrafter(target.vocab_size), loaded.tokenizer)
     return {p: engine.generate(p, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=0)).token_ids
             for p in prompts}
 

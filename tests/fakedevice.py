@@ -224,7 +224,7 @@ def audit_runs(traces: list[OpTrace], allowed: set[int]) -> list[str]:
         if stray:
             problems.append(f"call {i} reads {len(stray)} buffers made for this call alone")
         if i and t.ops != traces[0].ops:
-            diff = next((j for j, (a, b) in enumerate(zip(t.ops, traces[0].ops)) if a != b),
+            diff = next((j for j, (a, b) in enumerate(zip(t.ops, traces[0].ops, strict=False)) if a != b),
                         min(len(t.ops), len(traces[0].ops)))
             problems.append(f"call {i} differs from call 0 at op {diff} of {len(traces[0].ops)}: "
                             f"{traces[0].ops[diff][0] if diff < len(traces[0].ops) else 'end'}")

@@ -2,7 +2,7 @@
 and the complete output must equal the reference, with contiguous offsets (nothing repeated
 or lost), within a stated recovery bound.
 
-Columns: greedy (reference: target-only greedy decoding by the in-process engine) and seeded
+Columns: greedy (reference: target-only greedy decoding by the in-process reference decoder) and seeded
 T=0.8 (reference: the same request without the fault; randomness is keyed by (seed,
 position, purpose), so a session continued by another router, after a worker restart, or
 after Redis lost its last commits, samples the same tokens). "Mid-generation" is proved by
@@ -74,9 +74,9 @@ def prompts(eval_prompts, greedy_reference):
 @pytest.fixture(scope="module")
 def greedy_reference(demo_pair, target_model):
     from specserve.drafters import NgramDrafter
-    from specserve.models.engine import GenerationParams, SpecEngine
+    from specserve.models.reference import GenerationParams, ReferenceDecoder
 
-    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     cache: dict[str, list[int]] = {}
 
     def ref(prompt: str) -> list[int]:

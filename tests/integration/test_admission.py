@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from specserve.drafters import NgramDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_TOKENS = 16
@@ -54,7 +54,7 @@ def _refused(stack) -> float:
 def test_no_kv_room_queues_then_serves_or_fails_with_an_actionable_message(small_stack, demo_pair, target_model,
                                                                          eval_prompts):
     prompt = eval_prompts[0]["prompt"]
-    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     expected = engine.generate(prompt, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=0)).token_ids
     req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS, draft_pool="ngram")
     with grpc.insecure_channel(small_stack.info.routers[0]) as ch0, \

@@ -21,7 +21,7 @@ from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.services.draft.server import DraftServicer
 from specserve.v1 import draft_pb2_grpc
-from specserve.worker.engines import Batching, target_engine
+from specserve.worker.model_step import Batching, make_target_step
 
 VOCAB = 96
 PROMPTS = [[(5 * i + 3 * j) % VOCAB for j in range(4 + 6 * i)] for i in range(4)]
@@ -53,9 +53,9 @@ async def _draft_server(draft_model, simulated_token_ms: float = 0.0) -> tuple[g
 def _engine(target_model, sources, step_ms: float = 0.0) -> tuple[EngineLoop, threading.Event, threading.Thread]:
     """The engine on its own thread; `step_ms`: a slower simulated target device, so the
     draft (here the target's twin) is cheap next to a target step, as a real draft is."""
-    engine = EngineLoop(target_engine(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)),
+    engine = EngineLoop(make_target_step(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)),
                         _stops, sources, block_wait_max_s=0.05,
-                        simulated_step_ms=(lambda works: step_ms) if step_ms else None)
+                        simulated_step_ms=(lambda step, out: step_ms) if step_ms else None)
     stop = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
     thread.start()
@@ -63,7 +63,7 @@ def _engine(target_model, sources, step_ms: float = 0.0) -> tuple[EngineLoop, th
 
 
 def _plain_reference(target_model, max_tokens: int) -> list[list[int]]:
-    engine = EngineLoop(target_engine(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)), _stops)
+    engine = EngineLoop(make_target_step(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)), _stops)
     for i, p in enumerate(PROMPTS):
         engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=max_tokens, seed=1)))
     engine.run_until_idle()

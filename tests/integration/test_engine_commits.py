@@ -19,7 +19,7 @@ from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan, Status
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
-from specserve.worker.engines import Batching, target_engine
+from specserve.worker.model_step import Batching, make_target_step
 
 VOCAB = 96
 
@@ -43,7 +43,7 @@ class Driver:
         target, drafter = pair
         self.refused: list[tuple[str, str]] = []
         self.committer = RedisCommitter(store, aloop, self._refused).start()
-        self.engine = EngineLoop(target_engine(target, Batching(kv_budget_mb=8, max_sessions=8, prefill_chunk=16)),
+        self.engine = EngineLoop(make_target_step(target, Batching(kv_budget_mb=8, max_sessions=8, prefill_chunk=16)),
                                  lambda p: StopChecker(frozenset(), p.stop, _decode),
                                  {"small": LocalDrafts(drafter)}, committer=self.committer, max_commit_lag=2)
         self.committer.on_acked = self.engine.acked

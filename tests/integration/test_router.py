@@ -1,5 +1,5 @@
 """The distributed system end to end: router -> draft pool -> Ray target -> Redis commit,
-all real, on loopback. The in-process engine is the reference."""
+all real, on loopback. The in-process reference decoder is the reference."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.config import LOCAL_NGRAM
 from specserve.drafters import NgramDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_TOKENS = 24
@@ -30,9 +30,9 @@ def stub(stack):
 
 @pytest.fixture(scope="module")
 def reference(demo_pair, target_model):
-    """Target-only greedy continuation, by the in-process engine (itself checked against
+    """Target-only greedy continuation, by the in-process reference decoder (itself checked against
     transformers in tests/unit)."""
-    engine = SpecEngine(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     cache: dict[tuple[str, int], list[int]] = {}
 
     def ref(prompt: str, n: int = MAX_TOKENS) -> list[int]:
@@ -78,12 +78,12 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
 @pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local"])
 def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair, target_model, eval_prompts, pool):
     """Randomness is keyed by (seed, position, purpose) on every side of the wire, so the
-    distributed rounds reproduce the in-process engine's sampled tokens exactly."""
+    distributed rounds reproduce the in-process reference decoder's sampled tokens exactly."""
     from specserve.algorithm.sampling import SamplingParams
     from specserve.drafters import HFDrafter
 
     drafter = HFDrafter(demo_pair.draft) if pool == "small" else NgramDrafter(target_model.vocab_size)
-    engine = SpecEngine(target_model, drafter, demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, drafter, demo_pair.tokenizer)
     for item in _prompts(eval_prompts, 1):
         want = engine.generate(item["prompt"], GenerationParams(
             max_tokens=MAX_TOKENS, num_draft_tokens=3, seed=77,

@@ -20,11 +20,11 @@ from specserve.engine.session import EnginePlan
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams, SamplingParams
 from specserve.services.router.plan import SessionPlan
-from specserve.services.target.engine_host import EngineHost
+from specserve.services.target.loop_host import LoopHost
 from specserve.services.target.server import TargetServicer
 from specserve.serving.server import DomainErrorInterceptor
 from specserve.v1 import target_pb2, target_pb2_grpc
-from specserve.worker.engines import Batching, target_engine
+from specserve.worker.model_step import Batching, make_target_step
 
 VOCAB = 96
 PROMPT = [(7 * j + 3) % VOCAB for j in range(9)]
@@ -58,15 +58,15 @@ def _plan(max_tokens: int, pool: str | None, temperature: float = 0.8) -> Sessio
 
 
 def _reference(target, drafter, plan: SessionPlan) -> list[int]:
-    loop = EngineLoop(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops,
+    loop = EngineLoop(make_target_step(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops,
                       {"small": LocalDrafts(drafter)})
     loop.add("r", PROMPT, EnginePlan.from_stored(plan.encode()))
     loop.run_until_idle()
     return loop.ended["r"].generated
 
 
-def _host(target, drafter, store, step_ms: float = 0.0) -> EngineHost:
-    return EngineHost(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
+def _host(target, drafter, store, step_ms: float = 0.0) -> LoopHost:
+    return LoopHost(make_target_step(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
                       {"small": LocalDrafts(drafter)}, asyncio.get_running_loop(), simulated_step_ms=step_ms).start_loop()
 
 
@@ -196,7 +196,7 @@ def test_an_engine_loop_that_fails_is_logged_and_the_host_says_it_stopped(target
         raise RuntimeError("boom in the engine loop")
 
     async def go():
-        host = EngineHost(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
+        host = LoopHost(make_target_step(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
                           {}, asyncio.get_running_loop(), on_loop_failure=failures.append)
         host.engine.run_forever = fail
         host.start_loop()
@@ -235,7 +235,7 @@ def test_a_constraint_is_compiled_off_the_engine_thread_before_the_session_is_ta
     plan = replace(_plan(8, None), constraint=Constraint.json_object())
 
     async def go():
-        host = EngineHost(target_engine(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
+        host = LoopHost(make_target_step(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
                           {}, asyncio.get_running_loop(), constrain=constrain).start_loop()
         handle = await store.create_or_join(None, plan.encode(), PROMPT, owner="router-0")
         with pytest.raises(InvalidRequest, match="no compiler"):

@@ -7,7 +7,7 @@ of batch invariance, many rows in one step, is tests/unit/test_engine_loop.py's.
 The models are randomly initialised small Llamas built here (no training, no download): their
 near-uniform logits are full of near-ties, the hardest case for batch invariance. A model the
 runner does not support falls back to the per-session HF path with one log line, and gives the
-in-process engine's tokens."""
+in-process reference decoder's tokens."""
 
 from __future__ import annotations
 
@@ -22,24 +22,22 @@ from specserve.algorithm.round import draft_budget, settle
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
+from specserve.step import RowResult, Step, StepRow
 from specserve.v1 import draft_pb2
-from specserve.worker.engines import (
+from specserve.worker.model_step import (
     BatchedDraft,
     BatchedTarget,
     Batching,
     SessionDraft,
     SessionTarget,
-    VerifyJob,
-    VerifyResult,
-    target_engine,
+    make_target_step,
 )
 from specserve.worker.qcodec import q_from_proto
-from specserve.worker.scheduler import AGAIN, Work
 
 VOCAB = 96
 
@@ -61,28 +59,28 @@ BATCHING = Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=8)
 
 
 class _Target:
-    """The target's batched engine, one row per call, as the engine loop feeds it (prefill
-    chunks come back AGAIN until the prompt is in)."""
+    """The target's batched step, one row per call, as the engine loop feeds it (prefill
+    chunks come back `again` until the prompt is in)."""
 
     def __init__(self, target, batching=BATCHING) -> None:
-        self.engine = target_engine(TargetModel(target), batching)
+        self.model = make_target_step(TargetModel(target), batching)
         self.handles: dict[str, object] = {}
         self.steps = 0
 
     def verify(self, sid: str, ids: list[int], drafts: list[int], q, sampling: SamplingParams,
-               seed: int) -> VerifyResult:
-        handle = self.handles.get(sid) or self.handles.setdefault(sid, self.engine.open(sid))
+               seed: int) -> RowResult:
+        handle = self.handles.get(sid) or self.handles.setdefault(sid, self.model.open(sid))
         while True:
             self.steps += 1
-            [res] = self.engine.step([Work(sid, VerifyJob(handle, ids, drafts, q, sampling, seed), len(drafts) + 1)])
-            if res is not AGAIN:
+            [res] = self.model.step(Step([StepRow.verify(handle, ids, drafts, q, sampling, seed)])).rows
+            if not res.again:
                 break
-        if isinstance(res, Exception):
-            raise res
+        if res.error is not None:
+            raise res.error
         return res
 
     def release(self, sid: str) -> None:
-        self.engine.close(self.handles.pop(sid))
+        self.model.close(self.handles.pop(sid))
 
 
 def _workers(pair, batching=BATCHING):
@@ -131,7 +129,7 @@ def test_tokens_are_identical_alone_and_batched_through_the_draft_servicer(pair,
 
     async def go():
         ts, ds = _workers(pair)
-        assert isinstance(ts.engine, BatchedTarget) and isinstance(ds.engine, BatchedDraft)
+        assert isinstance(ts.model, BatchedTarget) and isinstance(ds.model, BatchedDraft)
         sizes: list[int] = []  # the draft scheduler's batch sizes, as its metrics hook sees them
         observe = ds.core.scheduler.on_batch
         ds.core.scheduler.on_batch = lambda n, s: (sizes.append(n), observe and observe(n, s))
@@ -170,14 +168,14 @@ def test_an_unsupported_architecture_falls_back_to_the_per_session_path(pair, ca
     _, draft = pair
     caplog.set_level(logging.WARNING)
     ts = _Target(target)
-    assert isinstance(ts.engine, SessionTarget)
+    assert isinstance(ts.model, SessionTarget)
     assert [r.message for r in caplog.records if "MistralForCausalLM" in r.message
             and "per-session HF path" in r.message]
     ds = DraftServicer(HFDrafter(draft), 8, batching=Batching(enabled=False))
-    assert isinstance(ds.engine, SessionDraft)
+    assert isinstance(ds.model, SessionDraft)
     sp = SamplingParams(temperature=0.8)
     params = GenerationParams(max_tokens=10, sampling=sp, num_draft_tokens=3, seed=5)
-    engine = SpecEngine(TargetModel(target), HFDrafter(draft), _NoTokenizer())
+    engine = ReferenceDecoder(TargetModel(target), HFDrafter(draft), _NoTokenizer())
     expected = engine.generate(PROMPTS[2], params).token_ids
     got, _ = asyncio.run(_generate(ts, ds, "s", PROMPTS[2], params))
     assert got == expected

@@ -23,21 +23,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import specserve.models.device as device_module
 import specserve.models.verifier as verifier_module
-import specserve.worker.engines as engines_module
+import specserve.worker.model_step as model_step_module
 from specserve.algorithm.rejection import SparseQ
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import HFDrafter
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
-from specserve.worker.engines import (
-    AGAIN,
-    BatchedDraft,
-    BatchedTarget,
-    Batching,
-    DraftJob,
-    VerifyJob,
-    VerifyResult,
-)
+from specserve.step import Kind, Step, StepRow
+from specserve.worker.model_step import BatchedDraft, BatchedTarget, Batching
 from specserve.worker.scheduler import Work
 
 SHAPE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -74,16 +67,16 @@ def _jobs(engine: BatchedTarget, vocab: int) -> list[Work]:
         q = SparseQ(torch.tensor([[5, 6, 0], [7, 8, 0]]), torch.tensor([[0.6, 0.4, 0.0], [0.9, 0.1, 0.0]]))
     prompt = [(3 * i) % vocab for i in range(1, 21)]
     jobs = {
-        "prefill": VerifyJob(None, prompt, [], None, greedy, 1),  # 20 tokens, chunks of 8: AGAIN
-        "plain": VerifyJob(None, [1, 2, 3], [], None, greedy, 2),
-        "greedy-k3": VerifyJob(None, [4, 5, 6, 7], [8, 9, 10], None, greedy, 3),
-        "greedy-k1-banned": VerifyJob(None, [4, 5], [6], None, SamplingParams(banned_token_ids=(0, 7)), 4),
-        "sampled-sparse-q": VerifyJob(None, [9, 8, 7], [5, 7], q, sampled, 5),
-        "sampled-one-hot": VerifyJob(None, [11, 12], [13, 14, 15, 16], None, sampled, 6),
+        "prefill": StepRow.verify(None, prompt, [], None, greedy, 1),  # 20 tokens, chunks of 8: again
+        "plain": StepRow.verify(None, [1, 2, 3], [], None, greedy, 2),
+        "greedy-k3": StepRow.verify(None, [4, 5, 6, 7], [8, 9, 10], None, greedy, 3),
+        "greedy-k1-banned": StepRow.verify(None, [4, 5], [6], None, SamplingParams(banned_token_ids=(0, 7)), 4),
+        "sampled-sparse-q": StepRow.verify(None, [9, 8, 7], [5, 7], q, sampled, 5),
+        "sampled-one-hot": StepRow.verify(None, [11, 12], [13, 14, 15, 16], None, sampled, 6),
     }
     out = []
     for name, job in jobs.items():
-        job.handle = engine.open(name)
+        job.slot = engine.open(name)
         out.append(Work(name, job, 1))
     return out
 
@@ -94,7 +87,7 @@ def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to
     """exact_batching "fast" on CUDA attends the short rows in one padded call (ShortRows)."""
     copy = DesignatedCopy()
     monkeypatch.setattr(verifier_module, "to_host", copy, raising=False)
-    monkeypatch.setattr(engines_module, "to_host", copy)  # where the step copied its logits before
+    monkeypatch.setattr(model_step_module, "to_host", copy)  # where the step copied its logits before
     # the KV budget on CUDA is what the device's memory leaves after the weights: a 1 GiB device
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
     monkeypatch.setattr(device_module, "_can_pin", lambda: True)  # to_device's CUDA path: pinned, non-blocking
@@ -112,24 +105,24 @@ def test_a_batched_target_step_on_a_fake_cuda_device_copies_only_its_verdicts_to
             copy.calls.clear()
             host_copies.copies.clear()
             host_copies.blocking_in.clear()
-            results = engine.step(batch)
+            results = engine.step(Step([w.payload for w in batch])).rows
             assert host_copies.copies == [], f"copies to the host outside the designated one: {host_copies.copies}"
             # found on an H100 (torch.cuda.set_sync_debug_mode): each blocking copy in waited for the GPU
             assert host_copies.blocking_in == [], f"blocking copies to the device: {host_copies.blocking_in}"
             assert len(copy.calls) == 1, f"the designated copy ran {len(copy.calls)} times in one step"
             ((device, shape),) = copy.calls[0]
-            judged = [w for w, r in zip(batch, results, strict=True) if isinstance(r, VerifyResult)]
+            judged = [w for w, r in zip(batch, results, strict=True) if r.verdict is not None]
             kmax = max(len(w.payload.drafts) for w in judged)
             assert device == "cuda" and shape[0] == len(judged) and shape[1] <= 2 + 2 * kmax, \
                 f"the step copied {shape} (logits?), not {len(judged)} verdicts"
             for w, r in zip(batch, results, strict=True):
                 if w.session == "prefill":
-                    assert r is AGAIN
+                    assert r.again
                     continue
                 # the zeros that crossed mean "no draft accepted, token 0": the drafts left the KV
-                assert isinstance(r, VerifyResult), (w.session, r)
+                assert r.verdict is not None, (w.session, r)
                 assert (r.verdict.num_accepted, r.verdict.tokens) == (0, [0])
-                assert r.cached_len == len(w.payload.ids) == engine.runner.length(w.payload.handle)
+                assert r.cached_len == len(w.payload.ids) == engine.runner.length(w.payload.slot)
                 w.payload.ids = w.payload.ids + r.verdict.tokens  # committed: the next step's row
 
 
@@ -162,17 +155,17 @@ def _draft_jobs(engine: BatchedDraft) -> list[Work]:
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
     prompt = [(5 * i) % SHAPE["vocab_size"] for i in range(1, 21)]
     jobs = {
-        "prefill": DraftJob(None, prompt, 3, greedy, 1),  # 20 tokens, chunks of 8: AGAIN
-        "greedy-k3": DraftJob(None, [1, 2, 3], 3, greedy, 2),
-        "greedy-k2-banned": DraftJob(None, [4, 5], 2, SamplingParams(banned_token_ids=(0, 7)), 3),
-        "sampled-k4": DraftJob(None, [9, 8, 7], 4, sampled, 4),
-        "sampled-k1": DraftJob(None, [6], 1, SamplingParams(temperature=1.0), 5),
-        "guess-greedy": DraftJob(None, [11, 12], 1, greedy, 6, guess=True),
-        "guess-sampled": DraftJob(None, [13, 14, 15], 1, sampled, 7, guess=True),
+        "prefill": StepRow.draft(None, prompt, 3, greedy, 1),  # 20 tokens, chunks of 8: again
+        "greedy-k3": StepRow.draft(None, [1, 2, 3], 3, greedy, 2),
+        "greedy-k2-banned": StepRow.draft(None, [4, 5], 2, SamplingParams(banned_token_ids=(0, 7)), 3),
+        "sampled-k4": StepRow.draft(None, [9, 8, 7], 4, sampled, 4),
+        "sampled-k1": StepRow.draft(None, [6], 1, SamplingParams(temperature=1.0), 5),
+        "guess-greedy": StepRow.guess(None, [11, 12], greedy, 6),
+        "guess-sampled": StepRow.guess(None, [13, 14, 15], sampled, 7),
     }
     out = []
     for name, job in jobs.items():
-        job.handle = engine.open(name)
+        job.slot = engine.open(name)
         out.append(Work(name, job, 1))
     return out
 
@@ -183,7 +176,7 @@ def test_a_batched_draft_step_on_a_fake_cuda_device_copies_only_its_picks_to_the
     most 4 + 2E numbers per drafted position (token, runner-up, two confidences, q's E
     entries), not logits."""
     copy = DesignatedCopy(max_width=4 + 2 * Q_ENTRIES)
-    monkeypatch.setattr(engines_module, "to_host", copy)
+    monkeypatch.setattr(model_step_module, "to_host", copy)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
     monkeypatch.setattr(device_module, "_can_pin", lambda: True)  # to_device's CUDA path: pinned, non-blocking
     with fake_cuda() as (_, host_copies):
@@ -197,28 +190,29 @@ def test_a_batched_draft_step_on_a_fake_cuda_device_copies_only_its_picks_to_the
             copy.calls.clear()
             host_copies.copies.clear()
             host_copies.blocking_in.clear()
-            results = engine.step(batch)
+            results = engine.step(Step([w.payload for w in batch])).rows
             assert host_copies.copies == [], f"copies to the host outside the designated one: {host_copies.copies}"
             # found on an H100 (torch.cuda.set_sync_debug_mode): each blocking copy in waited for the GPU
             assert host_copies.blocking_in == [], f"blocking copies to the device: {host_copies.blocking_in}"
             assert len(copy.calls) == 1, f"the designated copy ran {len(copy.calls)} times in one step"
             shapes = copy.calls[0]
-            finished = [(w, r) for w, r in zip(batch, results, strict=True) if r is not AGAIN]
+            finished = [(w, r) for w, r in zip(batch, results, strict=True) if not r.again]
             # one [k, width] row block per finished job (in the step's own order), on the device
             assert all(d == "cuda" for d, _ in shapes)
             assert sorted(shape[0] for _, shape in shapes) == sorted(w.payload.k for w, _ in finished)
             for w, r in finished:
                 job = w.payload
-                if job.guess:
-                    assert r == 0, (w.session, r)
+                if job.kind is Kind.GUESS:
+                    assert r.guess == 0, (w.session, r)
                     continue
                 # the zeros that crossed: token 0 at every position, runner-up 0, an empty q
-                assert isinstance(r, DraftProposal), (w.session, r)
-                assert r.tokens == [0] * job.k and r.runner_up == [0] * job.k
-                assert (r.q is None) == job.sampling.greedy
+                p = r.proposal
+                assert isinstance(p, DraftProposal), (w.session, r)
+                assert p.tokens == [0] * job.k and p.runner_up == [0] * job.k
+                assert (p.q is None) == job.sampling.greedy
                 # the KV holds the committed tokens and the k - 1 picks fed from the device,
                 # named once they crossed
-                assert engine.runner.kv.ids[engine.runner.kv.slot(job.handle)] == job.ids + [0] * (job.k - 1)
+                assert engine.runner.kv.ids[engine.runner.kv.slot(job.slot)] == job.ids + [0] * (job.k - 1)
             for w in batch:
                 w.payload.ids = w.payload.ids + [1]  # one more committed token for the next step
-        assert results[0] is not AGAIN  # the prompt's last chunk went in the third step: drafted there
+        assert not results[0].again  # the prompt's last chunk went in the third step: drafted there

@@ -34,15 +34,16 @@ from test_runner_invariance import MAX_NEW, SAMPLINGS, spec_generate
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import specserve.models.device as device_module
-import specserve.worker.engines as engines_module
+import specserve.worker.model_step as model_step_module
 from specserve.algorithm.rejection import SparseQ
 from specserve.drafters.hf import HFDrafter
 from specserve.models.device_step import Bucket, DeviceStep
 from specserve.models.runner import ModelRunner, Row
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
-from specserve.worker.engines import BatchedDraft, BatchedTarget, Batching, DraftJob, VerifyJob, VerifyResult
-from specserve.worker.scheduler import AGAIN, Work
+from specserve.step import Step, StepRow
+from specserve.worker.model_step import BatchedDraft, BatchedTarget, Batching
+from specserve.worker.scheduler import Work
 
 # ---- 1. the graph-safety audit ----------------------------------------------------------------
 
@@ -130,7 +131,7 @@ def test_a_draft_steps_positions_are_one_graph_on_a_fake_cuda_device(arch, monke
     """K = 4 for three greedy sessions: positions 1..3 of a step replay one bucket; their
     picks (and heads) come from the step's own run, fed to the next position on the device."""
     copy = DesignatedCopy(max_width=4)
-    monkeypatch.setattr(engines_module, "to_host", copy)
+    monkeypatch.setattr(model_step_module, "to_host", copy)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
     monkeypatch.setattr(device_module, "_can_pin", lambda: True)
     with fake_cuda() as (_, host_copies):
@@ -148,13 +149,13 @@ def test_a_draft_steps_positions_are_one_graph_on_a_fake_cuda_device(arch, monke
             traces.append(t)
 
         ds._run = traced
-        jobs = [Work(f"s{i}", DraftJob(engine.open(f"s{i}"), [3 * i + j for j in range(5 + i)], 4, SamplingParams(), i), 4)
-                for i in range(3)]
+        jobs = [Work(f"s{i}", StepRow.draft(engine.open(f"s{i}"), [3 * i + j for j in range(5 + i)], 4,
+                                            SamplingParams(), i), 4) for i in range(3)]
         for _ in range(2):
             traces.clear()
             host_copies.copies.clear()
-            results = engine.step(jobs)
-            assert all(r is not AGAIN and not isinstance(r, Exception) for r in results), results
+            results = engine.step(Step([w.payload for w in jobs])).rows
+            assert all(r.proposal is not None for r in results), results
             assert len(traces) == 4  # the committed tokens, then 3 positions fed from the device
             assert audit_runs(traces[1:], _step_buffers(ds)) == []
             assert host_copies.copies == [] and len(copy.calls) >= 1
@@ -246,16 +247,16 @@ def _mixed_jobs(engine: BatchedTarget, vocab: int, seed: int = 0) -> list[Work]:
     q = SparseQ(torch.tensor([[5, 6, 0], [7, 8, 0]]), torch.tensor([[0.6, 0.4, 0.0], [0.9, 0.1, 0.0]]))
     prompt = [(3 * i + seed) % vocab for i in range(1, 41)]
     jobs = {
-        "prefill": VerifyJob(None, prompt, [], None, greedy, 1),  # 40 tokens, chunks of 16: AGAIN twice
-        "plain": VerifyJob(None, [1, 2, 3 + seed], [], None, greedy, 2),
-        "greedy-k3": VerifyJob(None, [4, 5, 6, 7], [8, 9, 10], None, greedy, 3),
-        "greedy-k1-banned": VerifyJob(None, [4, 5], [6], None, SamplingParams(banned_token_ids=(0, 7)), 4),
-        "sampled-sparse-q": VerifyJob(None, [9, 8, 7], [5, 7], q, sampled, 5 + seed),
-        "sampled-one-hot": VerifyJob(None, [11, 12], [13, 14, 15, 16], None, sampled, 6 + seed),
+        "prefill": StepRow.verify(None, prompt, [], None, greedy, 1),  # 40 tokens, chunks of 16: again twice
+        "plain": StepRow.verify(None, [1, 2, 3 + seed], [], None, greedy, 2),
+        "greedy-k3": StepRow.verify(None, [4, 5, 6, 7], [8, 9, 10], None, greedy, 3),
+        "greedy-k1-banned": StepRow.verify(None, [4, 5], [6], None, SamplingParams(banned_token_ids=(0, 7)), 4),
+        "sampled-sparse-q": StepRow.verify(None, [9, 8, 7], [5, 7], q, sampled, 5 + seed),
+        "sampled-one-hot": StepRow.verify(None, [11, 12], [13, 14, 15, 16], None, sampled, 6 + seed),
     }
     out = []
     for name, job in jobs.items():
-        job.handle = engine.open(name)
+        job.slot = engine.open(name)
         out.append(Work(name, job, 1))
     return out
 
@@ -272,17 +273,17 @@ def test_a_step_of_mixed_rows_gives_the_eager_steps_verdicts(demo_pair, one_thre
         batch = _mixed_jobs(engine, vocab)
         got = []
         for _ in range(3):
-            results = engine.step(batch)
-            got.append([r if r is AGAIN else (r.verdict.num_accepted, r.verdict.tokens, r.cached_len)
+            results = engine.step(Step([w.payload for w in batch])).rows
+            got.append(["again" if r.again else (r.verdict.num_accepted, r.verdict.tokens, r.cached_len)
                         for r in results])
             for w, r in zip(batch, results, strict=True):
-                if isinstance(r, VerifyResult):
+                if r.verdict is not None:
                     w.payload.ids = w.payload.ids + r.verdict.tokens
         runs.append(got)
         if fixed:
             assert engine.runner.device_step.counts.eager == 3
     assert runs[0] == runs[1]
-    assert runs[0][2][0] != AGAIN  # the prompt's last chunk was judged in the third step
+    assert runs[0][2][0] != "again"  # the prompt's last chunk was judged in the third step
 
 
 def _first_token_counts(engine: BatchedTarget, ids: list[int], sampling: SamplingParams, n: int) -> np.ndarray:
@@ -290,9 +291,8 @@ def _first_token_counts(engine: BatchedTarget, ids: list[int], sampling: Samplin
     counts = np.zeros(engine.runner.vocab_size)
     handles = [engine.open(f"x{i}") for i in range(4)]
     for start in range(0, n, 4):
-        batch = [Work(f"x{i}", VerifyJob(h, ids, [], None, sampling, 10_000 + start + i), 1)
-                 for i, h in enumerate(handles)]
-        for r in engine.step(batch):
+        rows = [StepRow.verify(h, ids, [], None, sampling, 10_000 + start + i) for i, h in enumerate(handles)]
+        for r in engine.step(Step(rows)).rows:
             counts[r.verdict.tokens[0]] += 1
     return counts
 
@@ -317,7 +317,7 @@ def test_sampled_rows_through_the_device_step_follow_the_targets_distribution(de
     def statistic(temperature: float) -> tuple[float, float]:
         p = torch.softmax(logits / temperature, -1).numpy()
         order = np.argsort(-p)
-        exp, obs, bins = [], [], []
+        exp, obs = [], []
         acc_e = acc_o = 0.0
         for t in order:  # pool the tail into bins of expected count >= 5
             acc_e += p[t] * counts.sum()
@@ -417,8 +417,8 @@ def test_cuda_graphs_setting_reaches_the_runner():
         TargetSettings(cuda_graphs="sometimes")
     # on the CPU "auto" keeps the eager forward (graphs are CUDA's); fixed_step forces the shapes
     model = RANDOM_MODELS["qwen3"]()
-    assert engines_module.make_runner(model, Batching(max_sessions=2, max_len=32)).device_step is None
-    forced = engines_module.make_runner(model, Batching(max_sessions=2, max_len=32, fixed_step=True))
+    assert model_step_module.make_runner(model, Batching(max_sessions=2, max_len=32)).device_step is None
+    forced = model_step_module.make_runner(model, Batching(max_sessions=2, max_len=32, fixed_step=True))
     assert forced.device_step is not None and not forced.device_step.graphs_on
     assert forced.kv.num_slots == 3  # two sessions and the scratch slot
 

@@ -18,7 +18,7 @@ from specserve.models.device import (
     to_host,
 )
 from specserve.models.runner import Row
-from specserve.worker.engines import Batching, make_runner
+from specserve.worker.model_step import Batching, make_runner
 
 
 @pytest.mark.parametrize(("setting", "expected"), [("cpu", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda:1")])
@@ -192,27 +192,26 @@ def test_the_per_session_path_runs_the_hf_model_on_the_workers_device_and_dtype(
     from specserve.drafters.hf import HFDrafter
     from specserve.models.verifier import TargetModel
     from specserve.params import SamplingParams
-    from specserve.worker.engines import (
+    from specserve.step import Step, StepRow
+    from specserve.worker.model_step import (
         SessionDraft,
         SessionTarget,
-        VerifyJob,
-        draft_engine,
-        target_engine,
+        make_draft_step,
+        make_target_step,
     )
-    from specserve.worker.scheduler import Work
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     target, draft = GPT2LMHeadModel(cfg).eval(), GPT2LMHeadModel(cfg).eval()
     b = Batching(device="cpu", dtype="bf16")
-    engine = target_engine(TargetModel(target), b)
+    engine = make_target_step(TargetModel(target), b)
     assert isinstance(engine, SessionTarget)
     assert {p.dtype for p in target.parameters()} == {torch.bfloat16}
-    assert isinstance(draft_engine(HFDrafter(draft), b), SessionDraft)
+    assert isinstance(make_draft_step(HFDrafter(draft), b), SessionDraft)
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     handle = engine.open("s")
-    (result,) = engine.step([Work("s", VerifyJob(handle, [1, 2, 3], [4], None, SamplingParams(), 0), 1)])
-    assert not isinstance(result, Exception), result
+    (result,) = engine.step(Step([StepRow.verify(handle, [1, 2, 3], [4], None, SamplingParams(), 0)])).rows
+    assert result.error is None, result
     assert 1 <= len(result.verdict.tokens) <= 2
 
 

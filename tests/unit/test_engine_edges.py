@@ -9,7 +9,7 @@ import torch
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.errors import InvalidRequest
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 
 
@@ -53,7 +53,7 @@ def prompt_ids(demo_pair, eval_prompts):
 
 def test_all_accepted_plus_bonus_with_an_oracle_drafter(demo_pair, target_model, prompt_ids):
     full = _greedy_reference(demo_pair, prompt_ids, 40)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=30, num_draft_tokens=4))
     assert res.token_ids == full[len(prompt_ids) : len(prompt_ids) + 30]
     # a last round cut by EOS emits fewer than K + 1 (the demo pair ends some prompts early)
@@ -64,7 +64,7 @@ def test_all_accepted_plus_bonus_with_an_oracle_drafter(demo_pair, target_model,
 
 def test_all_rejected_still_emits_one_token_per_round(demo_pair, target_model, prompt_ids):
     full = _greedy_reference(demo_pair, prompt_ids, 12)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, None), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, ScriptedDrafter(target_model.vocab_size, None), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=12, num_draft_tokens=3))
     assert res.token_ids == full[len(prompt_ids) :]
     assert all(r.emitted == 1 for r in res.rounds)
@@ -79,7 +79,7 @@ def test_eos_inside_the_block_ends_generation(demo_pair, prompt_ids):
     first = cont.index(eos)
     target = TargetModel(demo_pair.target)
     target.eos_token_ids = frozenset([eos])
-    engine = SpecEngine(target, ScriptedDrafter(target.vocab_size, full), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target, ScriptedDrafter(target.vocab_size, full), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=30, num_draft_tokens=6))
     assert res.finish_reason == "eos"
     assert res.token_ids == cont[: first + 1]
@@ -88,7 +88,7 @@ def test_eos_inside_the_block_ends_generation(demo_pair, prompt_ids):
 
 def test_max_tokens_inside_the_block_and_k_beyond_budget(demo_pair, target_model, prompt_ids):
     full = _greedy_reference(demo_pair, prompt_ids, 10)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     res = engine.generate(prompt_ids, GenerationParams(max_tokens=3, num_draft_tokens=8))
     assert res.token_ids == full[len(prompt_ids) : len(prompt_ids) + 3]
     assert res.finish_reason == "length"
@@ -99,7 +99,7 @@ def test_max_tokens_inside_the_block_and_k_beyond_budget(demo_pair, target_model
 
 def test_max_tokens_cut_inside_a_sampled_block(demo_pair, target_model, prompt_ids):
     full = _greedy_reference(demo_pair, prompt_ids, 10)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     for n in range(1, 8):
         res = engine.generate(prompt_ids, GenerationParams(
             max_tokens=n, num_draft_tokens=5, sampling=SamplingParams(temperature=0.8), seed=n))
@@ -110,7 +110,7 @@ def test_stop_string_across_round_boundaries(demo_pair, target_model, eval_promp
     tok = demo_pair.tokenizer
     ids = tok.encode(eval_prompts[21]["prompt"])  # extraction: long, varied continuation
     full = _greedy_reference(demo_pair, ids, 40)
-    engine = SpecEngine(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
     plain = engine.generate(ids, GenerationParams(max_tokens=40, num_draft_tokens=2))
     text = plain.text
     # a stop string that starts in one round's tokens and ends in a later round's
@@ -128,7 +128,7 @@ def test_stop_string_across_round_boundaries(demo_pair, target_model, eval_promp
 
 
 def test_empty_and_overlong_prompts_are_refused(demo_pair, target_model):
-    engine = SpecEngine(target_model, None, demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, None, demo_pair.tokenizer)
     with pytest.raises(InvalidRequest, match="empty"):
         engine.generate("", GenerationParams())
     with pytest.raises(InvalidRequest, match="context length"):

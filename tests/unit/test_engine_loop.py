@@ -27,7 +27,7 @@ from specserve.engine.scheduler import DRAFT_LATE, Budget
 from specserve.engine.session import DraftBlock, EnginePlan, Status
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
-from specserve.worker.engines import BatchedTarget, Batching, target_engine
+from specserve.worker.model_step import BatchedTarget, Batching, make_target_step
 
 VOCAB = 96
 PROMPTS = [[(7 * i + j * 3) % VOCAB for j in range(3 + 7 * i)] for i in range(6)]  # 3..38 tokens
@@ -57,7 +57,7 @@ CHUNKED = Budget(prefill_chunk=16)
 
 def _loop(pair, sources=None, budget=CHUNKED, **kw) -> EngineLoop:
     target, drafter = pair
-    model = target_engine(target, Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=16))
+    model = make_target_step(target, Batching(kv_budget_mb=4, max_sessions=8, prefill_chunk=16))
     assert isinstance(model, BatchedTarget)
     if sources is None:
         sources = {"small": LocalDrafts(drafter), "ngram": LocalDrafts(NgramDrafter(VOCAB))}
@@ -95,7 +95,7 @@ def test_sessions_of_every_kind_share_steps_and_each_gets_its_tokens_alone(pair,
 
 
 def test_greedy_equals_target_only_on_held_out_prompts(demo_pair, target_model, eval_prompts):
-    model = target_engine(target_model, Batching(kv_budget_mb=96, max_sessions=16, prefill_chunk=32, max_len=256))
+    model = make_target_step(target_model, Batching(kv_budget_mb=96, max_sessions=16, prefill_chunk=32, max_len=256))
     eos = target_model.eos_token_ids
     loop = EngineLoop(model, lambda p: StopChecker(eos, p.stop, demo_pair.tokenizer.decode),
                       {"small": LocalDrafts(HFDrafter(demo_pair.draft))})
@@ -174,7 +174,7 @@ def test_a_session_whose_blocks_were_rejected_and_then_came_late_waits_for_them_
     plan = EnginePlan(GenerationParams(max_tokens=40, num_draft_tokens=3, seed=5,
                                        sampling=SamplingParams(temperature=0.8)), pool="small")
     loop = _loop(pair, {"small": LateDrafts(HFDrafter(target.model), 0.02, wrong=4)}, block_wait_max_s=0.05,
-                 simulated_step_ms=lambda works: 30.0)
+                 simulated_step_ms=lambda step, out: 30.0)
     _run(loop, [("s", PROMPTS[2], plan)])
     rounds = loop.ended["s"].rounds
     late = [i for i, r in enumerate(rounds) if r.fallback_reason == DRAFT_LATE]
@@ -338,7 +338,7 @@ def test_a_seeded_session_waits_for_a_pool_still_linking_and_runs_plain_at_once_
     plan = replace(_plans(0.8)[0], seeded=True)
     assert plan.exact
     whole = _run(_loop(pair), [("s", PROMPTS[1], plan)])["s"]
-    loop = _loop(pair, {"small": LinkingDrafts(pair[1], up_after_s=0.05)}, simulated_step_ms=lambda works: 10.0)
+    loop = _loop(pair, {"small": LinkingDrafts(pair[1], up_after_s=0.05)}, simulated_step_ms=lambda step, out: 10.0)
     loop.add("s", PROMPTS[1], plan, generated=whole[:5], epoch=2)
     loop.run_until_idle()
     rounds = loop.ended["s"].rounds
@@ -392,7 +392,7 @@ def test_an_add_whose_caller_gave_up_opens_nothing_and_the_loop_runs_on(pair):
 
 def test_a_session_the_kv_cannot_hold_is_refused_at_add(pair):
     target, drafter = pair
-    model = target_engine(target, Batching(kv_budget_mb=4, max_sessions=1, prefill_chunk=16))
+    model = make_target_step(target, Batching(kv_budget_mb=4, max_sessions=1, prefill_chunk=16))
     loop = EngineLoop(model, _stops, {})
     plan = EnginePlan(GenerationParams(max_tokens=4, seed=1))
     first, second = loop.add("a", PROMPTS[0], plan), loop.add("b", PROMPTS[1], plan)
@@ -454,7 +454,7 @@ def test_a_session_held_plain_probes_without_waiting_for_its_blocks(pair):
     params = GenerationParams(max_tokens=90, num_draft_tokens=4, seed=3)
     plan = EnginePlan(params, pool="small", workload_class="code", adaptive=True)
     late = _loop(pair, {"small": LateDrafts(unrelated, 0.06, wrong=0)}, block_wait_max_s=0.05,
-                 simulated_step_ms=lambda works: 10.0)
+                 simulated_step_ms=lambda step, out: 10.0)
     quick = _loop(pair, {"small": LocalDrafts(unrelated)})
     for loop in (late, quick):
         _run(loop, [("s", PROMPTS[4], plan)])
@@ -519,7 +519,7 @@ def test_a_round_records_how_long_its_session_waited_outside_the_steps(pair):
     a step for every verified round; the plain one waits for none."""
     target, _ = pair
     loop = _loop(pair, {"small": LateDrafts(HFDrafter(target.model), 0.02, wrong=0)}, block_wait_max_s=0.05,
-                 simulated_step_ms=lambda works: 30.0, gather=False)
+                 simulated_step_ms=lambda step, out: 30.0, gather=False)
     _run(loop, [("plain", PROMPTS[1], EnginePlan(GenerationParams(max_tokens=30, num_draft_tokens=0, seed=1))),
                 ("late", PROMPTS[2], EnginePlan(GenerationParams(max_tokens=12, num_draft_tokens=2, seed=1),
                                                 pool="small"))])

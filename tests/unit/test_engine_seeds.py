@@ -6,12 +6,12 @@ import pytest
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 
 
 def _engine(demo_pair, target_model, name):
     drafter = HFDrafter(demo_pair.draft) if name == "small" else NgramDrafter(target_model.vocab_size)
-    return SpecEngine(target_model, drafter, demo_pair.tokenizer)
+    return ReferenceDecoder(target_model, drafter, demo_pair.tokenizer)
 
 
 @pytest.mark.parametrize("name", ["small", "ngram"])

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve.algorithm.sampling import SamplingParams, logits_to_probs
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.drafters.prediction import PredictionDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 
 VOCAB = 5
@@ -72,7 +72,7 @@ def test_first_three_tokens_match_target_only(drafter_kind, sp, n):
     exact = _exact_distribution(target_hf, sp)
     drafter = {"small": lambda: HFDrafter(draft_hf), "ngram": lambda: NgramDrafter(VOCAB),
                "prediction": lambda: PredictionDrafter(list(max(exact, key=exact.get)), len(PROMPT), VOCAB)}
-    engine = SpecEngine(target, drafter[drafter_kind](), IdsTokenizer())
+    engine = ReferenceDecoder(target, drafter[drafter_kind](), IdsTokenizer())
 
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0

@@ -10,7 +10,7 @@ import pytest
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.prediction import PredictionDrafter, resync
 from specserve.errors import InvalidRequest
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 
 GREEDY = SamplingParams()
 PROMPT = [100, 101]  # the drafter reads the output after these
@@ -112,13 +112,13 @@ def _edited(ref: list[int], vocab: int) -> list[int]:
 
 @pytest.mark.slow
 def test_greedy_output_is_plain_greedy_whatever_the_prediction(demo_pair, target_model, eval_prompts):
-    plain = SpecEngine(target_model, None, demo_pair.tokenizer)
+    plain = ReferenceDecoder(target_model, None, demo_pair.tokenizer)
     accepted = rejected = 0
     for item in eval_prompts[:3]:
         ids = demo_pair.tokenizer.encode(item["prompt"])
         ref = plain.generate(ids, GenerationParams(max_tokens=MAX_TOKENS)).token_ids
         for prediction in (_edited(ref, target_model.vocab_size), ref[::-1]):
-            engine = SpecEngine(target_model, PredictionDrafter(prediction, len(ids), target_model.vocab_size),
+            engine = ReferenceDecoder(target_model, PredictionDrafter(prediction, len(ids), target_model.vocab_size),
                                 demo_pair.tokenizer)
             res = engine.generate(ids, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=8))
             assert res.token_ids == ref, item["prompt"][:60]

@@ -1,6 +1,6 @@
 """Pre-drafting is lossless (ADR 0010): a round that uses a block drafted ahead gets exactly
 the block drafting afresh would give, so a seeded generation through the draft worker's
-servicer, with pre-drafting on or off, equals the in-process engine's, at T = 0 and T > 0,
+servicer, with pre-drafting on or off, equals the in-process reference decoder's, at T = 0 and T > 0,
 for the model and the n-gram drafter. The loop below is the router's round (propose ->
 verify -> settle) with the worker's servicer called in process and its pushed blocks used the
 way the router uses them."""
@@ -15,7 +15,7 @@ from specserve.algorithm.round import draft_budget, settle
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.engine import GenerationParams, SpecEngine
+from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import verify_block
 from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
@@ -102,7 +102,7 @@ def test_seeded_output_with_predrafting_on_and_off_equals_the_engine(demo_pair, 
                                                                       temperature, run):
     sp = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
     params = GenerationParams(max_tokens=40, sampling=sp, num_draft_tokens=3, seed=17)
-    engine = SpecEngine(target_model, _drafter(demo_pair, target_model, name), demo_pair.tokenizer)
+    engine = ReferenceDecoder(target_model, _drafter(demo_pair, target_model, name), demo_pair.tokenizer)
     stops = StopChecker(target_model.eos_token_ids, (), lambda ids: demo_pair.tokenizer.decode(list(ids)))
     total_hits = 0
     chosen = eval_prompts[::8]

@@ -23,7 +23,7 @@ from specserve.params import GenerationParams
 from specserve.services.router.model_info import ModelInfo
 from specserve.structured.constraint import Constraint
 from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
-from specserve.worker.engines import Batching, target_engine
+from specserve.worker.model_step import Batching, make_target_step
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -47,7 +47,7 @@ def _encode(demo_pair):
 
 
 def _loop(demo_pair, target_model, cache, forced=True, sources=None) -> EngineLoop:
-    model = target_engine(target_model, Batching(kv_budget_mb=96, max_sessions=16, prefill_chunk=32, max_len=512))
+    model = make_target_step(target_model, Batching(kv_budget_mb=96, max_sessions=16, prefill_chunk=32, max_len=512))
     eos = target_model.eos_token_ids
     encode = _encode(demo_pair)
     return EngineLoop(model, lambda p: StopChecker(eos, p.stop, demo_pair.tokenizer.decode),

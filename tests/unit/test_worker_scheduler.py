@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from specserve.errors import KVBudgetExhausted, NeedsFullPrefix
+from specserve.step import RowResult, Step, StepResult
 from specserve.v1 import common_pb2
 from specserve.worker.cost import CostModel
-from specserve.worker.scheduler import AGAIN, BACKGROUND, FOREGROUND, Scheduler, Work
+from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Scheduler, Work
 from specserve.worker.sessions import SessionTable
 
 
@@ -74,19 +75,19 @@ def test_the_loop_resolves_items_splits_the_batch_time_by_tokens_and_requeues_ag
     seen: list[list[int]] = []
     passes: dict[int, int] = {}
 
-    def step(batch: list[Work]) -> list:
-        seen.append([w.payload for w in batch])
+    def step(batch: Step) -> StepResult:
+        seen.append(list(batch.rows))
         time.sleep(0.01)
         out = []
-        for w in batch:
-            passes[w.payload] = passes.get(w.payload, 0) + 1
-            if w.payload == 0 and passes[0] < 3:  # a prompt fed in three chunks
-                out.append(AGAIN)
-            elif w.payload == 2:
-                out.append(ValueError("bad row"))
+        for row in batch.rows:
+            passes[row] = passes.get(row, 0) + 1
+            if row == 0 and passes[0] < 3:  # a prompt fed in three chunks
+                out.append(RowResult.later())
+            elif row == 2:
+                out.append(RowResult.of_error(ValueError("bad row")))
             else:
-                out.append(f"r{w.payload}")
-        return out
+                out.append(RowResult(proposal=f"r{row}"))
+        return StepResult(out)
 
     async def go():
         sched = Scheduler(max_batch=2)
@@ -99,7 +100,7 @@ def test_the_loop_resolves_items_splits_the_batch_time_by_tokens_and_requeues_ag
     r0, r1, r2 = asyncio.run(go())
     assert seen[0] == [0, 1]
     assert seen[1][0] == 0 and seen[2][0] == 0  # the chunked item goes first in the next batches
-    assert r0.value == "r0" and r1.value == "r1"
+    assert r0.value.proposal == "r0" and r1.value.proposal == "r1"
     assert isinstance(r2, ValueError)  # one item's error fails that call only
     assert r0.batch_size == len(seen[2])
     # r0 fed 3 of the first batch's 4 tokens, then shared two more batches
@@ -246,7 +247,7 @@ def test_an_item_stays_busy_until_its_batch_is_over_even_when_its_caller_goes_aw
     def step(batch):
         running.set()
         go_on.wait(5)
-        return [w.payload for w in batch]
+        return StepResult([RowResult(proposal=row) for row in batch.rows])
 
     async def go():
         sched = Scheduler(max_batch=1)
@@ -303,13 +304,13 @@ def test_no_new_item_runs_on_a_released_session():
         slots = None
 
         def step(self, batch):
-            return [w.payload for w in batch]
+            return StepResult([RowResult(proposal=row) for row in batch.rows])
 
     async def body():
         engine = Engine(1)
         core = WorkerCore(engine, WorkerMetrics("test_released"), max_sessions=4)
         seq = core.session("a")
-        assert (await core.run(seq, "first", 1)).value == "first"
+        assert (await core.run(seq, "first", 1)).value.proposal == "first"
         core.sessions.release("a")
         with pytest.raises(SessionNotFound, match="released"):
             await core.run(seq, "after", 1)

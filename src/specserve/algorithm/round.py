@@ -1,4 +1,4 @@
-"""The rules of one round that do not touch a model, shared by the in-process engine and the
+"""The rules of one round that do not touch a model, shared by the in-process reference decoder and the
 router: how many drafts a round may ask for, where its emitted tokens stop (`settle`), and the
 one record a round leaves (`RoundStats`), which metrics, the controller and tracing observe.
 Torch-free: the router imports it.

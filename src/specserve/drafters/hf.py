@@ -32,7 +32,7 @@ Q_MAX_ENTRIES = 256  # ... at most this many per position (measured in ADR 0010)
 class HFDrafter:
     """`q_mass`/`q_max_entries`: the draft samples from its distribution truncated to the most
     likely tokens covering q_mass (at most q_max_entries), and sends that q sparse (ADR 0010).
-    The in-process engine and the draft worker must use the same values, or a seeded request
+    The in-process reference decoder and the draft worker must use the same values, or a seeded request
     drafts differently in the two (its output distribution is exact either way)."""
 
     def __init__(self, model: PreTrainedModel, name: str = "small", q_mass: float = Q_MASS,

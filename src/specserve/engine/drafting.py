@@ -6,7 +6,7 @@ the callback the engine attached; it may deliver from any thread, at any time. A
 the committed prefix it assumes, and the engine uses it only for exactly that prefix.
 
 `LocalDrafts` runs an in-process drafter (a small model, n-gram, a prediction) and delivers
-each block at once. It serves the in-process engine and the tests. The draft workers'
+each block at once. It serves the in-process reference decoder and the tests. The draft workers'
 stream (`Draft.Link`) is the remote source.
 """
 

@@ -10,7 +10,7 @@ no locks. The step never waits for Redis, a client or a draft replica:
 - a session whose block is late waits at most `block_wait_s()`, then runs plain.
 
 Example (in process, a local drafter):
-    loop = EngineLoop(target_engine(target, Batching()), stops_for, {"small": LocalDrafts(drafter)})
+    loop = EngineLoop(make_target_step(target, Batching()), stops_for, {"small": LocalDrafts(drafter)})
     loop.add("s1", prompt_ids, EnginePlan(params, pool="small"))
     loop.run_until_idle()
     loop.sessions["s1"].generated
@@ -49,23 +49,12 @@ from specserve.engine.session import (
     Status,
 )
 from specserve.params import GenerationParams
+from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow
 from specserve.structured.constraint import Constraint
 from specserve.worker.cost import CostModel
-from specserve.worker.engines import VerifyJob
-from specserve.worker.scheduler import AGAIN, Work
 
 NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
 MAX_ASKS = 8  # asks remembered per session, by committed length, until their block arrives
-
-
-class ModelStep(Protocol):
-    """The batched target (worker/engines.py: BatchedTarget)."""
-
-    max_positions: int
-
-    def open(self, session_id: str) -> Any: ...
-    def close(self, handle: Any) -> None: ...
-    def step(self, batch: list[Work]) -> list[Any]: ...
 
 
 class Committer(Protocol):
@@ -93,7 +82,7 @@ class EngineLoop:
                  observers: Sequence[EngineObserver] = (), budget: Budget | None = None,
                  block_wait_max_s: float = 0.005, wait_factor: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, keep_ended: int = 1024,
-                 simulated_step_ms: Callable[[list[Work]], float] | None = None,
+                 simulated_step_ms: Callable[[Step, StepResult], float] | None = None,
                  on_step: Callable[[StepReport], None] | None = None,
                  summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0,
                  constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
@@ -227,11 +216,13 @@ class EngineLoop:
             self._notify_ended()  # cancelled from the inbox
             return None
         self.mask_ms = 0.0
-        works = [self._work(r) for r in plan.rows]
+        step = Step([self._row(r) for r in plan.rows])
         t1 = time.perf_counter()
-        results = self.model.step(works)
+        out = self.model.step(step)
+        results = out.rows
+        fed = sum(max(r.fed, 1) for r in results)
         if self.simulated_step_ms is not None:  # the device's time: the real forward padded up to it
-            time.sleep(max(self.simulated_step_ms(works) / 1e3 - (time.perf_counter() - t1), 0.0))
+            time.sleep(max(self.simulated_step_ms(step, out) / 1e3 - (time.perf_counter() - t1), 0.0))
         t2 = time.perf_counter()
         forward_ms = (t2 - t1) * 1e3
         self.step_ms += 0.2 * (forward_ms - self.step_ms)
@@ -240,7 +231,7 @@ class EngineLoop:
         rounds = [self._settle(r, res, forward_ms, commits) for r, res in zip(plan.rows, results, strict=True)]
         bookkeeping_ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
         # the step's wall prices K: the engine's own Python per row counts as the forward does
-        self.cost.observe(len(works), sum(w.tokens for w in works), (forward_ms + bookkeeping_ms) / 1e3)
+        self.cost.observe(len(results), fed, (forward_ms + bookkeeping_ms) / 1e3)
         ended = time.perf_counter()
         for s, stats in rounds:
             if stats is not None:
@@ -262,7 +253,7 @@ class EngineLoop:
                 if (owner := self.sessions.get(c.session_id)) is not None:
                     owner.unacked += 1
         self._forget_ended()
-        self.last = StepReport(len(plan.rows), sum(w.tokens for w in works), forward_ms, bookkeeping_ms)
+        self.last = StepReport(len(plan.rows), fed, forward_ms, bookkeeping_ms)
         if self.on_step is not None:
             self.on_step(self.last)
         return self.last
@@ -362,7 +353,7 @@ class EngineLoop:
             source.open(s)
         done.set_result(s)
 
-    def _work(self, row: Row) -> Work:
+    def _row(self, row: Row) -> StepRow:
         s = row.session
         p = s.plan.params
         drafts, q = clip(row.block, s.k_wanted, row.offset) if row.block is not None else ([], None)
@@ -372,18 +363,19 @@ class EngineLoop:
             room = p.max_tokens - s.n_generated - 1  # drafts past the budget would never commit
             drafts, q, allowed = s.grammar.constrain(drafts, q, p.sampling.greedy, min(s.k_wanted, room), room)
             self.mask_ms += (time.perf_counter() - t0) * 1e3
-        return Work(s.id, VerifyJob(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed), row.tokens)
+        return StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed)
 
-    def _settle(self, row: Row, result: Any, forward_ms: float,
+    def _settle(self, row: Row, result: RowResult, forward_ms: float,
                 commits: list[CommitRecord]) -> tuple[EngineSession, RoundStats | None]:
         s = row.session
-        if result is AGAIN:  # a prefill chunk that did not reach the end of the prompt
+        if result.again:  # a prefill chunk that did not reach the end of the prompt
             s.cached = min(s.cached + row.tokens, len(s.committed) - 1)
             return s, None
-        if isinstance(result, Exception):
-            self._end(s, Status.FAILED, "error", f"{type(result).__name__}: {result}")
+        if result.error is not None:
+            self._end(s, Status.FAILED, "error", f"{type(result.error).__name__}: {result.error}")
             return s, None
         verdict = result.verdict
+        assert verdict is not None
         s.cached = result.cached_len
         k_asked = s.k_wanted
         expected = s.n_generated

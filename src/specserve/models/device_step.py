@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -142,7 +142,7 @@ class DeviceStep:
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
             self._run = torch.compile(self.run, dynamic=True)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool
         self.last: Bucket | None = None
 
     def field(self, name: str, n: int) -> torch.Tensor:
@@ -215,8 +215,8 @@ class DeviceStep:
         put("ndraft", ndraft)
         copy_in(self.ints, host)
         if on_device:  # a draft's picks, fed from where they are
-            toks = torch.cat([t.to(dtype=torch.long).view(-1) for _, t in on_device])
-            self.field("ids", b.tokens).index_copy_(0, self.field("dst", len(dst)), toks)
+            picks = torch.cat([t.to(dtype=torch.long).view(-1) for _, t in on_device])
+            self.field("ids", b.tokens).index_copy_(0, self.field("dst", len(dst)), picks)
         custom = masks is not None and any(m is not None for m in masks)
         if custom or self._custom_mask:
             within = self.causal.expand(self.max_rows, self.max_width, self.max_width).clone()

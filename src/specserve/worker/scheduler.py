@@ -10,8 +10,8 @@ when the model would otherwise idle, so a real call never waits behind more than
 background batch already running.
 
 An item the model could not finish in one pass (a long prompt prefilled chunk by chunk)
-answers `AGAIN` and is queued again at the front: its next chunk shares the next batch with
-the running sessions instead of stalling them.
+answers `again` (specserve/step.py: RowResult) and is queued again at the front: its next
+chunk shares the next batch with the running sessions instead of stalling them.
 
 Cost attribution (ADR 0013): each item's `Done.cost_s` is what a batch of rows like it takes
 at the current batch size (worker/cost.py, fitted on the recent batches); a reply reports it
@@ -19,8 +19,8 @@ as its compute. `Done.share_s` is its share of the batch's wall time by tokens f
 
 Example:
     sched = Scheduler(max_batch=32)
-    loop_task = asyncio.create_task(sched.run(executor, step))  # step(list[Work]) -> results
-    done = await sched.submit(Work("s1", payload, tokens=5))
+    loop_task = asyncio.create_task(sched.run(executor, model.step))  # step(Step) -> StepResult
+    done = await sched.submit(Work("s1", StepRow.draft(slot, ids, 4, sampling, seed), tokens=4))
 """
 
 from __future__ import annotations
@@ -29,26 +29,18 @@ import asyncio
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
 
+from specserve.step import RowResult, Step, StepResult, StepRow
 from specserve.worker.cost import CostModel
 
 FOREGROUND, BACKGROUND = 0, 1
 MAX_WAIT_LIMIT_S = 0.001
 
 
-class _Again:
-    def __repr__(self) -> str:
-        return "AGAIN"
-
-
-AGAIN: Any = _Again()  # a step's result for an item that needs another pass
-
-
 @dataclass(eq=False)
 class Work:
     session: Hashable
-    payload: Any
+    payload: StepRow
     tokens: int = 1  # tokens the item feeds this pass: its share of the batch's cost
     priority: int = FOREGROUND
     spent_s: float = 0.0  # its share of earlier passes (a chunked prefill)
@@ -66,9 +58,9 @@ class Work:
 
 @dataclass(frozen=True)
 class Done:
-    """A finished item: its result and what its batch cost."""
+    """A finished item: its row's result and what its batch cost."""
 
-    value: Any
+    value: RowResult
     batch_s: float  # the batch's wall time (and simulated device time)
     share_s: float  # this item's share of it (and of its earlier passes), by tokens fed
     batch_size: int
@@ -152,10 +144,11 @@ class Scheduler:
             await asyncio.sleep(self.max_wait_s)  # let the calls of this instant join
         return self.take()
 
-    async def run(self, executor, step: Callable[[list[Work]], list[Any]],
+    async def run(self, executor, step: Callable[[Step], StepResult],
                   extra_s: Callable[[list[Work]], float] | None = None) -> None:
         """The batching loop (one task per worker): take a batch, run `step` on the model
-        thread, resolve the items. `extra_s(batch)`: simulated device time (benchmarks)."""
+        thread over its items' rows, resolve the items. `extra_s(batch)`: simulated device
+        time (benchmarks)."""
         loop = asyncio.get_running_loop()
         while True:
             batch = await self.next_batch()
@@ -163,16 +156,19 @@ class Scheduler:
                 continue
             t0 = time.perf_counter()
             try:
-                results = await loop.run_in_executor(executor, step, batch)
+                out = await loop.run_in_executor(executor, step, Step([w.payload for w in batch]))
+                results = out.rows
+                for w, r in zip(batch, results, strict=True):
+                    w.tokens = r.fed or w.tokens
             except Exception as exc:  # the whole batch failed (a bug or a bad shape): tell every caller
-                results = [exc] * len(batch)
+                results = [RowResult.of_error(exc)] * len(batch)
             extra = extra_s(batch) if extra_s is not None else 0.0
             if extra > 0:
                 await asyncio.sleep(extra)
             elapsed = time.perf_counter() - t0
             self._finish(batch, results, elapsed)
 
-    def _finish(self, batch: list[Work], results: list[Any], elapsed: float) -> None:
+    def _finish(self, batch: list[Work], results: list[RowResult], elapsed: float) -> None:
         if self.on_batch is not None:
             self.on_batch(len(batch), elapsed)
         total = sum(max(w.tokens, 1) for w in batch)
@@ -181,14 +177,14 @@ class Scheduler:
         for w, r in zip(batch, results, strict=True):
             earlier = w.spent_s
             w.spent_s += elapsed * max(w.tokens, 1) / total
-            if r is AGAIN:
+            if r.again:
                 again.append(w)
                 continue
             w.leave()
             if w.future is None or w.future.done():
                 continue
-            if isinstance(r, BaseException):
-                w.future.set_exception(r)
+            if r.error is not None:
+                w.future.set_exception(r.error)
             else:
                 cost = earlier + self.cost.row_cost(len(batch), max(w.tokens, 1), elapsed)
                 w.future.set_result(Done(r, elapsed, w.spent_s, len(batch), cost))

@@ -62,7 +62,7 @@ async def warm_up(servicer: DraftServicer) -> None:
 async def main(settings: DraftSettings) -> None:
     setup_tracing(f"specserve-draft-{settings.pool}")
     from specserve.worker import threads
-    from specserve.worker.engines import Batching
+    from specserve.worker.model_step import Batching
 
     model_thread = threads.ModelThread("draft")  # loads the model and runs every batch (threads.py)
 

@@ -28,9 +28,10 @@ from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.serving.wire import check_token_ids, sampling_from_proto
 from specserve.state.prefix import chain
+from specserve.step import Kind, StepRow
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.worker.core import WorkerCore
-from specserve.worker.engines import Batching, DraftJob, draft_engine
+from specserve.worker.model_step import Batching, make_draft_step
 from specserve.worker.qcodec import q_to_proto
 from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Work
 from specserve.worker.sessions import WorkerSession
@@ -66,8 +67,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.max_predraft_branches = max_predraft_branches
         self.metrics = metrics or WorkerMetrics("draft")
         b = batching or Batching(enabled=False)
-        self.engine = draft_engine(drafter, replace(b, max_sessions=min(b.max_sessions, max_sessions)))
-        self.core = WorkerCore(self.engine, self.metrics, max_sessions, max_batch, max_wait_ms, evict_idle_s,
+        self.model = make_draft_step(drafter, replace(b, max_sessions=min(b.max_sessions, max_sessions)))
+        self.core = WorkerCore(self.model, self.metrics, max_sessions, max_batch, max_wait_ms, evict_idle_s,
                                max_batched_tokens, extra_s=self._simulated_s, on_close=_stop_ahead, name="draft",
                                executor=model_thread)
         self.sessions = self.core.sessions
@@ -77,7 +78,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         """A slower draft device: simulated_token_ms per draft step of the batch."""
         if not self.simulated_token_ms:
             return 0.0
-        return self.simulated_token_ms * max(1 if w.payload.guess else w.payload.k for w in batch) / 1e3
+        return self.simulated_token_ms * max(1 if w.payload.kind is Kind.GUESS else w.payload.k for w in batch) / 1e3
 
     def _session(self, session_id: str) -> WorkerSession:
         seq = self.core.session(session_id)
@@ -138,9 +139,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                      priority: int = FOREGROUND, guess: bool = False, grammar: Any = None):
         """One block (or the bonus guess) through the scheduler: (result, its cost in seconds
         at the current batch size, worker/cost.py)."""
-        done = await self.core.run(seq, DraftJob(seq.handle, ids, k, sampling, seed, guess, grammar),
-                                   1 if guess else k, priority)
-        return done.value, done.cost_s
+        row = (StepRow.guess(seq.handle, ids, sampling, seed, grammar) if guess
+               else StepRow.draft(seq.handle, ids, k, sampling, seed, grammar))
+        done = await self.core.run(seq, row, 1 if guess else k, priority)
+        return (done.value.guess if guess else done.value.proposal), done.cost_s
 
     async def _draft_ahead(self, session_id: str, seq: WorkerSession, ids: list[int], proposal: DraftProposal, k: int,
                            sampling: SamplingParams, seed: int, branches: int, push: Push | None,

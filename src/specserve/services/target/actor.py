@@ -85,7 +85,7 @@ class TargetWorker:
         from specserve.state.store import SessionStore, connect
         from specserve.v1 import target_pb2, target_pb2_grpc
         from specserve.worker import threads
-        from specserve.worker.engines import Batching, target_engine, warm_up
+        from specserve.worker.model_step import Batching, make_target_step, warm_up
 
         s = self.settings
         setup_tracing("specserve-target")
@@ -99,7 +99,7 @@ class TargetWorker:
 
             def build():
                 target = TargetModel(load_model(s.model))
-                engine = target_engine(target, Batching.from_settings(s))
+                engine = make_target_step(target, Batching.from_settings(s))
                 warm_up(engine)  # the batched step once, before the engine loop owns the model
                 return target, engine
 
@@ -109,7 +109,7 @@ class TargetWorker:
             log.info("target model on %s (Ray GPU ids %s, num_gpus %s)", device, _ray_gpu_ids(), s.num_gpus)
             metrics = WorkerMetrics("target")
             store = SessionStore(redis, prefix=s.key_prefix, ttl_s=s.session_ttl_s, lease_s=s.lease_s)
-            host = self.host = engine_host(s, engine, metrics, target, store, tls, model_thread)
+            host = self.host = loop_host(s, engine, metrics, target, store, tls, model_thread)
             servicer = TargetServicer(host)
             server = GrpcServer([target_pb2.DESCRIPTOR.services_by_name["Target"].full_name], s.host, s.port,
                                 s.grace_s, lambda srv: target_pb2_grpc.add_TargetServicer_to_server(servicer, srv),
@@ -148,7 +148,7 @@ class TargetWorker:
                 log.warning("heartbeat to Redis failed", exc_info=True)
 
 
-def engine_host(s: TargetSettings, engine, metrics, target, store, tls, model_thread=None):
+def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thread=None):
     """The engine beside the target: one draft source per configured pool (remote replicas, or
     n-gram drafting in this process for a `local:ngram` pool)."""
     from specserve.algorithm.stops import StopChecker
@@ -159,7 +159,7 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls, model_th
     from specserve.engine.link import RemoteDrafts
     from specserve.engine.scheduler import Budget
     from specserve.services.router.model_info import ModelInfo
-    from specserve.services.target.engine_host import EngineHost
+    from specserve.services.target.loop_host import LoopHost
     from specserve.serving.metrics import RoundMetrics
 
     loop = asyncio.get_running_loop()
@@ -183,7 +183,7 @@ def engine_host(s: TargetSettings, engine, metrics, target, store, tls, model_th
         grammars = info.grammars(target.vocab_size)
         return ConstrainedRow(grammars.compile(c), grammars.vocab_size, target.vocab_size, encode=info.encode)
 
-    return EngineHost(engine, stops_for, store, s.name, sources, loop,
+    return LoopHost(engine, stops_for, store, s.name, sources, loop,
                       budget=Budget(max_batch=s.max_batch, max_batched_tokens=s.max_batched_tokens,
                                     prefill_chunk=s.prefill_chunk),
                       block_wait_max_s=s.block_wait_ms / 1e3, redis_outage_s=s.redis_outage_s,

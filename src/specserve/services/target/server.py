@@ -11,7 +11,7 @@ from specserve.v1 import target_pb2, target_pb2_grpc
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, host=None) -> None:
-        self.host = host  # specserve.services.target.engine_host.EngineHost, set once the engine is up
+        self.host = host  # specserve.services.target.loop_host.LoopHost, set once the engine is up
 
     async def Start(self, request: target_pb2.StartRequest, context) -> target_pb2.StartResponse:
         if self.host is None:

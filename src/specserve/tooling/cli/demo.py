@@ -1,5 +1,5 @@
 """`specserve demo` (through the router of a running stack) and `specserve demo-local` (the
-in-process engine): held-out prompts of each class, speculation off and on."""
+in-process reference decoder): held-out prompts of each class, speculation off and on."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def demo_local(
     max_tokens: int = typer.Option(48, help="Tokens per request."),
     k: int = typer.Option(4, "--k", help="Draft tokens per round (K)."),
 ) -> None:
-    """The in-process engine (no services) on one held-out prompt per workload class."""
+    """The in-process reference decoder (no services) on one held-out prompt per workload class."""
     import time
 
     import torch
@@ -156,8 +156,8 @@ def demo_local(
     from rich.table import Table
 
     from specserve.drafters import HFDrafter, NgramDrafter
-    from specserve.models.engine import GenerationParams, SpecEngine
     from specserve.models.loading import load_pair
+    from specserve.models.reference import GenerationParams, ReferenceDecoder
     from specserve.models.verifier import TargetModel
     from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
     from specserve.tooling.modelbuild.evaluate import demo_choice
@@ -169,14 +169,14 @@ def demo_local(
     if pair.draft is None:
         raise typer.BadParameter(f"{pair_path} has no draft model")
     engines = {
-        "off (plain)": SpecEngine(target, None, pair.tokenizer),
-        "model draft": SpecEngine(target, HFDrafter(pair.draft), pair.tokenizer),
-        "n-gram draft": SpecEngine(target, NgramDrafter(target.vocab_size), pair.tokenizer),
+        "off (plain)": ReferenceDecoder(target, None, pair.tokenizer),
+        "model draft": ReferenceDecoder(target, HFDrafter(pair.draft), pair.tokenizer),
+        "n-gram draft": ReferenceDecoder(target, NgramDrafter(target.vocab_size), pair.tokenizer),
     }
     console = Console()
     _demo_notice(console, pair_path)
     prompts = load_eval_prompts(pair_path)
-    table = Table(title=f"specserve in-process engine, greedy, K={k}, {max_tokens} tokens")
+    table = Table(title=f"specserve in-process reference decoder, greedy, K={k}, {max_tokens} tokens")
     for col in ("class", "speculation", "ms/token", "speedup", "mean accepted", "same text as plain"):
         table.add_column(col)
     for cls in ("code", "chat", "extraction"):

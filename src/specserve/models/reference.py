@@ -1,7 +1,12 @@
-"""The in-process speculative decoding loop: draft -> verify -> accept -> rollback.
+"""The in-process reference decoder: draft -> verify -> accept -> rollback, one session at a
+time, in this process.
 
 It is the reference the distributed system is checked against: the router runs the same
-round through gRPC and Redis and must produce the same tokens.
+round through gRPC and Redis and must produce the same tokens. Its rounds go through the
+same typed step as the workers' (specserve/step.py, ADR 0019): a DRAFT row through the
+drafter's model step and a VERIFY row through the target's (worker/model_step.py: the
+batched runner for the architectures it serves, the per-session HF path otherwise or with
+`Batching(enabled=False)`).
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from specserve.algorithm.round import RoundStats, draft_budget, settle
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters.base import Drafter
 from specserve.errors import InvalidRequest
-from specserve.models.verifier import TargetModel, verify_block
+from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
+from specserve.step import ModelStep, RowResult, Step, StepRow
 
 
 @dataclass
@@ -33,10 +39,12 @@ class GenerationResult:
         return [r.accepted for r in self.rounds if r.k > 0]
 
 
-class SpecEngine:
+class ReferenceDecoder:
     """generate(prompt, params) for one target and an optional drafter."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | None, tokenizer) -> None:
+    def __init__(self, target: TargetModel, drafter: Drafter | None, tokenizer, batching=None) -> None:
+        """`batching`: worker/model_step.py's Batching for both model steps (default: the
+        workers' defaults, two KV slots a model)."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -44,6 +52,19 @@ class SpecEngine:
             raise InvalidRequest(
                 f"draft vocabulary size {drafter.vocab_size} != target {target.vocab_size}"
             )
+        self.batching = batching
+        self._steps: tuple[ModelStep, ModelStep | None] | None = None
+
+    def model_steps(self) -> tuple[ModelStep, ModelStep | None]:
+        """The target's and the drafter's model steps, made on first use (the batched ones
+        copy the weights they need and allocate their KV slots)."""
+        if self._steps is None:
+            from specserve.worker.model_step import Batching, make_draft_step, make_target_step
+
+            b = self.batching or Batching(max_sessions=2, max_batch=2)
+            self._steps = (make_target_step(self.target, b),
+                           make_draft_step(self.drafter, b) if self.drafter is not None else None)
+        return self._steps
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -81,26 +102,35 @@ class SpecEngine:
         resumed = settle([], [int(t) for t in committed], stops, params.max_tokens)  # already over?
         generated, finish = resumed.tokens, resumed.finish_reason
         rounds: list[RoundStats] = []
-        draft = self.drafter.start() if (self.drafter and params.num_draft_tokens > 0) else None
-        target = self.target.start()
+        target_step, draft_step = self.model_steps()
+        if params.num_draft_tokens <= 0:
+            draft_step = None
+        target = target_step.open("\0reference")
+        draft = draft_step.open("\0reference") if draft_step is not None else None
         try:
             while finish is None:
-                finish = self._round(draft, target, prompt_ids, generated, params, seed, stops, rounds)
+                finish = self._round(draft_step, draft, target_step, target, prompt_ids, generated, params, seed,
+                                     stops, rounds)
         finally:
-            target.release()
-            if draft is not None:
-                draft.release()
+            target_step.close(target)
+            if draft_step is not None:
+                draft_step.close(draft)
         return GenerationResult(prompt_ids, generated, stops.visible_text(generated, finish), finish, seed, rounds)
 
-    def _round(self, draft, target, prompt_ids, generated, params, seed, stops, rounds) -> str | None:
-        """draft -> verify_block -> settle, the same stages the router runs over the wire."""
+    def _round(self, draft_step, draft, target_step, target, prompt_ids, generated, params, seed, stops,
+               rounds) -> str | None:
+        """A DRAFT row, a VERIFY row, settle: the same stages the router runs over the wire."""
         context = prompt_ids + generated
         k = draft_budget(params.num_draft_tokens, len(generated), params.max_tokens)
         t0 = time.perf_counter()
-        proposal = draft.propose(context, k, params.sampling, seed) if (draft and k > 0) else None
+        proposal = None
+        if draft_step is not None and k > 0:
+            proposal = _run(draft_step, StepRow.draft(draft, context, k, params.sampling, seed)).proposal
         drafts = proposal.tokens if proposal else []
         t1 = time.perf_counter()
-        verdict = verify_block(target, context, drafts, proposal.q if proposal else None, params.sampling, seed)
+        verdict = _run(target_step, StepRow.verify(target, context, drafts, proposal.q if proposal else None,
+                                                   params.sampling, seed)).verdict
+        assert verdict is not None
         t2 = time.perf_counter()
         settled = settle(generated, verdict.tokens, stops, params.max_tokens)
         generated.extend(settled.tokens)
@@ -108,3 +138,12 @@ class SpecEngine:
             k=len(drafts), accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3))
         return settled.finish_reason
+
+
+def _run(model: ModelStep, row: StepRow) -> RowResult:
+    """One row through a model step, asked again while a long prompt goes in chunk by chunk."""
+    while (res := model.step(Step([row])).rows[0]).again:
+        pass
+    if res.error is not None:
+        raise res.error
+    return res

@@ -100,7 +100,7 @@ class _Driven:
     ended_at: float = 0.0
 
 
-class EngineHost:
+class LoopHost:
     def __init__(self, model: ModelStep, stops_for: Callable[[GenerationParams], StopChecker], store: SessionStore,
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
                  budget: Budget | None = None, block_wait_max_s: float = 0.005, redis_outage_s: float = 30.0,
@@ -135,7 +135,7 @@ class EngineHost:
                 source.carrier_for = lambda sid: self.carriers.get(sid, {})
         self.engine = EngineLoop(model, stops_for, sources, self.committer, observers=[self], budget=budget,
                                  block_wait_max_s=block_wait_max_s,
-                                 simulated_step_ms=(lambda works: simulated_step_ms) if simulated_step_ms else None,
+                                 simulated_step_ms=(lambda step, out: simulated_step_ms) if simulated_step_ms else None,
                                  on_step=self._on_step, summarize=self._summary, constrain=constrain,
                                  max_commit_lag=max_commit_lag, gather=gather)
         self.committer.on_acked = self.engine.acked
@@ -148,7 +148,7 @@ class EngineHost:
         self._running: Future | None = None
         self._tasks: list[asyncio.Task] = []
 
-    def start_loop(self) -> EngineHost:
+    def start_loop(self) -> LoopHost:
         self.committer.start()
         self._running = self.model_thread.submit(self.engine.run_forever, self._stop)
         self._running.add_done_callback(self._loop_ended)

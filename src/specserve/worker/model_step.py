@@ -1,19 +1,20 @@
-"""The model side of a worker: a `step(batch)` that runs the work items of one batch on the
-model thread and returns one result per item (the target's engine loop builds its steps'
-batches, ADR 0014; the draft worker's scheduler builds the draft's, ADR 0013).
+"""The model step of a worker (ADR 0019): `step(Step) -> StepResult` over the rows of one
+step, on the model thread (specserve/step.py has the descriptors). The target's engine loop
+builds the target's steps (ADR 0014), the draft worker's micro-batcher the draft's (ADR 0013),
+the in-process reference decoder both.
 
-Two engines per role, behind one interface (open/close a session's KV handle, step):
-- `BatchedTarget` / `BatchedDraft`: the batched, batch-invariant runner (models/runner.py,
-  ADR 0008). The target runs every verify, plain and prefill row of the batch in one forward
-  and judges them with one rejection-sampling call per kind of row; the draft runs the
-  queued sessions' K autoregressive steps as K batched forwards (a row leaves when its K is
-  reached).
+Two model steps per role, behind one interface (open/close a session's slot, step):
+- `BatchedTarget` / `BatchedDraft`: the batched runner (models/runner.py, ADR 0008; on CUDA
+  its short rows replayed from CUDA graphs, ADR 0019). The target runs every verify, plain
+  and prefill row of the step in one forward and judges them with one rejection-sampling call
+  per kind of row; the draft runs the rows' K autoregressive positions as K batched forwards
+  (a row leaves when its K is reached).
 - `SessionTarget` / `SessionDraft`: the per-session path (an HF cache per session, or the
-  n-gram drafter), item by item. Used for architectures the runner does not support (one
+  n-gram drafter), row by row. Used for architectures the runner does not support (one
   log line, `runner.choose_path`), for the n-gram drafter, and with batching off.
 
-Long prompts are fed in chunks (`prefill_chunks`): an item whose committed tokens span more
-than one chunk feeds one chunk and answers AGAIN (its caller feeds it again next step), so
+Long prompts are fed in chunks (`prefill_chunks`): a row whose committed tokens span more
+than one chunk feeds one chunk and answers `again` (its caller asks again next step), so
 a long prompt never stalls the running sessions.
 """
 
@@ -22,13 +23,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.algorithm.rejection import QProbs, Verdict, verdicts_from_host
+from specserve.algorithm.rejection import Verdict, verdicts_from_host
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
@@ -52,9 +53,16 @@ from specserve.models.device import (
 )
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
-from specserve.models.verifier import JudgeRow, TargetModel, judge_on_device, judge_rows, verdicts_of, verify_block
+from specserve.models.verifier import (
+    JudgeRow,
+    TargetModel,
+    judge_on_device,
+    judge_rows,
+    verdicts_of,
+    verify_block,
+)
+from specserve.step import Kind, RowResult, Step, StepResult, StepRow
 from specserve.structured.grammar import propose_constrained
-from specserve.worker.scheduler import AGAIN, Work
 
 
 @dataclass
@@ -89,35 +97,6 @@ class Batching:
                    tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs)
 
 
-@dataclass
-class VerifyJob:
-    handle: Any
-    ids: list[int]  # the committed sequence
-    drafts: list[int]
-    q: QProbs
-    sampling: SamplingParams
-    seed: int
-    allowed: torch.Tensor | None = None  # [len(drafts) + 1, V] bool: a constraint's legal tokens
-
-
-@dataclass
-class VerifyResult:
-    verdict: Verdict
-    cached_len: int
-    rolled_back: int  # provisional positions dropped while reconciling and after the verdict
-
-
-@dataclass
-class DraftJob:
-    handle: Any
-    ids: list[int]
-    k: int
-    sampling: SamplingParams
-    seed: int
-    guess: bool = False  # the bonus guess of pre-drafting (result: a token id or None)
-    grammar: Any = None  # structured/grammar.py DraftGrammar: draft from q masked to the constraint
-
-
 _handles = itertools.count()
 
 
@@ -141,29 +120,6 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
         step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=b.compile_step)
         step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
     return runner
-
-
-class WorkerEngine(Protocol):
-    """What `worker/core.py: WorkerCore` drives: the batched engines (`BatchedTarget`,
-    `BatchedDraft`) and the per-session ones (`SessionTarget`, `SessionDraft`)."""
-
-    max_batch: int | None  # the most items one step takes (None: the scheduler's limit)
-
-    def open(self, session_id: str) -> Any:
-        """A handle for a new session (its KV slot or its own state)."""
-        ...
-
-    def close(self, handle: Any) -> None:
-        ...
-
-    @property
-    def slots(self) -> tuple[int, int] | None:
-        """(used, free) KV slots, or None where the engine keeps no slot table."""
-        ...
-
-    def step(self, batch: list[Work]) -> list[Any]:
-        """One batch on the model thread: a result (or an exception, or AGAIN) per item."""
-        ...
 
 
 class _RunnerSessions:
@@ -210,34 +166,37 @@ class BatchedTarget(_RunnerSessions):
         self.target = target
         super().__init__(target.model, target.max_positions, b)
 
-    def step(self, batch: list[Work]) -> list[Any]:
-        results: list[Any] = [None] * len(batch)
+    def step(self, step: Step) -> StepResult:
+        """Every VERIFY row (a prefill chunk, a plain row, a verify row) in one forward, then
+        the verdicts in one copy to the host and the rejected drafts rolled back."""
+        results = [RowResult() for _ in step.rows]
         rows, live = [], []
-        for i, w in enumerate(batch):
-            job: VerifyJob = w.payload
+        for i, job in enumerate(step.rows):
             try:
-                dropped, feed, last = self._feed(job.handle, job.ids, len(job.drafts) + 1)
-            except Exception as exc:  # per item: a bad row must not fail the batch
-                results[i] = exc
+                if job.kind is not Kind.VERIFY:
+                    raise ValueError(f"the target's step takes verify rows, not {job.kind.value}")
+                dropped, feed, last = self._feed(job.slot, job.ids, len(job.drafts) + 1)
+            except Exception as exc:  # per row: a bad row must not fail the step
+                results[i] = RowResult.of_error(exc)
                 continue
             if last:
                 feed = feed + job.drafts
-            rows.append(Row(job.handle, feed, num_logits=len(job.drafts) + 1 if last else 0))
-            w.tokens = len(feed)
+            rows.append(Row(job.slot, feed, num_logits=len(job.drafts) + 1 if last else 0))
+            results[i].fed = len(feed)
             live.append((i, job, last, dropped))
         logits = self.runner.forward(rows)  # on the runner's device: judged there, one copy back
         judged = []
         for r, ((i, job, last, dropped), lg) in enumerate(zip(live, logits, strict=True)):
             if not last:
-                results[i] = AGAIN
+                results[i] = RowResult.later(results[i].fed)
             else:
                 judged.append((i, job, lg, dropped, r))
         verdicts = self._judge(judged)
         for (i, job, _, dropped, _), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
-            dropped += self.runner.rollback(job.handle, keep)
-            results[i] = VerifyResult(verdict, keep, dropped)
-        return results
+            dropped += self.runner.rollback(job.slot, keep)
+            results[i].verdict, results[i].cached_len, results[i].rolled_back = verdict, keep, dropped
+        return StepResult(results)
 
 
     def _judge(self, judged: list) -> list[Verdict]:
@@ -277,7 +236,7 @@ class _Drafting:
     """A draft job in the middle of a batched step: its picks so far, on the device."""
 
     index: int
-    job: DraftJob
+    job: StepRow
     k: int
     dropped: int
     masks: Any
@@ -293,41 +252,44 @@ class BatchedDraft(_RunnerSessions):
         if self.runner.device_step is not None:
             self.runner.device_step.with_heads = True
 
-    def step(self, batch: list[Work]) -> list[Any]:
+    def step(self, step: Step) -> StepResult:
         """Step 0 feeds each session's new committed tokens (1 logit), then one batched
         1-token step per further draft position. The picks stay on the device, each fed to
         the next forward from there; the step's results cross to the host in one copy at the
         end (issue 21). A constrained row reads its token at each position: its grammar runs
         on the host."""
-        results: list[Any] = [None] * len(batch)
+        results = [RowResult() for _ in step.rows]
         rows: list[Row] = []
         live: list[_Drafting] = []
-        for i, w in enumerate(batch):
-            job: DraftJob = w.payload
-            k = 1 if job.guess else min(job.k, self.max_positions - len(job.ids))
+        for i, job in enumerate(step.rows):
+            if job.kind is Kind.VERIFY:
+                results[i] = RowResult.of_error(ValueError("a draft's step takes draft and guess rows, not verify"))
+                continue
+            guess = job.kind is Kind.GUESS
+            k = 1 if guess else min(job.k, self.max_positions - len(job.ids))
             if k <= 0:
-                results[i] = None if job.guess else DraftProposal([], None)
+                results[i] = RowResult(proposal=None if guess else DraftProposal([], None))
                 continue
             try:
-                dropped, feed, last = self._feed(job.handle, job.ids, k)
+                dropped, feed, last = self._feed(job.slot, job.ids, k)
             except Exception as exc:
-                results[i] = exc
+                results[i] = RowResult.of_error(exc)
                 continue
-            rows.append(Row(job.handle, feed, num_logits=1 if last else 0))
-            w.tokens = len(feed)
+            rows.append(Row(job.slot, feed, num_logits=1 if last else 0))
+            results[i].fed = len(feed)
             if last:
                 masks = job.grammar.start(job.ids) if job.grammar is not None else None
                 live.append(_Drafting(i, job, k, dropped, masks))
             else:
-                results[i] = AGAIN
+                results[i] = RowResult.later(len(feed))
         self._uniforms(live)
         done: list[_Drafting] = []
         logits = self._forward(rows)
         while live:
-            rows, live = self._position(live, logits, batch, done)
+            rows, live = self._position(live, logits, results, done)
             logits = self._forward(rows)
         self._finish(done, results)
-        return results
+        return StepResult(results)
 
     def _forward(self, rows: list[Row]) -> dict:
         """The rows' logits by session; `self._fixed`: the sessions the device step ran, by
@@ -336,25 +298,25 @@ class BatchedDraft(_RunnerSessions):
         self._fixed = {rows[i].session: j for i, j in self.runner.fixed_rows.items()}
         return logits
 
-    def _position(self, live: list[_Drafting], logits: dict, batch: list[Work],
+    def _position(self, live: list[_Drafting], logits: dict, results: list[RowResult],
                   done: list[_Drafting]) -> tuple[list[Row], list[_Drafting]]:
         """One draft position for every live row, on the device: its pick from its logits
         (unconstrained greedy rows together: one kernel per op for all of them, or none where
         the device step picked them in its own run). Returns the next forward's rows (each
         pick fed from the device) and the rows still drafting."""
         rows, still = [], []
-        together = [d for d in live if d.job.sampling.greedy and not d.job.guess and d.masks is None]
+        together = [d for d in live if d.job.sampling.greedy and d.job.kind is Kind.DRAFT and d.masks is None]
         ds = self.runner.device_step
         if together and ds is not None and ds.with_heads and all(
-                d.job.handle in self._fixed and not d.job.sampling.banned_token_ids for d in together):
-            at_rows = [self._fixed[d.job.handle] for d in together]
+                d.job.slot in self._fixed and not d.job.sampling.banned_token_ids for d in together):
+            at_rows = [self._fixed[d.job.slot] for d in together]
             if at_rows == list(range(len(at_rows))):  # copies: the next replay writes over the buffers
                 toks, packed = ds.picks[:len(at_rows)].clone(), ds.heads[:len(at_rows)].clone()
             else:
                 index = to_device(at_rows, ds.device)
                 toks, packed = ds.picks.index_select(0, index), ds.heads.index_select(0, index)
         elif together:
-            toks, packed = greedy_picks_on_device(torch.stack([logits[d.job.handle][-1] for d in together]),
+            toks, packed = greedy_picks_on_device(torch.stack([logits[d.job.slot][-1] for d in together]),
                                                   [d.job.sampling for d in together])
         at = {id(d): j for j, d in enumerate(together)}
         for d in live:
@@ -362,10 +324,10 @@ class BatchedDraft(_RunnerSessions):
                 j = at[id(d)]
                 token, row = toks[j:j + 1], packed[j]
             else:
-                lg = logits[d.job.handle][-1]
+                lg = logits[d.job.slot][-1]
                 if d.masks is not None:
                     lg = d.masks.apply(lg)
-                if d.job.guess:  # its row is the guessed token alone (`_finish` pads it)
+                if d.job.kind is Kind.GUESS:  # its row is the guessed token alone (`_finish` pads it)
                     d.rows.append(bonus_on_device(lg, d.job.sampling, d.u).double().view(1))
                     done.append(d)
                     continue
@@ -379,8 +341,8 @@ class BatchedDraft(_RunnerSessions):
             if len(d.rows) == d.k:
                 done.append(d)
                 continue
-            rows.append(Row(d.job.handle, token, num_logits=1))
-            batch[d.index].tokens += 1
+            rows.append(Row(d.job.slot, token, num_logits=1))
+            results[d.index].fed += 1
             still.append(d)
         return rows, still
 
@@ -391,7 +353,7 @@ class BatchedDraft(_RunnerSessions):
         sampled = [d for d in live if not d.job.sampling.greedy]
         if not sampled:
             return
-        draws = [uniform(d.job.seed, [len(d.job.ids)], Purpose.BONUS) if d.job.guess else
+        draws = [uniform(d.job.seed, [len(d.job.ids)], Purpose.BONUS) if d.job.kind is Kind.GUESS else
                  uniform(d.job.seed, list(range(len(d.job.ids), len(d.job.ids) + d.k)), Purpose.DRAFT)
                  for d in sampled]
         flat = to_device(np.concatenate(draws), self.runner.device)
@@ -400,7 +362,7 @@ class BatchedDraft(_RunnerSessions):
             d.u = flat[at:at + len(u)]
             at += len(u)
 
-    def _finish(self, done: list[_Drafting], results: list[Any]) -> None:
+    def _finish(self, done: list[_Drafting], results: list[RowResult]) -> None:
         """The one copy of the step's picks to the host (`to_host`), then the proposals, and
         the KV's record of the tokens that were fed from the device."""
         if not done:
@@ -408,16 +370,16 @@ class BatchedDraft(_RunnerSessions):
         vocab = self.runner.vocab_size
         entries = q_entries(self.drafter.q_max_entries, vocab)
         q_width = 2 * entries if entries is not None else vocab
-        width = 4 + max((q_width for d in done if not d.job.sampling.greedy and not d.job.guess), default=0)
+        width = 4 + max((q_width for d in done if not d.job.sampling.greedy and d.job.kind is Kind.DRAFT), default=0)
         packed = [torch.stack([pad_to(r, width) for r in d.rows]) for d in done]
         for d, host in zip(done, to_host(packed), strict=True):
             job = d.job
-            if job.guess:
-                results[d.index] = int(host.numpy()[0, 0])
+            if job.kind is Kind.GUESS:
+                results[d.index].guess = int(host.numpy()[0, 0])
                 continue
             steps = [DevicePick.unpack(r, job.sampling, entries, vocab) for r in host.numpy()]
-            self.runner.kv.settle(job.handle, len(job.ids), [s.token for s in steps[:-1]])
-            results[d.index] = make_proposal(steps, job.sampling, d.dropped)
+            self.runner.kv.settle(job.slot, len(job.ids), [s.token for s in steps[:-1]])
+            results[d.index].proposal = make_proposal(steps, job.sampling, d.dropped)
 
 
 class _PerSession:
@@ -436,10 +398,10 @@ class _PerSession:
     def close(self, handle: Any) -> None:
         handle.release()
 
-    def step(self, batch: list[Work]) -> list[Any]:
-        return [_guarded(self._one, w.payload) for w in batch]
+    def step(self, step: Step) -> StepResult:
+        return StepResult([_guarded(self._one, row) for row in step.rows])
 
-    def _one(self, job: Any) -> Any:
+    def _one(self, job: StepRow) -> RowResult:
         raise NotImplementedError
 
 
@@ -448,34 +410,41 @@ class SessionTarget(_PerSession):
         super().__init__(target)
         self.max_positions = target.max_positions
 
-    def _one(self, job: VerifyJob) -> VerifyResult:
-        sess = job.handle
-        before = sess.dropped_positions
+    def _one(self, job: StepRow) -> RowResult:
+        if job.kind is not Kind.VERIFY:
+            raise ValueError(f"the target's step takes verify rows, not {job.kind.value}")
+        sess = job.slot
+        before, length = sess.dropped_positions, sess.lm.length
         verdict = verify_block(sess, job.ids, job.drafts, job.q, job.sampling, job.seed, job.allowed)
-        return VerifyResult(verdict, sess.lm.length, sess.dropped_positions - before)
+        return RowResult(verdict=verdict, cached_len=sess.lm.length, rolled_back=sess.dropped_positions - before,
+                         fed=max(len(job.ids) - length, 1) + len(job.drafts))
 
 
 class SessionDraft(_PerSession):
     """Any drafter (the n-gram drafter always takes this path)."""
 
     @staticmethod
-    def _one(job: DraftJob) -> Any:
-        if job.guess:
-            guess = job.handle.guess_next(job.ids, job.sampling, job.seed)
+    def _one(job: StepRow) -> RowResult:
+        if job.kind is Kind.GUESS:
+            guess = job.slot.guess_next(job.ids, job.sampling, job.seed)
             if guess is not None and job.grammar is not None and not job.grammar.legal_prefix(job.ids, [guess]):
-                return None  # a guess the constraint forbids is no branch to draft ahead for
-            return guess
-        return propose_constrained(job.handle, job.ids, job.k, job.sampling, job.seed, job.grammar)
+                guess = None  # a guess the constraint forbids is no branch to draft ahead for
+            return RowResult(guess=guess, fed=1)
+        if job.kind is not Kind.DRAFT:
+            raise ValueError(f"a draft's step takes draft and guess rows, not {job.kind.value}")
+        return RowResult(proposal=propose_constrained(job.slot, list(job.ids), job.k, job.sampling, job.seed,
+                                                      job.grammar),
+                         fed=job.k)
 
 
-def _guarded(fn, job) -> Any:
+def _guarded(fn, row: StepRow) -> RowResult:
     try:
-        return fn(job)
+        return fn(row)
     except Exception as exc:
-        return exc
+        return RowResult.of_error(exc)
 
 
-def target_engine(target: TargetModel, b: Batching) -> BatchedTarget | SessionTarget:
+def make_target_step(target: TargetModel, b: Batching) -> BatchedTarget | SessionTarget:
     if b.enabled and choose_path(target.model) == "runner":
         return BatchedTarget(target, b)
     place_hf_model(target.model, b)
@@ -489,21 +458,21 @@ def place_hf_model(model: torch.nn.Module, b: Batching) -> None:
     model.to(device=device, dtype=resolve_dtype(b.dtype, device))
 
 
-def warm_up(engine: BatchedTarget | SessionTarget) -> None:
-    """One verify row (3 committed tokens, 2 drafts) through the engine's step, then forget
+def warm_up(model: BatchedTarget | SessionTarget) -> None:
+    """One verify row (3 committed tokens, 2 drafts) through the target's step, then forget
     it: the first real step does not pay for the lazy set-up."""
-    handle = engine.open("\0warm-up")
+    slot = model.open("\0warm-up")
     try:
-        job = VerifyJob(handle, [0, 1, 2], [3, 4], None, SamplingParams(), 0)
-        while (res := engine.step([Work("\0warm-up", job, 3)])[0]) is AGAIN:
+        row = StepRow.verify(slot, [0, 1, 2], [3, 4], None, SamplingParams(), 0)
+        while (res := model.step(Step([row])).rows[0]).again:
             pass
-        if isinstance(res, Exception):
-            raise res
+        if res.error is not None:
+            raise res.error
     finally:
-        engine.close(handle)
+        model.close(slot)
 
 
-def draft_engine(drafter, b: Batching) -> BatchedDraft | SessionDraft:
+def make_draft_step(drafter, b: Batching) -> BatchedDraft | SessionDraft:
     """The n-gram drafter (no model) keeps its per-session path."""
     if b.enabled and isinstance(drafter, HFDrafter) and choose_path(drafter.model) == "runner":
         return BatchedDraft(drafter, b)

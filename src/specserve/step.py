@@ -1,0 +1,127 @@
+"""The engine <-> model boundary (ADR 0019): one step descriptor and one typed result.
+
+Everything that asks a model for work builds a `Step` of `StepRow`s and gets a `StepResult`
+with one `RowResult` per row, in order: the target's engine loop (engine/loop.py), the draft
+worker's micro-batcher (worker/scheduler.py) and the in-process reference decoder
+(models/reference.py). What answers it is a `ModelStep` (worker/model_step.py): the batched
+target and draft over the batched runner, or the per-session paths.
+
+A row names its session's KV slot (what `ModelStep.open` gave), its kind, the committed
+sequence (the step feeds whatever of it the slot does not hold yet, a prefill chunk at a
+time), and per kind:
+- VERIFY (the target): the draft block to verify (none: a plain row), its q, a constraint's
+  legal tokens, and optionally a block mask over the new tokens (a token tree; None: a chain);
+- DRAFT (a drafter): K positions to draft, and a constraint's matcher;
+- GUESS (a drafter): its guess of the target's next token (drafting ahead).
+A result is `done` (a verdict, a proposal or a guess), `again` (a long prompt fed one chunk:
+ask again next step), or `error` (this row's input was bad; the rest of the step ran).
+
+torch-free: the engine loop and the schedulers import it without the model stack.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from specserve.algorithm.rejection import QProbs, Verdict
+    from specserve.drafters.base import DraftProposal
+    from specserve.params import SamplingParams
+
+
+class Kind(enum.Enum):
+    VERIFY = "verify"
+    DRAFT = "draft"
+    GUESS = "guess"
+
+
+@dataclass(eq=False)
+class StepRow:
+    slot: Any  # the session's KV slot or per-session state (ModelStep.open)
+    kind: Kind
+    ids: Sequence[int]  # the committed sequence (prompt + generated)
+    sampling: SamplingParams
+    seed: int
+    drafts: list[int] = field(default_factory=list)  # VERIFY: the block (empty: a plain row)
+    q: QProbs = None  # VERIFY: the block's draft distribution (None: one-hot)
+    allowed: Any = None  # VERIFY: [len(drafts) + 1, V] bool, a constraint's legal tokens
+    mask: Any = None  # VERIFY: [n, n] bool block mask over the new tokens (a token tree)
+    k: int = 0  # DRAFT: positions to draft
+    grammar: Any = None  # DRAFT: structured/grammar.py DraftGrammar (q masked to the constraint)
+
+    @classmethod
+    def verify(cls, slot: Any, ids: Sequence[int], drafts: list[int], q: QProbs, sampling: SamplingParams,
+               seed: int, allowed: Any = None) -> StepRow:
+        return cls(slot, Kind.VERIFY, ids, sampling, seed, drafts=list(drafts), q=q, allowed=allowed)
+
+    @classmethod
+    def draft(cls, slot: Any, ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
+              grammar: Any = None) -> StepRow:
+        return cls(slot, Kind.DRAFT, ids, sampling, seed, k=k, grammar=grammar)
+
+    @classmethod
+    def guess(cls, slot: Any, ids: Sequence[int], sampling: SamplingParams, seed: int, grammar: Any = None) -> StepRow:
+        return cls(slot, Kind.GUESS, ids, sampling, seed, k=1, grammar=grammar)
+
+
+@dataclass
+class RowResult:
+    status: str = "done"  # "done" | "again" | "error"
+    verdict: Verdict | None = None  # VERIFY
+    proposal: DraftProposal | None = None  # DRAFT
+    guess: int | None = None  # GUESS (None: no guess)
+    error: Exception | None = None
+    cached_len: int = 0  # VERIFY: the slot's length after the verdict
+    rolled_back: int = 0  # positions dropped while reconciling, and the rejected drafts
+    fed: int = 0  # tokens this pass fed (a row's share of the step's cost)
+
+    @property
+    def again(self) -> bool:
+        return self.status == "again"
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "error"
+
+    @classmethod
+    def later(cls, fed: int = 0) -> RowResult:
+        return cls("again", fed=fed)
+
+    @classmethod
+    def of_error(cls, exc: Exception) -> RowResult:
+        return cls("error", error=exc)
+
+
+@dataclass(frozen=True)
+class Step:
+    rows: Sequence[StepRow]
+
+
+@dataclass
+class StepResult:
+    rows: list[RowResult]
+
+
+class ModelStep(Protocol):
+    """What runs a step: worker/model_step.py's batched target and draft over the batched
+    runner, and the per-session target and draft."""
+
+    max_batch: int | None  # the most rows one step takes (None: the caller's limit)
+
+    def open(self, session_id: str) -> Any:
+        """A slot for a new session (its KV slot or its own state)."""
+        ...
+
+    def close(self, slot: Any) -> None:
+        ...
+
+    @property
+    def slots(self) -> tuple[int, int] | None:
+        """(used, free) KV slots, or None where the step keeps no slot table."""
+        ...
+
+    def step(self, step: Step) -> StepResult:
+        ...
