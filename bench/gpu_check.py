@@ -79,7 +79,8 @@ def parse_args(argv=None):
                    help="the workers' runner mode (config.py: exact_batching)")
     p.add_argument("--profile", action="store_true",
                    help="also write <out>/gpu_check_profile.txt: torch.profiler's table of plain steps at each load")
-    p.add_argument("--graphs", default="auto,off",  # or compile: auto with the run torch.compile'd
+    # or compile (auto with the whole run torch.compile'd) or pieces (a layer's two pieces compiled)
+    p.add_argument("--graphs", default="auto,off",
                    help="the workers' cuda_graphs settings to measure, side by side (ADR 0019): auto replays the "
                         "device step's graphs, off is the eager forward of before; the first is the one judged")
     p.add_argument("--off-decode", type=int, default=32, help="tokens a session in the off (eager) arm: it is slow")
@@ -108,7 +109,8 @@ def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: 
     for mode in graphs:  # the eager forward, and the device step replayed from graphs (ADR 0019)
         runner = ModelRunner.from_hf(model, max_sessions=3, max_len=1024, device=device, dtype=dtype, fuse_upto=0)
         if mode != "off":
-            runner.enable_device_step(max_rows=4, graphs=True, compile=mode == "compile")
+            runner.enable_device_step(max_rows=4, graphs=True,
+                                      compile={"compile": "whole", "pieces": "pieces"}.get(mode, False))
         out[mode] = greedy_agreement(model, runner, prompts, new_tokens, TOLERANCE[dtype])
         if runner.device_step is not None:
             out[mode]["steps"] = {"replayed": runner.device_step.counts.replayed,
@@ -409,7 +411,7 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
     b = Batching(device=str(device), dtype=args.dtype, max_sessions=most + 2,
                  max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
                  kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs="off" if mode == "off" else "auto",
-                 fixed_step=True if (args.smoke and mode != "off") else None, compile_step=mode == "compile",
+                 fixed_step=True if (args.smoke and mode != "off") else None, compile_step={"compile": "whole", "pieces": "pieces"}.get(mode, False),
                  tile=Batching.tile if args.exact_batching == "invariant" else None)
     target = BatchedTarget(TargetModel(target_model), b)
     draft = BatchedDraft(HFDrafter(draft_model), b)

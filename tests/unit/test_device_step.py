@@ -448,3 +448,28 @@ def test_a_rows_logits_depend_on_its_bucket_not_on_its_companions(name, one_thre
         assert ds.last == Bucket(4, 4, 96)
         outs.append(logits.clone())
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_the_workers_count_how_their_device_steps_ran():
+    """specserve_{service}_device_steps_total{how} follows the step's counters by their
+    increase since the last look; specserve_{service}_cuda_graphs is the graphs captured."""
+    from specserve.serving.metrics import WorkerMetrics
+
+    m = WorkerMetrics("target")
+    model = RANDOM_MODELS["qwen2"]()
+    runner = ModelRunner.from_hf(model, max_sessions=8, max_len=64, tile=None, fuse_upto=0)
+    ds = runner.enable_device_step(max_rows=2)
+    for s in "abc":
+        runner.allocate(s)
+    runner.forward([Row("a", [1, 2]), Row("b", [3])])
+    m.device_step(ds)
+    runner.forward([Row("a", [4]), Row("b", [5]), Row("c", [6])])  # 3 rows > 2: unbucketed
+    runner.forward([Row("c", [7])])
+    m.device_step(ds)
+    m.device_step(None)  # a model step without one (the per-session path)
+
+    def value(how: str) -> float:
+        return m.registry.get_sample_value("specserve_target_device_steps_total", {"how": how}) or 0.0
+
+    assert (value("eager"), value("unbucketed"), value("replayed")) == (2.0, 1.0, 0.0)
+    assert m.registry.get_sample_value("specserve_target_cuda_graphs") == 0.0

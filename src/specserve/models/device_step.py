@@ -85,16 +85,48 @@ def _up(value: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
 
+def attention_in(h: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
+                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float, hq: int, hkv: int, d: int, linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer up to attention: h [T, H] -> q and k stacked, RoPE applied [T, Hq + Hkv, D],
+    and v [T, Hkv, D]. The same ops as the eager forward's `_qkv` (q and k rotated in one
+    pass: elementwise, the same values as apart)."""
+    from specserve.models.runner import rms_norm, rotate
+
+    x = rms_norm(h, norm, eps)
+    qkv = linear(x, wqkv, bqkv).view(h.shape[0], hq + 2 * hkv, d)
+    if q_norm is not None and k_norm is not None:
+        qk = torch.cat([rms_norm(qkv[:, :hq], q_norm, eps), rms_norm(qkv[:, hq:hq + hkv], k_norm, eps)], 1)
+    else:
+        qk = qkv[:, :hq + hkv]
+    return rotate(qk, cos, sin), qkv[:, hq + hkv:]
+
+
+def attention_out(h: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None,
+                  norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
+                  linear) -> torch.Tensor:
+    """A layer after attention: the output projection and residual, then the MLP and its
+    residual; h [T, H], o [T, Hq D] -> the next h."""
+    from specserve.models.runner import rms_norm
+
+    h = h + linear(o, wo, bo)
+    gate, up = linear(rms_norm(h, norm, eps), w_gate_up, None).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, w_down, None)
+
+
 class DeviceStep:
     """The fixed-shape step of one `ModelRunner` (which owns the weights and KV)."""
 
     def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
-                 max_graphs: int = 512, compile: bool = False, heads: bool = False) -> None:
+                 max_graphs: int = 512, compile: bool | str = False, heads: bool = False) -> None:
+        """`compile`: False; True or "whole" (torch.compile the whole run, dynamic shapes); or
+        "pieces" (compile a layer's two pieces around attention, `attention_in` and
+        `attention_out`: one program serves every layer and bucket)."""
         self.r = runner
         self.device = runner.device
         # compiled (torch.compile, dynamic shapes): no bucket of 1 row or 1 token, so one compiled
         # program serves every bucket (a size of 1 would be specialised: a compile of its own)
-        least = 2 if compile else 1
+        least = 2 if compile and compile != "pieces" else 1
         self.row_buckets = tuple(b for b in ROW_BUCKETS if least <= b < max_rows) + (max(max_rows, least),)
         self.width_buckets = tuple(b for b in WIDTH_BUCKETS if least <= b < max_width) + (max(max_width, least),)
         self.max_rows, self.max_width = max_rows, max_width
@@ -135,12 +167,17 @@ class DeviceStep:
         self.with_heads = heads
         self.heads = torch.zeros(r, 4, dtype=torch.float64, device=self.device)
         self._run = self.run
+        self._pre, self._post = attention_in, attention_out
         if compile:
             import torch._dynamo as dynamo
 
             # one compiled program per step object (its buffers are guarded): room for several
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
-            self._run = torch.compile(self.run, dynamic=True)
+            if compile == "pieces":  # a layer's two pointwise-heavy pieces, one program for every layer
+                self._pre = torch.compile(attention_in, dynamic=True)
+                self._post = torch.compile(attention_out, dynamic=True)
+            else:
+                self._run = torch.compile(self.run, dynamic=True)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # the graphs' shared memory pool
         self.last: Bucket | None = None
@@ -234,7 +271,7 @@ class DeviceStep:
         """The forward of a prepared bucket: a tensor function of the step buffers, the
         weights and the KV; writes `logits[:T]` and `verdicts[:R]`."""
         w, linear = self.r.w, self.r.linear
-        from specserve.models.runner import rms_norm, rotate
+        from specserve.models.runner import rms_norm
 
         t = b.tokens
         ids, pos, at, wslot = self.field("ids", t), self.field("pos", t), self.field("at", t), self.field("wslot", t)
@@ -243,20 +280,11 @@ class DeviceStep:
         mask = self._mask(b)
         h = w.embed.index_select(0, ids)  # [T, H]
         for li, layer in enumerate(w.layers):
-            x = rms_norm(h, layer.attn_norm, w.eps)
-            qkv = linear(x, layer.wqkv, layer.bqkv).view(t, hq + 2 * hkv, d)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                qk = torch.cat([rms_norm(qkv[:, :hq], layer.q_norm, w.eps),
-                                rms_norm(qkv[:, hq:hq + hkv], layer.k_norm, w.eps)], 1)
-            else:
-                qk = qkv[:, :hq + hkv]
-            qk = rotate(qk, cos, sin)  # q and k in one pass (elementwise: the same values as apart)
-            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
-            self.r.kv.write(li, wslot, at, k, v)
-            h = h + linear(self._attend(li, q, mask, b), layer.wo, layer.bo)
-            x = rms_norm(h, layer.mlp_norm, w.eps)
-            gate, up = linear(x, layer.w_gate_up, None).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.w_down, None)
+            qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
+                              w.eps, hq, hkv, d, linear)
+            self.r.kv.write(li, wslot, at, qk[:, hq:], v)
+            h = self._post(h, self._attend(li, qk[:, :hq], mask, b), layer.wo, layer.bo, layer.mlp_norm,
+                           layer.w_gate_up, layer.w_down, w.eps, linear)
         logits = self.logits[:t]
         logits.copy_(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None))
         jpos = self.field("jpos", t).view(b.rows, b.width)

@@ -128,3 +128,27 @@ class WorkerMetrics:
                                "New sessions answered RESOURCE_EXHAUSTED: no KV room.", registry=r)
         self.predrafts = Counter(f"specserve_{service}_predrafts", "Blocks drafted ahead while the target verified.",
                                  registry=r)
+        # the device step (ADR 0019): how its short-row steps ran
+        self.device_steps = Counter(
+            f"specserve_{service}_device_steps",
+            "Decode, verify and draft steps of the device step, by how they ran: replayed (a CUDA graph), eager "
+            "(its fixed shapes without a graph), unbucketed (more rows than the largest bucket: the eager forward).",
+            ("how",), registry=r)
+        self.cuda_graphs = Gauge(f"specserve_{service}_cuda_graphs", "CUDA graphs the device step has captured.",
+                                 registry=r)
+        for how in ("replayed", "eager", "unbucketed"):  # exported at 0 where no device step runs (the CPU)
+            self.device_steps.labels(how)
+        self._device_seen: dict[str, int] = {}
+
+    def device_step(self, step) -> None:
+        """Count what a model step's device step (`models/device_step.py`, or None) ran since
+        the last call."""
+        if step is None:
+            return
+        counts = step.counts
+        for how in ("replayed", "eager", "unbucketed"):
+            now = getattr(counts, how)
+            if now > self._device_seen.get(how, 0):
+                self.device_steps.labels(how).inc(now - self._device_seen.get(how, 0))
+            self._device_seen[how] = now
+        self.cuda_graphs.set(len(step.graphs))

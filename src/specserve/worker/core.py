@@ -48,6 +48,7 @@ class WorkerCore:
             used, free = self.model.slots
             m.kv_slots.labels("used").set(used)
             m.kv_slots.labels("free").set(free)
+        m.device_step(getattr(getattr(self.model, "runner", None), "device_step", None))
 
     def session(self, session_id: str) -> WorkerSession:
         """The session's entry (KVBudgetExhausted, counted, when there is no room for it)."""

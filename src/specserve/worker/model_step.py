@@ -86,7 +86,9 @@ class Batching:
     cuda_graphs: str = "auto"
     fixed_step: bool | None = None
     capture_budget_s: float = 60.0  # start-up capture of the common buckets stops after this long
-    compile_step: bool = False  # torch.compile the device step's run (dynamic shapes), measured in gpu_check
+    # torch.compile in the device step (ADR 0019): False, "whole" (the run) or "pieces" (a layer's
+    # two pieces around attention); measured in gpu_check, off by default
+    compile_step: bool | str = False
 
     @classmethod
     def from_settings(cls, s) -> Batching:

@@ -297,6 +297,7 @@ class LoopHost:
                 used, free = slots
                 m.kv_slots.labels("used").set(used)
                 m.kv_slots.labels("free").set(free)
+            m.device_step(getattr(getattr(self.engine.model, "runner", None), "device_step", None))
         self.loop.call_soon_threadsafe(self._drain_rounds)
 
     def _summary(self, session: EngineSession) -> str:
