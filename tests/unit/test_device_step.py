@@ -473,3 +473,23 @@ def test_the_workers_count_how_their_device_steps_ran():
 
     assert (value("eager"), value("unbucketed"), value("replayed")) == (2.0, 1.0, 0.0)
     assert m.registry.get_sample_value("specserve_target_cuda_graphs") == 0.0
+
+
+def test_the_compiled_pieces_compute_what_the_plain_ones_do(one_thread, monkeypatch):
+    """compile_step "pieces" (ADR 0019: off by default, measured on a GPU): a layer's two
+    pieces around attention through torch.compile (C++ on this CPU, Triton on CUDA) give the
+    plain pieces' logits within float32 rounding, for every layer and bucket from one program."""
+    monkeypatch.setenv("SPECSERVE_ONEDNN_LINEAR", "0")  # (oneDNN's packed GEMM does not compile)
+    model = RANDOM_MODELS["qwen3"]()
+    runs = []
+    for compile in (False, "pieces"):
+        runner = ModelRunner.from_hf(model, max_sessions=4, max_len=64, tile=None, fuse_upto=0)
+        runner.enable_device_step(max_rows=4, compile=compile)
+        for s in "ab":
+            runner.allocate(s)
+        got = [runner.forward([Row("a", [5, 6, 7]), Row("b", [8, 9])]),
+               runner.forward([Row("a", [10, 11, 12, 13]), Row("b", [14])]),
+               runner.forward([Row("b", [15, 16]), Row("a", [17])])]
+        runs.append([lg.clone() for step in got for lg in step])
+    for plain, compiled in zip(*runs, strict=True):
+        assert torch.allclose(plain, compiled, atol=1e-5), (plain - compiled).abs().max()
