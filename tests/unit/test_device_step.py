@@ -72,6 +72,19 @@ def _three_steps(runner: ModelRunner) -> list[list[Row]]:
     ]
 
 
+def _record_runs(ds: DeviceStep) -> list[OpTrace]:
+    """Every later `run` of the step recorded (OpTrace), in order, into the returned list."""
+    traces: list[OpTrace] = []
+
+    def traced(b: Bucket) -> None:
+        with OpTrace() as t:
+            ds.run(b)
+        traces.append(t)
+
+    ds._run = traced
+    return traces
+
+
 def _step_buffers(ds: DeviceStep) -> set[int]:
     r = ds.r
     return storages(r.w, r.kv.keys, r.kv.values, ds.ints, ds.keys_at, ds.neg_inf, ds.causal, ds.within, ds.logits,
@@ -83,14 +96,7 @@ def test_the_device_steps_run_is_graph_safe_on_a_fake_cuda_device(arch, monkeypa
     with fake_cuda() as (_, host_copies):
         runner = _fake_runner(arch, monkeypatch)
         ds = runner.enable_device_step(max_rows=4, graphs=False)
-        traces: list[OpTrace] = []
-
-        def traced(b: Bucket) -> None:
-            with OpTrace() as t:
-                ds.run(b)
-            traces.append(t)
-
-        ds._run = traced
+        traces = _record_runs(ds)
         steps = _three_steps(runner)  # (their prefill runs too: rows of up to 16 tokens fit the step)
         host_copies.copies.clear()
         host_copies.blocking_in.clear()
@@ -141,14 +147,7 @@ def test_a_draft_steps_positions_are_one_graph_on_a_fake_cuda_device(arch, monke
                                                          fixed_step=True, max_batch=4))
         ds = engine.runner.device_step
         assert ds is not None and ds.with_heads and not ds.graphs_on
-        traces: list[OpTrace] = []
-
-        def traced(b: Bucket) -> None:
-            with OpTrace() as t:
-                ds.run(b)
-            traces.append(t)
-
-        ds._run = traced
+        traces = _record_runs(ds)
         jobs = [Work(f"s{i}", StepRow.draft(engine.open(f"s{i}"), [3 * i + j for j in range(5 + i)], 4,
                                             SamplingParams(), i), 4) for i in range(3)]
         for _ in range(2):
