@@ -43,3 +43,28 @@ def models_build(
             typer.echo(f"differs from the committed pair ({committed['weights_sha256'][:12]}...): same recipe, "
                        "other rounding (bf16 autocast and thread splits differ by CPU type); every service "
                        f"keeps serving the committed {shipped}")
+
+
+@models_app.command("eagle")
+def models_eagle(
+    target: Path = typer.Option(Path("models") / "specserve-demo-v1" / "target",
+                                help="The target's Hugging Face directory (any Llama-family model)."),
+    out: Path = typer.Option(Path(".cache/models/eagle"), help="Where the head goes (config, weights, build.json)."),
+    steps: int = typer.Option(1400, help="Training steps (the shipped head's recipe: 1400, about 52 min on 2 cores)."),
+    layers: str = typer.Option("", help="The target's layers whose outputs are the feature, e.g. 1,3,5 (EAGLE-3's "
+                                        "low/mid/high); empty: its last layer."),
+    prompts: Path = typer.Option(Path("models") / "specserve-demo-v1", help="A pair directory whose held-out "
+                                 "prompts measure the head's acceptance (nothing when it has none)."),
+) -> None:
+    """Train an EAGLE-style draft head for a target (ADR 0020), offline, by the shipped head's
+    deterministic recipe: the target's features on the project's own corpus, a head that
+    predicts the next feature, its acceptance measured on held-out prompts."""
+    from specserve.tooling.modelbuild.build import load_eval_prompts
+    from specserve.tooling.modelbuild.eagle import HeadRecipe, build_head
+
+    feature_layers = tuple(int(x) for x in layers.split(",")) if layers.strip() else None
+    recipe = HeadRecipe(feature_layers=feature_layers, steps=steps)
+    held = load_eval_prompts(prompts) if (prompts / "eval_prompts.json").exists() else None
+    record = build_head(target, out, recipe, held, log=typer.echo)
+    typer.echo(f"head ready: {out} ({record['params'] / 1e6:.2f} M parameters, {record['seconds'] / 60:.1f} min, "
+               f"weights sha256 {record['weights_sha256'][:16]})")

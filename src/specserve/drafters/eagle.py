@@ -1,0 +1,214 @@
+"""An EAGLE-style draft head (issue 40, ADR 0020): drafting from the target's own features.
+
+The head predicts the target's next *feature* (the hidden state its LM head reads) from the
+current feature and the token that follows it, and drafts a token from that prediction with
+the target's own final norm and LM head:
+
+    f̂[i+1] = head(fc([embed(x[i+1]); f[i]]), its keys and values of positions <= i)
+    x̂[i+2] = argmax lm_head(norm(f̂[i+1]))
+
+`f[i]` is the target's feature at position i: the output of one decoder layer (the last by
+default), or EAGLE-3's concatenation of a low, a middle and a high layer's (`feature_layers`).
+On the committed prefix the head reads the target's true features (pushed with each verdict);
+past it, its own predictions, one position at a time. The head is one Llama decoder layer
+(RMSNorm, RoPE attention, SwiGLU MLP) of the target's width; it borrows the target's token
+embedding, final norm and LM head, frozen, and ships without them (a few MB).
+
+`EagleHead.forward` runs whole sequences (training; the held-out acceptance); `HeadCache` and
+`EagleHead.extend` run a session position by position with a KV cache (drafting).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden: int  # the target's hidden size (the head's width)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab_size: int
+    feature_layers: tuple[int, ...]  # the target's decoder layers whose outputs are the feature
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    max_positions: int = 1024
+
+    @property
+    def feature_dim(self) -> int:
+        return self.hidden * len(self.feature_layers)
+
+    @classmethod
+    def for_target(cls, target_config, feature_layers: tuple[int, ...] | None = None,
+                   intermediate: int | None = None) -> EagleConfig:
+        c = target_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        layers = feature_layers if feature_layers is not None else (c.num_hidden_layers - 1,)
+        rope = dict(getattr(c, "rope_parameters", None) or {})
+        return cls(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                   head_dim=head_dim, intermediate=intermediate or c.intermediate_size, vocab_size=c.vocab_size,
+                   feature_layers=tuple(int(x) for x in layers),
+                   rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+                   eps=float(c.rms_norm_eps), max_positions=int(c.max_position_embeddings))
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "feature_layers": list(self.feature_layers)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> EagleConfig:
+        d = json.loads(text)
+        d["feature_layers"] = tuple(d["feature_layers"])
+        return cls(**d)
+
+
+class HeadCache:
+    """One session's head state: its keys and values per position, and the last feature."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # [1, kv_heads, L, head_dim]
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        if self.k is not None and length < self.length:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]  # type: ignore[index]
+        self.length = min(self.length, length)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden
+        # fused features (EAGLE-3: several layers') are reduced to the width first; the head's
+        # own predictions, fed back while drafting, are already of that width
+        self.reduce = nn.Linear(cfg.feature_dim, h, bias=False) if cfg.feature_dim != h else None
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.attn_norm = nn.Parameter(torch.ones(h))
+        self.wq = nn.Linear(h, cfg.heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(h, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(h, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, h, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(h))
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate, bias=False)
+        self.down = nn.Linear(cfg.intermediate, h, bias=False)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D], positions [B, T] -> RoPE applied (HF's rotate_half convention)."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * F.rms_norm(x.float(), x.shape[-1:], None, self.cfg.eps).to(x.dtype)
+
+    def layer(self, x: torch.Tensor, positions: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The decoder layer over x [B, T, H] at `positions` [B, T], after `past` keys and values
+        (causal within x, all of past visible; or `mask` [T, past + T] bool, who sees whom);
+        returns the output and the keys and values of past + x."""
+        c = self.cfg
+        b, t, _ = x.shape
+        y = self._norm(x, self.attn_norm)
+        q = self._rope(self.wq(y).view(b, t, c.heads, c.head_dim).transpose(1, 2), positions)
+        k = self._rope(self.wk(y).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2), positions)
+        v = self.wv(y).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        before = k.shape[2] - t
+        if mask is None and t > 1:
+            mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(before)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=c.heads != c.kv_heads)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
+        gate, up = self.gate_up(self._norm(x, self.mlp_norm)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up), (k, v)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., F] -> the head's input width [..., H]."""
+        return features if self.reduce is None else self.reduce(features)
+
+    def forward(self, inputs: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Whole sequences: per position its input [B, T, H] (`project`ed target features, or
+        the head's own predictions) and the embedding of the token that follows it [B, T, H]
+        -> the predicted features of the next positions [B, T, H]."""
+        x = self.fc(torch.cat([next_embeds, inputs], -1))
+        return self.layer(x, positions)[0]
+
+    def extend(self, cache: HeadCache, inputs: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """A session's next positions: inputs [n, H] (as in `forward`) and next-token
+        embeddings [n, H] -> predicted features [n, H]; the cache gains their keys and values."""
+        x = self.fc(torch.cat([next_embeds, inputs], -1))[None]
+        n = x.shape[1]
+        positions = torch.arange(cache.length, cache.length + n, device=x.device)[None]
+        past = (cache.k, cache.v) if cache.k is not None else None
+        out, (cache.k, cache.v) = self.layer(x, positions, past)  # type: ignore[assignment]
+        cache.length += n
+        return out[0]
+
+
+class TargetParts:
+    """What the head borrows from its target, frozen: the token embedding, the final norm and
+    the LM head; and, for training and evaluation, the target's features of a sequence."""
+
+    def __init__(self, target: nn.Module, feature_layers: tuple[int, ...]) -> None:
+        self.model = target
+        inner = target.model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.lm_head = target.lm_head
+        self.feature_layers = feature_layers
+        self.layers = inner.layers
+
+    def logits(self, feature_last: torch.Tensor) -> torch.Tensor:
+        """The target's logits from a last-layer feature (its final norm, then its LM head)."""
+        return self.lm_head(self.norm(feature_last)).float()
+
+    @torch.no_grad()
+    def features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [B, T] -> (the head's input features [B, T, F], the last layer's output [B, T, H]
+        (what the LM head reads, after the norm), the target's logits [B, T, V])."""
+        captured: dict[int, torch.Tensor] = {}
+        last = len(self.layers) - 1
+        wanted = set(self.feature_layers) | {last}
+        hooks = [self.layers[i].register_forward_hook(
+            lambda _m, _a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+            for i in wanted]
+        try:
+            logits = self.model(input_ids=ids).logits.float()
+        finally:
+            for hk in hooks:
+                hk.remove()
+        feats = torch.cat([captured[i] for i in self.feature_layers], -1)
+        return feats, captured[last], logits
+
+
+def load_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
+    """A head saved by the recipe (config.json + model.safetensors)."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    head = EagleHead(EagleConfig.from_json((d / "config.json").read_text()))
+    head.load_state_dict(load_file(str(d / "model.safetensors")))
+    return head.to(dtype).eval()
+
+
+def save_head(head: EagleHead, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(head.cfg.to_json())
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()},
+              str(d / "model.safetensors"))
