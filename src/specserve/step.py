@@ -51,11 +51,13 @@ class StepRow:
     mask: Any = None  # VERIFY: [n, n] bool block mask over the new tokens (a token tree)
     k: int = 0  # DRAFT: positions to draft
     grammar: Any = None  # DRAFT: structured/grammar.py DraftGrammar (q masked to the constraint)
+    features: bool = False  # VERIFY: hand out the target's features of the committed positions fed (ADR 0020)
 
     @classmethod
     def verify(cls, slot: Any, ids: Sequence[int], drafts: list[int], q: QProbs, sampling: SamplingParams,
-               seed: int, allowed: Any = None) -> StepRow:
-        return cls(slot, Kind.VERIFY, ids, sampling, seed, drafts=list(drafts), q=q, allowed=allowed)
+               seed: int, allowed: Any = None, features: bool = False) -> StepRow:
+        return cls(slot, Kind.VERIFY, ids, sampling, seed, drafts=list(drafts), q=q, allowed=allowed,
+                   features=features)
 
     @classmethod
     def draft(cls, slot: Any, ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
@@ -77,6 +79,11 @@ class RowResult:
     cached_len: int = 0  # VERIFY: the slot's length after the verdict
     rolled_back: int = 0  # positions dropped while reconciling, and the rejected drafts
     fed: int = 0  # tokens this pass fed (a row's share of the step's cost)
+    # VERIFY rows that asked: the target's features [n, F] (on its device) of the positions from
+    # `features_start` that this pass fed and that are committed (a chunk's tokens; the last
+    # committed tokens and the accepted drafts)
+    features: Any = None
+    features_start: int = 0
 
     @property
     def again(self) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,8 @@ class HeadCache:
 
 
 class EagleHead(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -152,8 +155,8 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([next_embeds, inputs], -1))[None]
         n = x.shape[1]
         positions = torch.arange(cache.length, cache.length + n, device=x.device)[None]
-        past = (cache.k, cache.v) if cache.k is not None else None
-        out, (cache.k, cache.v) = self.layer(x, positions, past)  # type: ignore[assignment]
+        past = (cache.k, cache.v) if cache.k is not None and cache.v is not None else None
+        out, (cache.k, cache.v) = self.layer(x, positions, past)
         cache.length += n
         return out[0]
 
@@ -162,9 +165,9 @@ class TargetParts:
     """What the head borrows from its target, frozen: the token embedding, the final norm and
     the LM head; and, for training and evaluation, the target's features of a sequence."""
 
-    def __init__(self, target: nn.Module, feature_layers: tuple[int, ...]) -> None:
-        self.model = target
-        inner = target.model
+    def __init__(self, target: Any, feature_layers: tuple[int, ...]) -> None:
+        self.model: Any = target
+        inner: Any = target.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
         self.lm_head = target.lm_head

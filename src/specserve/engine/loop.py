@@ -363,11 +363,17 @@ class EngineLoop:
             room = p.max_tokens - s.n_generated - 1  # drafts past the budget would never commit
             drafts, q, allowed = s.grammar.constrain(drafts, q, p.sampling.greedy, min(s.k_wanted, room), room)
             self.mask_ms += (time.perf_counter() - t0) * 1e3
-        return StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed)
+        source = self.sources.get(s.plan.pool or "")
+        return StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed,
+                              features=bool(getattr(source, "wants_features", False)))
 
     def _settle(self, row: Row, result: RowResult, forward_ms: float,
                 commits: list[CommitRecord]) -> tuple[EngineSession, RoundStats | None]:
         s = row.session
+        if result.features is not None:  # the target's features, for a pool that drafts from them (ADR 0020)
+            source = self.sources.get(s.plan.pool or "")
+            if source is not None and hasattr(source, "features"):
+                source.features(s.id, result.features_start, result.features)
         if result.again:  # a prefill chunk that did not reach the end of the prompt
             s.cached = min(s.cached + row.tokens, len(s.committed) - 1)
             return s, None

@@ -162,6 +162,7 @@ class DeviceStep:
         self.logits = torch.zeros(t, runner.vocab_size, dtype=torch.float32, device=self.device)
         self.verdicts = torch.zeros(r, 2, dtype=torch.float64, device=self.device)  # accepted, final token
         self.picks = torch.zeros(r, dtype=torch.long, device=self.device)  # the final token, as an id
+        self.features = torch.zeros(0, device=self.device)  # [T, F]: the runner's feature layers' outputs
         # a draft's greedy picks with their heads (`drafters.hf._heads`: token, runner-up, and both
         # their probabilities), at each row's last position, computed in the same run
         self.with_heads = heads
@@ -180,7 +181,18 @@ class DeviceStep:
                 self._run = torch.compile(self.run, dynamic=True)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # the graphs' shared memory pool
+        if runner.feature_layers:
+            self.keep_features()
         self.last: Bucket | None = None
+
+    def keep_features(self) -> None:
+        """Write the runner's `feature_layers` outputs of every token to `features` in each
+        run (ADR 0020); graphs captured before did not, and are dropped."""
+        w = self.r.w
+        t = self.max_rows * self.max_width
+        self.features = torch.zeros(t, w.embed.shape[1] * len(self.r.feature_layers), dtype=w.embed.dtype,
+                                    device=self.device)
+        self.graphs.clear()
 
     def field(self, name: str, n: int) -> torch.Tensor:
         """The first `n` entries of one field of the int buffer (a view: a fixed address)."""
@@ -279,12 +291,17 @@ class DeviceStep:
         cos, sin = w.cos.index_select(0, pos).unsqueeze(1), w.sin.index_select(0, pos).unsqueeze(1)
         mask = self._mask(b)
         h = w.embed.index_select(0, ids)  # [T, H]
+        kept = self.r.feature_layers
+        width = w.embed.shape[1]
         for li, layer in enumerate(w.layers):
             qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
                               w.eps, hq, hkv, d, linear)
             self.r.kv.write(li, wslot, at, qk[:, hq:], v)
             h = self._post(h, self._attend(li, qk[:, :hq], mask, b), layer.wo, layer.bo, layer.mlp_norm,
                            layer.w_gate_up, layer.w_down, w.eps, linear)
+            if li in kept:
+                j = kept.index(li)
+                self.features[:t, j * width:(j + 1) * width].copy_(h)
         logits = self.logits[:t]
         logits.copy_(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None))
         jpos = self.field("jpos", t).view(b.rows, b.width)

@@ -296,6 +296,10 @@ class ModelRunner:
         self.tile = tile
         self.device_step: DeviceStep | None = None
         self.fixed_rows: dict[int, int] = {}  # the last forward's rows run by the device step -> their row there
+        # the decoder layers whose outputs a forward keeps per token (an EAGLE head's features,
+        # ADR 0020): `last_features[i]` [len(rows[i].tokens), H x len(layers)] after each forward
+        self.feature_layers: tuple[int, ...] = ()
+        self.last_features: list[torch.Tensor] = []
         self.device = weights.embed.device
         # tile=None ("fast"): the short rows attend in one padded call where that pays, on CUDA
         # (one kernel launch, not one per row); on the CPU gathering every row's keys into one
@@ -374,12 +378,23 @@ class ModelRunner:
         self.device_step = DeviceStep(self, max_rows, max_width, graphs, max_graphs, compile)
         return self.device_step
 
+    def keep_features(self, layers: Sequence[int]) -> None:
+        """Keep, per token of every later forward, the outputs of these decoder layers
+        (`last_features`): an EAGLE head's features (ADR 0020), from the same forward."""
+        n = len(self.w.layers)
+        if any(not 0 <= i < n for i in layers):
+            raise ValueError(f"feature layers {list(layers)} outside the model's {n} layers")
+        self.feature_layers = tuple(layers)
+        if self.device_step is not None:
+            self.device_step.keep_features()
+
     @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Append each row's tokens to its session; logits [num_logits, V] float32 per row.
         With the device step on, short rows run there (`fixed_rows` then maps each such row's
         index to its row in the step's verdicts) and longer ones through the eager forward."""
         self.fixed_rows = {}
+        self.last_features = []
         if not rows:
             return []
         sessions = [r.session for r in rows]
@@ -393,7 +408,10 @@ class ModelRunner:
                 raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
         ds = self.device_step
         if ds is None:
-            return self._forward_eager(rows)
+            out_eager = self._forward_eager(rows)
+            self.last_features = self._eager_features
+            return out_eager
+        feats: list = [None] * len(rows)
         short = [i for i, r in enumerate(rows) if len(r.tokens) <= ds.max_width]
         bucket = None
         if short:
@@ -405,8 +423,10 @@ class ModelRunner:
         out: list[torch.Tensor | None] = [None] * len(rows)
         rest = [i for i in range(len(rows)) if i not in set(fixed)]
         if rest:
-            for i, lg in zip(rest, self._forward_eager([rows[i] for i in rest]), strict=True):
+            for k, (i, lg) in enumerate(zip(rest, self._forward_eager([rows[i] for i in rest]), strict=True)):
                 out[i] = lg
+                if self.feature_layers:
+                    feats[i] = self._eager_features[k]
         if bucket is not None:
             srows = [rows[i] for i in fixed]
             ds.prepare(srows, [self.kv.slot(r.session) for r in srows], starts, bucket)
@@ -418,6 +438,10 @@ class ModelRunner:
                 c = n if r.num_logits is None else max(0, min(r.num_logits, n))
                 out[i] = ds.logits[j * w + n - c:j * w + n]
                 self.fixed_rows[i] = j
+                if self.feature_layers:
+                    feats[i] = ds.features[j * w:j * w + n]  # (a view: the next step writes over it)
+        if self.feature_layers:
+            self.last_features = feats
         return out  # type: ignore[return-value]
 
     def _forward_eager(self, rows: Sequence[Row]) -> list[torch.Tensor]:
@@ -442,6 +466,7 @@ class ModelRunner:
         hq, hkv = self.w.num_heads, self.w.num_kv_heads
 
         h = self.w.embed[ids]  # [Mp, H]
+        kept: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.w.layers):
             qkv = self._qkv(layer, h, cos, sin)  # [Mp, Hq + 2 Hkv, D], RoPE applied
             q, k, v = qkv.split([hq, hkv, hkv], dim=1)
@@ -454,9 +479,13 @@ class ModelRunner:
                 o.index_copy_(0, short.tokens, self._attend_short(li, short, q))
             for t in self._tiles(mp):
                 self._mlp_block(layer, h[t], o[t])
+            if li in self.feature_layers:
+                kept[li] = h[:m].clone()
 
         for r in rows:
             self.kv.append(r.session, r.tokens)
+        self._eager_features = list(torch.cat([kept[i] for i in self.feature_layers], -1).split(sizes)) \
+            if self.feature_layers else []
         return self._logits(h, rows, offsets, sizes)
 
     def _token_ids(self, rows: Sequence[Row], pad: int) -> torch.Tensor:

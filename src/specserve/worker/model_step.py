@@ -181,24 +181,37 @@ class BatchedTarget(_RunnerSessions):
             except Exception as exc:  # per row: a bad row must not fail the step
                 results[i] = RowResult.of_error(exc)
                 continue
+            start = self.runner.length(job.slot)
             if last:
                 feed = feed + job.drafts
             rows.append(Row(job.slot, feed, num_logits=len(job.drafts) + 1 if last else 0))
             results[i].fed = len(feed)
-            live.append((i, job, last, dropped))
+            live.append((i, job, last, dropped, start))
         logits = self.runner.forward(rows)  # on the runner's device: judged there, one copy back
+        feats = self.runner.last_features
+        keeping = bool(self.runner.feature_layers)  # (features only once asked for: keep_features)
         judged = []
-        for r, ((i, job, last, dropped), lg) in enumerate(zip(live, logits, strict=True)):
+        for r, ((i, job, last, dropped, start), lg) in enumerate(zip(live, logits, strict=True)):
             if not last:
                 results[i] = RowResult.later(results[i].fed)
+                if job.features and keeping:  # a chunk of the prompt: every token fed is committed
+                    results[i].features, results[i].features_start = feats[r].clone(), start
             else:
                 judged.append((i, job, lg, dropped, r))
         verdicts = self._judge(judged)
-        for (i, job, _, dropped, _), verdict in zip(judged, verdicts, strict=True):
+        for (i, job, _, dropped, r), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
             dropped += self.runner.rollback(job.slot, keep)
             results[i].verdict, results[i].cached_len, results[i].rolled_back = verdict, keep, dropped
+            if job.features and keeping:  # the committed tokens fed and the accepted drafts: on the device
+                committed = results[i].fed - len(job.drafts) + verdict.num_accepted
+                results[i].features = feats[r][:committed].clone()
+                results[i].features_start = live[r][4]
         return StepResult(results)
+
+    def keep_features(self, layers) -> None:
+        """Hand out these decoder layers' outputs with VERIFY rows that ask (ADR 0020)."""
+        self.runner.keep_features(layers)
 
 
     def _judge(self, judged: list) -> list[Verdict]:
