@@ -8,20 +8,23 @@ import math
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# A pool drafted inside the target's own process by prompt lookup (model-free: no replica, no
-# network hop on any round; ADR 0014, "n-gram beside the target"). It is a pool's only address.
+# Pools drafted inside the target's own process, on the engine's thread (no replica, no
+# network hop on any round): by prompt lookup (ADR 0014, "n-gram beside the target"), or by an
+# EAGLE-style head from the target's own features (ADR 0020). Each is its pool's only address.
 LOCAL_NGRAM = "local:ngram"
+LOCAL_EAGLE = "local:eagle"
+LOCAL = (LOCAL_NGRAM, LOCAL_EAGLE)
 
 
 def pools_have_replicas(v: dict[str, list[str]]) -> dict[str, list[str]]:
-    """draft_pools (router and target): every pool names at least one replica, or is
-    `local:ngram` alone."""
+    """draft_pools (router and target): every pool names at least one replica, or is one local
+    drafter alone (`local:ngram`, `local:eagle`)."""
     for name, addrs in v.items():
         if not addrs:
             raise ValueError(f"draft pool {name!r} has no replica addresses")
-        if any(a.startswith("local:") for a in addrs) and addrs != [LOCAL_NGRAM]:
-            raise ValueError(f"draft pool {name!r}: {LOCAL_NGRAM!r} (n-gram drafting inside the target) is a "
-                             f"pool's only address, and the only local drafter; got {addrs}")
+        if any(a.startswith("local:") for a in addrs) and not (len(addrs) == 1 and addrs[0] in LOCAL):
+            raise ValueError(f"draft pool {name!r}: a local drafter ({', '.join(LOCAL)}: drafting inside the "
+                             f"target) is a pool's only address; got {addrs}")
     return v
 
 
@@ -120,6 +123,9 @@ class TargetSettings(WorkerSettings):
     # addresses (one Draft.Link stream per replica); the router's pools by the same names.
     draft_pools: dict[str, list[str]] = Field(default_factory=dict)
     predraft_branches: int = Field(2, ge=0, le=8)  # likely outcomes a replica drafts ahead
+    # the EAGLE-style head of a `local:eagle` pool (ADR 0020): its directory; empty = `eagle/`
+    # beside the target's model directory (the demo pair ships one)
+    eagle_head: str = ""
     # the longest a row waits for a late block, then runs plain (below it, the engine waits only
     # as long as the block is worth: E - 1 plain steps for a block expected to emit E tokens)
     block_wait_ms: float = Field(50.0, ge=0)

@@ -218,3 +218,19 @@ def test_the_shipped_head_loads_for_the_demo_target(demo_pair):
     assert (cfg.hidden, cfg.vocab_size) == (demo_pair.target.config.hidden_size, demo_pair.target.config.vocab_size)
     assert (SHIPPED_HEAD / "model.safetensors").stat().st_size <= 12 * 2**20
     assert (SHIPPED_HEAD / "MODEL_CARD.md").exists() and (SHIPPED_HEAD / "build.json").exists()
+
+
+def test_local_eagle_is_a_pools_only_address_and_needs_a_head(tmp_path):
+    from pydantic import ValidationError
+
+    from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM, RouterSettings, TargetSettings
+    from specserve.services.target.actor import eagle_local
+
+    for settings in (RouterSettings, TargetSettings):
+        assert settings(draft_pools={"eagle-local": [LOCAL_EAGLE]}).draft_pools["eagle-local"] == [LOCAL_EAGLE]
+        for bad in ([LOCAL_EAGLE, LOCAL_NGRAM], [LOCAL_EAGLE, "127.0.0.1:1"], ["local:medusa"]):
+            with pytest.raises(ValidationError, match="only address"):
+                settings(draft_pools={"x": bad})
+    s = TargetSettings(model=str(tmp_path / "target"), draft_pools={"eagle-local": [LOCAL_EAGLE]})
+    with pytest.raises(ValueError, match="needs an EAGLE head"):
+        eagle_local(s, None, None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.config import LOCAL_NGRAM
+from specserve.config import LOCAL
 from specserve.serving.tls import TlsFiles, aio_channel
 
 _CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 10_000)]
@@ -38,7 +38,7 @@ class DraftPool:
 
     def __post_init__(self) -> None:
         for a in self.addresses:
-            self.replicas[a] = Replica(a, None if a == LOCAL_NGRAM else aio_channel(a, self.tls, _CHANNEL_OPTIONS))
+            self.replicas[a] = Replica(a, None if a in LOCAL else aio_channel(a, self.tls, _CHANNEL_OPTIONS))
 
     @property
     def healthy(self) -> int:

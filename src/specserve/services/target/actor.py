@@ -152,7 +152,7 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     """The engine beside the target: one draft source per configured pool (remote replicas, or
     n-gram drafting in this process for a `local:ngram` pool)."""
     from specserve.algorithm.stops import StopChecker
-    from specserve.config import LOCAL_NGRAM
+    from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM
     from specserve.control.controller import Controller, ShadowLog
     from specserve.drafters.ngram import NgramDrafter
     from specserve.engine.drafting import LocalDrafts
@@ -171,6 +171,8 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     def source(addrs: list[str]):
         if addrs == [LOCAL_NGRAM]:  # drafted on the engine's thread at each outcome: no hop
             return LocalDrafts(NgramDrafter(target.vocab_size))
+        if addrs == [LOCAL_EAGLE]:  # the head beside the target, from its features (ADR 0020)
+            return eagle_local(s, engine, target)
         return RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches, tls=tls).start()
 
     sources = {name: source(addrs) for name, addrs in s.draft_pools.items()}
@@ -193,6 +195,26 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
                       worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag,
                       gather=s.gather_rows, model_thread=model_thread, on_loop_failure=_exit_for_a_restart)
+
+
+def eagle_local(s: TargetSettings, engine, target):
+    """The `local:eagle` pool: the head (`eagle_head`, or `eagle/` beside the target's model
+    directory) drafting on the engine's thread from the features the target's step hands out."""
+    from pathlib import Path
+
+    from specserve.drafters.eagle import TargetParts, load_head
+    from specserve.engine.eagle_local import EagleLocalDrafts
+
+    directory = Path(s.eagle_head) if s.eagle_head else Path(s.model).parent / "eagle"
+    if not (directory / "config.json").exists():
+        raise ValueError(f"a local:eagle pool needs an EAGLE head: none at {directory} (eagle_head; "
+                         "`specserve models eagle --target DIR` trains one)")
+    head = load_head(directory)
+    if not hasattr(engine, "keep_features"):
+        raise ValueError("a local:eagle pool needs the batched runner (the target's features): this target "
+                         "runs on the per-session path")
+    engine.keep_features(head.cfg.feature_layers)
+    return EagleLocalDrafts(head, TargetParts(target.model, head.cfg.feature_layers))
 
 
 def _exit_for_a_restart(exc: BaseException) -> None:
