@@ -52,6 +52,9 @@ class StepRow:
     k: int = 0  # DRAFT: positions to draft
     grammar: Any = None  # DRAFT: structured/grammar.py DraftGrammar (q masked to the constraint)
     features: bool = False  # VERIFY: hand out the target's features of the committed positions fed (ADR 0020)
+    # VERIFY: the drafts form a token tree (algorithm/tree.py): each one's parent among them, or
+    # -1 for the last committed token; None: a chain
+    parents: list[int] | None = None
 
     @classmethod
     def verify(cls, slot: Any, ids: Sequence[int], drafts: list[int], q: QProbs, sampling: SamplingParams,

@@ -19,6 +19,7 @@ class Purpose(IntEnum):
     ACCEPT = 2  # the accept/reject coin of a draft token
     RECOVER = 3  # the recovered token at the first rejection
     BONUS = 4  # the bonus token (also every plain decode step)
+    SIBLING = 5  # a token tree's second and later candidates at one position (algorithm/tree.py)
 
 
 # SplitMix64 (Steele, Lea and Flood, 2014): the golden-ratio increment and the finaliser's two

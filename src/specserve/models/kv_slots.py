@@ -166,6 +166,20 @@ class KVSlots:
         end = min(len(ids), start + len(token_ids))
         ids[start:end] = [int(t) for t in token_ids[:end - start]]
 
+    def move(self, session: Hashable, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the KV of positions `src` to positions `dst` of the session's slot, in every
+        layer (all read before any is written): a token tree's accepted path, compacted to
+        follow the prefix (ADR 0020). The ids are the caller's to `settle`."""
+        if not src:
+            return
+        slot = self.slot(session)
+        from specserve.models.device import to_device
+
+        s = to_device(list(src), self.keys[0].device, torch.long)  # (copied in without a wait)
+        d = to_device(list(dst), self.keys[0].device, torch.long)
+        for cache in (*self.keys, *self.values):
+            cache[slot].index_copy_(1, d, cache[slot].index_select(1, s))
+
     def check_room(self, session: Hashable, new_tokens: int) -> None:
         have = self.length(session)
         if have + new_tokens > self.max_len:

@@ -202,6 +202,11 @@ class Row:
     session: Hashable
     tokens: Sequence[int] | torch.Tensor  # a 1-D int64 tensor on the device: a draft's own picks
     num_logits: int | None = None
+    # a token tree (ADR 0020): [n, n] bool, which of the row's new tokens each one sees (None:
+    # causal), and each token's position after the row's start (None: 0, 1, 2, ...). Token i's
+    # KV still goes to slot position start + i; its rotary position is start + depths[i].
+    mask: torch.Tensor | None = None
+    depths: Sequence[int] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -429,7 +434,9 @@ class ModelRunner:
                     feats[i] = self._eager_features[k]
         if bucket is not None:
             srows = [rows[i] for i in fixed]
-            ds.prepare(srows, [self.kv.slot(r.session) for r in srows], starts, bucket)
+            ds.prepare(srows, [self.kv.slot(r.session) for r in srows], starts, bucket,
+                       masks=[r.mask for r in srows] if any(r.mask is not None for r in srows) else None,
+                       depths=[r.depths for r in srows] if any(r.depths is not None for r in srows) else None)
             ds.launch(bucket)
             w = bucket.width
             for j, (i, r) in enumerate(zip(fixed, srows, strict=True)):
@@ -456,13 +463,20 @@ class ModelRunner:
         mp = self._padded(m)
         # Padding tokens (id 0 at position 0) fill the last tile; their KV is never written.
         ids = self._token_ids(rows, mp - m)  # [Mp]
-        pos = to_device([p for s, n in zip(starts, sizes, strict=True) for p in range(s, s + n)] + [0] * (mp - m),
-                        self.device)  # [Mp]
+        at_host = [p for s, n in zip(starts, sizes, strict=True) for p in range(s, s + n)]
+        rot = list(at_host)
+        for r, s, off in zip(rows, starts, offsets, strict=True):
+            if r.depths is not None:  # a tree: rotary positions by depth, slot positions in order
+                rot[off:off + len(r.tokens)] = [s + d for d in r.depths]
+        pos = to_device(rot + [0] * (mp - m), self.device)  # [Mp]: rotary positions
+        at = pos if rot == at_host else to_device(at_host, self.device)  # [M]: where each token's KV goes
         slot_of_token = to_device([s for s, n in zip(slots, sizes, strict=True) for _ in range(n)], self.device)  # [M]
         cos, sin = self.w.cos[pos].unsqueeze(1), self.w.sin[pos].unsqueeze(1)  # [Mp, 1, D]
         short = ShortRows.of(slots, starts, offsets, sizes, self.device) if self.short_rows else None
-        masks = [None if short is not None and n <= SHORT_ROW else self._mask(start, n)
-                 for start, n in zip(starts, sizes, strict=True)]
+        if any(r.mask is not None for r in rows):  # a token tree attends alone, under its block mask
+            short = None
+        masks = [None if short is not None and n <= SHORT_ROW else self._mask(start, n, r.mask)
+                 for r, start, n in zip(rows, starts, sizes, strict=True)]
         hq, hkv = self.w.num_heads, self.w.num_kv_heads
 
         h = self.w.embed[ids]  # [Mp, H]
@@ -470,7 +484,7 @@ class ModelRunner:
         for li, layer in enumerate(self.w.layers):
             qkv = self._qkv(layer, h, cos, sin)  # [Mp, Hq + 2 Hkv, D], RoPE applied
             q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-            self.kv.write(li, slot_of_token, pos[:m], k[:m], v[:m])
+            self.kv.write(li, slot_of_token, at[:m], k[:m], v[:m])
             o = torch.zeros(mp, hq * self.w.head_dim, dtype=h.dtype, device=self.device)
             for slot, start, off, n, mask in zip(slots, starts, offsets, sizes, masks, strict=True):
                 if short is None or n > SHORT_ROW:
@@ -523,8 +537,14 @@ class ModelRunner:
             out[t, hq + hkv:] = qkv[:, hq + hkv:]
         return out
 
-    def _mask(self, start: int, n: int) -> torch.Tensor | None:
-        """[n, start + n] bool: query i sees keys 0 .. start + i (None: no mask needed)."""
+    def _mask(self, start: int, n: int, block: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[n, start + n] bool: query i sees keys 0 .. start + i, or, with a `block` mask over
+        the row's new tokens [n, n], the keys before the row and the new ones it allows (None:
+        no mask needed)."""
+        if block is not None:
+            seen = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+            seen[:, start:] = to_device(block, self.device, torch.bool)
+            return seen
         if n == 1 or start == 0:
             return None
         keys = torch.arange(start + n, device=self.device)

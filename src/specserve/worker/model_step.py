@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from specserve.algorithm.rejection import Verdict, verdicts_from_host
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import SamplingParams
+from specserve.algorithm.tree import Tree, tree_judge_on_device
+from specserve.algorithm.tree import walk as tree_walk
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import (
     DevicePick,
@@ -57,7 +59,6 @@ from specserve.models.verifier import (
     JudgeRow,
     TargetModel,
     judge_on_device,
-    judge_rows,
     verdicts_of,
     verify_block,
 )
@@ -182,31 +183,46 @@ class BatchedTarget(_RunnerSessions):
                 results[i] = RowResult.of_error(exc)
                 continue
             start = self.runner.length(job.slot)
-            if last:
-                feed = feed + job.drafts
-            rows.append(Row(job.slot, feed, num_logits=len(job.drafts) + 1 if last else 0))
-            results[i].fed = len(feed)
-            live.append((i, job, last, dropped, start))
+            tail = len(feed)
+            if last and job.parents is not None:  # a token tree: its block mask, positions by depth
+                row = _tree_row(job.slot, feed, job.drafts, Tree(tuple(job.parents)))
+            else:
+                if last:
+                    feed = feed + job.drafts
+                row = Row(job.slot, feed, num_logits=len(job.drafts) + 1 if last else 0)
+            rows.append(row)
+            results[i].fed = len(row.tokens)
+            live.append((i, job, last, dropped, start, tail))
         logits = self.runner.forward(rows)  # on the runner's device: judged there, one copy back
         feats = self.runner.last_features
         keeping = bool(self.runner.feature_layers)  # (features only once asked for: keep_features)
         judged = []
-        for r, ((i, job, last, dropped, start), lg) in enumerate(zip(live, logits, strict=True)):
+        for r, ((i, job, last, dropped, start, _), lg) in enumerate(zip(live, logits, strict=True)):
             if not last:
                 results[i] = RowResult.later(results[i].fed)
                 if job.features and keeping:  # a chunk of the prompt: every token fed is committed
                     results[i].features, results[i].features_start = feats[r].clone(), start
             else:
                 judged.append((i, job, lg, dropped, r))
-        verdicts = self._judge(judged)
+        verdicts, paths = self._judge(judged)
         for (i, job, _, dropped, r), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
+            start, tail = live[r][4], live[r][5]
+            path = paths.get(r)
+            if path is not None:  # a tree's accepted path, compacted to follow the prefix
+                self.runner.kv.move(job.slot, [start + tail + n for n in path],
+                                    [start + tail + k for k in range(len(path))])
+                self.runner.kv.settle(job.slot, start + tail, [job.drafts[n] for n in path])
             dropped += self.runner.rollback(job.slot, keep)
             results[i].verdict, results[i].cached_len, results[i].rolled_back = verdict, keep, dropped
             if job.features and keeping:  # the committed tokens fed and the accepted drafts: on the device
-                committed = results[i].fed - len(job.drafts) + verdict.num_accepted
-                results[i].features = feats[r][:committed].clone()
-                results[i].features_start = live[r][4]
+                if path is not None:
+                    at = list(range(tail)) + [tail + n for n in path]
+                    results[i].features = feats[r].index_select(0, to_device(at, feats[r].device, torch.long))
+                else:
+                    committed = results[i].fed - len(job.drafts) + verdict.num_accepted
+                    results[i].features = feats[r][:committed].clone()
+                results[i].features_start = start
         return StepResult(results)
 
     def keep_features(self, layers) -> None:
@@ -214,36 +230,58 @@ class BatchedTarget(_RunnerSessions):
         self.runner.keep_features(layers)
 
 
-    def _judge(self, judged: list) -> list[Verdict]:
-        """The judged rows' verdicts in one copy to the host. A greedy row without banned
-        tokens or a constraint that the device step ran takes the verdict that step already
-        computed on the device (ADR 0019: inside its graph); the rest are judged here."""
+    def _judge(self, judged: list) -> tuple[list[Verdict], dict[int, list[int]]]:
+        """The judged rows' verdicts in one copy to the host, and each tree row's accepted
+        path (by its row in the forward). A greedy row without banned tokens or a constraint
+        that the device step ran takes the verdict that step already computed on the device
+        (ADR 0019: inside its graph); a token tree is judged by algorithm/tree.py (2 numbers a
+        node cross); the rest here, by kind of row."""
         ds, fixed = self.runner.device_step, self.runner.fixed_rows
+        trees = [k for k, (_, job, _, _, _) in enumerate(judged) if job.parents is not None]
         fast = [k for k, (_, job, _, _, r) in enumerate(judged) if r in fixed and job.sampling.greedy
-                and not job.sampling.banned_token_ids and job.allowed is None]
-        if ds is None or not fast:
-            return judge_rows([JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed)
-                               for _, j, lg, _, _ in judged])
-        chosen = set(fast)
-        slow = [k for k in range(len(judged)) if k not in chosen]
-        at = [fixed[judged[k][4]] for k in fast]
-        parts = [ds.verdicts[:len(at)] if at == list(range(len(at)))
-                 else ds.verdicts.index_select(0, to_device(at, ds.device))]
+                and not job.sampling.banned_token_ids and job.allowed is None and job.parents is None]
+        if ds is None:
+            fast = []
+        taken = set(fast) | set(trees)
+        slow = [k for k in range(len(judged)) if k not in taken]
+        parts: list[torch.Tensor] = []
+        if fast and ds is not None:
+            at = [fixed[judged[k][4]] for k in fast]
+            parts.append(ds.verdicts[:len(at)] if at == list(range(len(at)))
+                         else ds.verdicts.index_select(0, to_device(at, ds.device)))
         slow_rows = [JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed)
                      for _, j, lg, _, _ in (judged[k] for k in slow)]
         if slow_rows:
             groups, packed = judge_on_device(slow_rows)
-            width = max(2, packed.shape[1])
-            parts = [F.pad(parts[0], (0, width - 2)), F.pad(packed, (0, width - packed.shape[1]))]
-        host = to_host([torch.cat(parts) if len(parts) > 1 else parts[0]])[0].tolist()
+            parts.append(packed)
+        for k in trees:
+            _, j, lg, _, _ = judged[k]
+            parts.append(tree_judge_on_device(lg, j.drafts, Tree(tuple(j.parents)), j.sampling, j.seed, len(j.ids)))
         out: list[Verdict | None] = [None] * len(judged)
-        for k, v in zip(fast, verdicts_from_host([h[:2] for h in host[:len(fast)]],
-                                                 [judged[k][1].drafts for k in fast], False), strict=True):
-            out[k] = v
-        if slow_rows:
-            for k, v in zip(slow, verdicts_of(slow_rows, groups, host[len(fast):]), strict=True):
+        paths: dict[int, list[int]] = {}
+        if not parts:
+            return [], paths
+        width = max(p.shape[1] for p in parts)
+        host_all = to_host([torch.cat([F.pad(p, (0, width - p.shape[1])) for p in parts])])[0].numpy()
+        at_row = 0
+        if fast:
+            rows_f = host_all[at_row:at_row + len(fast)].tolist()
+            at_row += len(fast)
+            for k, v in zip(fast, verdicts_from_host([h[:2] for h in rows_f], [judged[k][1].drafts for k in fast],
+                                                     False), strict=True):
                 out[k] = v
-        return out  # type: ignore[return-value]
+        if slow_rows:
+            rows_s = host_all[at_row:at_row + len(slow_rows)].tolist()
+            at_row += len(slow_rows)
+            for k, v in zip(slow, verdicts_of(slow_rows, groups, rows_s), strict=True):
+                out[k] = v
+        for k in trees:
+            _, j, _, _, r = judged[k]
+            n = len(j.drafts) + 1
+            out[k], paths[r] = tree_walk(host_all[at_row:at_row + n], j.drafts, Tree(tuple(j.parents)), j.sampling,
+                                         j.seed, len(j.ids))
+            at_row += n
+        return out, paths  # type: ignore[return-value]
 
 
 @dataclass
@@ -450,6 +488,22 @@ class SessionDraft(_PerSession):
         return RowResult(proposal=propose_constrained(job.slot, list(job.ids), job.k, job.sampling, job.seed,
                                                       job.grammar),
                          fed=job.k)
+
+
+def _tree_row(slot: Any, tail: list[int], drafts: list[int], tree: Tree) -> Row:
+    """The forward's row for the committed tokens still to feed and a tree of drafts: the tail
+    causal, each draft seeing the tail and its ancestors, rotary positions by depth; logits at
+    the tail's last token and at every draft."""
+    t, m = len(tail), tree.size
+    if t == 0:
+        raise ValueError("a tree row needs the last committed token fed with it")
+    mask = torch.zeros(t + m, t + m, dtype=torch.bool)
+    mask[:t, :t] = torch.ones(t, t, dtype=torch.bool).tril()
+    within = tree.mask()  # [m + 1, m + 1]: the root (the tail's last token) and the drafts
+    mask[t:, :t] = True
+    mask[t:, t:] = within[1:, 1:]
+    return Row(slot, tail + list(drafts), num_logits=m + 1, mask=mask,
+               depths=list(range(t)) + [t - 1 + d for d in tree.depths])
 
 
 def _guarded(fn, row: StepRow) -> RowResult:

@@ -1,0 +1,163 @@
+"""Token trees (issue 40, ADR 0020): a draft block whose tokens branch, verified in one pass.
+
+A tree is its draft tokens in an order where every parent comes before its children, and
+`parents[i]`: the index of token i's parent among them, or -1 for the last committed token
+(the root). Siblings are candidates for the same position, tried in their order.
+
+Verification is exact for any tree whose tokens were chosen without the target's randomness
+(top-k branches, several n-gram matches): multi-candidate rejection sampling with one-hot
+candidates. At a node with target distribution p, its children c_1, c_2, ... are tried in
+order: c_j is accepted with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})) (p with the
+rejected candidates removed, renormalised); the first accepted child becomes the node and its
+children are tried next. Where every child is rejected, the final token is drawn from p with
+all of them removed (recovered); at a leaf, from p (bonus). Each candidate tried is kept with
+exactly its probability under the target given the ones before it were not, so the emitted
+tokens follow the target's distribution; at T = 0 the walk follows the target's argmax. A chain
+(parents -1, 0, 1, ...) is judged exactly as `rejection.rejection_judge` judges it with a
+one-hot q: the same uniforms (ACCEPT at each position for the first candidate, RECOVER or
+BONUS where the block ends), the same verdicts.
+
+The device computes, per node, its token's probability under its parent's distribution and
+the node's final token (recovered from p less its children, or bonus); the host walks the
+tree on those 2 numbers a node, which cross in the step's one copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.algorithm.rejection import Verdict
+from specserve.algorithm.rng import Purpose, uniform
+from specserve.algorithm.sampling import draw, logits_to_probs, mask_logits
+from specserve.models.device import to_device
+from specserve.params import SamplingParams
+
+SIBLINGS = 256  # the most candidates at one position (the uniforms' index space per position)
+
+
+@dataclass(frozen=True)
+class Tree:
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"tree node {i}'s parent {p} must be -1 (the root) or an earlier node")
+
+    @classmethod
+    def chain(cls, k: int) -> Tree:
+        return cls(tuple(range(-1, k - 1)))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> list[int]:
+        """Per node, its depth (the root's children: 1)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+    def children(self) -> list[list[int]]:
+        """Per node of the full tree (0: the root, i + 1: token i), its children's node indices
+        (i + 1 for token i) in order."""
+        out: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i + 1)
+        return out
+
+    def mask(self) -> torch.Tensor:
+        """[m + 1, m + 1] bool over (the root, then the tokens): each sees its ancestors and itself."""
+        m = self.size
+        seen = torch.zeros(m + 1, m + 1, dtype=torch.bool)
+        seen[0, 0] = True
+        for i, p in enumerate(self.parents):
+            seen[i + 1] = seen[p + 1]
+            seen[i + 1, i + 1] = True
+        return seen
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.size - 1))
+
+
+def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree, sampling: SamplingParams,
+                         seed: int, start: int) -> torch.Tensor:
+    """logits [m + 1, V] of the root and the tree's tokens -> [m + 1, 2] float64 on their
+    device: per node, its token's probability under its parent's distribution (the root: 0),
+    and its final token (drawn from p less its children, or from p at a leaf). `start`: the
+    absolute position of the root's children."""
+    device = logits.device
+    m = tree.size
+    children = tree.children()
+    depths = [0] + tree.depths
+    toks = to_device(list(tokens), device, torch.long)
+    parent_rows = to_device([p + 1 for p in tree.parents], device, torch.long)  # [m]
+    # children's tokens removed at each node that has any (a leaf keeps all of p)
+    ban = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+    rows = [n for n in range(m + 1) for _ in children[n]]
+    if rows:
+        cols = [tokens[c - 1] for n in range(m + 1) for c in children[n]]
+        ban[to_device(rows, device, torch.long), to_device(cols, device, torch.long)] = True
+    if sampling.greedy:
+        top = mask_logits(logits, sampling).argmax(-1)  # [m + 1]
+        p_tok = (top.index_select(0, parent_rows) == toks).double() if m else logits.new_zeros(0, dtype=torch.float64)
+        final = mask_logits(logits, sampling).masked_fill(ban, float("-inf")).argmax(-1)
+        # (a node whose argmax is one of its children accepts it: its final token is not used)
+    else:
+        p = logits_to_probs(logits, sampling)  # [m + 1, V]
+        p_tok = p.index_select(0, parent_rows).gather(1, toks[:, None])[:, 0].double() if m else \
+            logits.new_zeros(0, dtype=torch.float64)
+        rest = p.masked_fill(ban, 0.0)
+        kind = [Purpose.RECOVER if children[n] else Purpose.BONUS for n in range(m + 1)]
+        u = np.array([uniform(seed, [start + depths[n]], kind[n])[0] for n in range(m + 1)])
+        empty = rest.sum(-1) <= 0  # every token of p is a child: unreachable, drawn from p instead
+        final = draw(torch.where(empty[:, None], p, rest), to_device(u, device))
+    root = torch.zeros(1, dtype=torch.float64, device=device)
+    return torch.stack([torch.cat([root, p_tok]), final.double()], 1)
+
+
+def walk(host: np.ndarray, tokens: Sequence[int], tree: Tree, sampling: SamplingParams, seed: int,
+         start: int) -> tuple[Verdict, list[int]]:
+    """The host's walk over `tree_judge_on_device`'s rows: the verdict (accepted path tokens
+    and the final one) and the accepted tokens' indices in the tree, in path order."""
+    children = tree.children()
+    node, depth, path = 0, 0, []
+    while True:
+        tried = 0.0
+        nxt = None
+        for s, c in enumerate(children[node]):
+            prob = float(host[c, 0])
+            if sampling.greedy:
+                keep = prob >= 0.5
+            else:
+                left = 1.0 - tried
+                keep = left > 0 and uniform_for(seed, start + depth, s) * left < prob
+                tried += prob
+            if keep:
+                nxt = c
+                break
+        if nxt is None:
+            final = int(host[node, 1])
+            break
+        path.append(nxt - 1)
+        node, depth = nxt, depth + 1
+    accepted = [int(tokens[i]) for i in path]
+    rejected = depth if children[node] else None
+    return Verdict(len(path), accepted + [final], rejected), path
+
+
+def uniform_for(seed: int, position: int, sibling: int) -> float:
+    """The coin of the `sibling`-th candidate at `position`: ACCEPT at the position for the
+    first (as a chain's draft), the position's own sub-stream for the others."""
+    if sibling == 0:
+        return float(uniform(seed, [position], Purpose.ACCEPT)[0])
+    if sibling >= SIBLINGS:
+        raise ValueError(f"at most {SIBLINGS} candidates a position")
+    return float(uniform(seed, [position * SIBLINGS + sibling], Purpose.SIBLING)[0])

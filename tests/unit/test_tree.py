@@ -1,0 +1,203 @@
+"""Token trees (issue 40, ADR 0020): verification of a branching block in one target pass.
+
+1. The algorithm (algorithm/tree.py), on synthetic logits: a chain-shaped tree gets exactly
+   the verdicts `rejection_judge` gives the chain with a one-hot q (same uniforms); at T = 0 the
+   walk follows the target's argmax; sampled, the first and second emitted tokens follow the
+   target's distributions (chi-squared, fixed seeds), and a control walker that keeps a later
+   sibling with its unconditional probability fails the same test.
+2. Through the target's model step: tree rows (eager and device step) keep only the accepted
+   path's KV, compacted after the prefix, so greedy decoding with trees whose greedy token is
+   the second sibling equals target-only greedy; a chain given as a tree gives the chain's
+   verdicts, sampled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2
+
+from specserve.algorithm import tree as tree_module
+from specserve.algorithm.rejection import StepUniforms, rejection_judge
+from specserve.algorithm.sampling import logits_to_probs
+from specserve.algorithm.tree import Tree, tree_judge_on_device, walk
+from specserve.models.verifier import TargetModel
+from specserve.params import SamplingParams
+from specserve.step import Step, StepRow
+from specserve.worker.model_step import Batching, make_target_step
+
+V = 12
+
+
+def _logits(seed: int, rows: int) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 1.5
+
+
+def _verdict(logits, tokens, tree, sampling, seed, start):
+    host = tree_judge_on_device(logits, tokens, tree, sampling, seed, start).numpy()
+    return walk(host, tokens, tree, sampling, seed, start)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_a_chain_tree_is_judged_as_the_chain(temperature):
+    sampling = SamplingParams(temperature=temperature)
+    k = 3
+    for seed in range(200):
+        logits = _logits(seed, k + 1)
+        drafts = [int(t) for t in torch.randint(0, V, (k,), generator=torch.Generator().manual_seed(1000 + seed))]
+        if seed % 3 == 0:  # some blocks the target agrees with
+            drafts = [int(t) for t in logits[:k].argmax(-1)]
+        verdict, path = _verdict(logits, drafts, Tree.chain(k), sampling, seed, 40)
+        p = logits_to_probs(logits, sampling)[None]
+        judged = rejection_judge(p, torch.tensor([drafts]), torch.tensor([k]), None,
+                                 StepUniforms.draw(np.array([seed], dtype=np.uint64), np.array([40]), k))
+        assert verdict.num_accepted == int(judged.num_accepted[0]) and verdict.tokens[-1] == int(judged.final[0]), seed
+        assert path == list(range(verdict.num_accepted))
+
+
+def test_at_t0_the_walk_follows_the_targets_argmax():
+    # root: children a (wrong) and b (the argmax); b's children: c (the argmax there) and d
+    logits = _logits(3, 5)
+    top = logits.argmax(-1).tolist()  # per node: root, a, b, c, d
+    a = (top[0] + 1) % V
+    tokens = [a, top[0], (top[2] + 2) % V, top[2]]  # a, b, d(wrong), c(right) as b's second child
+    tree = Tree((-1, -1, 1, 1))
+    verdict, path = _verdict(logits, tokens, tree, SamplingParams(), 0, 10)
+    assert path == [1, 3] and verdict.tokens == [top[0], top[2], top[4]] and verdict.rejected_position is None
+
+
+class _Wrong:
+    """The control: a walker that keeps the j-th sibling with its unconditional probability
+    p(c_j), not renormalised by the siblings tried before it (it under-keeps later siblings)."""
+
+    def __init__(self) -> None:
+        self.original = tree_module.uniform_for
+
+    def __enter__(self):
+        orig = self.original
+
+        def biased(seed, position, sibling):
+            u = orig(seed, position, sibling)
+            return u if sibling == 0 else min(1.0, u * 1.8)  # a later sibling's coin, skewed up
+
+        tree_module.uniform_for = biased
+        return self
+
+    def __exit__(self, *exc):
+        tree_module.uniform_for = self.original
+
+
+def _chi2(counts: np.ndarray, p: np.ndarray) -> tuple[float, float]:
+    n = counts.sum()
+    keep = p * n >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(p[keep] * n, p[~keep].sum() * n)
+    if exp[-1] < 5:  # fold a tiny remainder into the largest bin
+        obs[np.argmax(exp[:-1])] += obs[-1]
+        exp[np.argmax(exp[:-1])] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    return float(((obs - exp) ** 2 / exp).sum()), float(chi2.ppf(0.999, len(exp) - 1))
+
+
+def _draws(n: int, wrong: bool = False):
+    """n walks of one tree: the root's two likeliest tokens as candidates, each with the two
+    likeliest at its own position as children (synthetic logits, fixed)."""
+    sampling = SamplingParams(temperature=1.0)
+    logits = _logits(7, 7)
+    p = torch.softmax(logits.double(), -1).numpy()
+    r1, r2 = np.argsort(-p[0])[:2].tolist()
+    a1, a2 = np.argsort(-p[1])[:2].tolist()
+    b1, b2 = np.argsort(-p[2])[:2].tolist()
+    tokens = [r1, r2, a1, a2, b1, b2]
+    tree = Tree((-1, -1, 0, 0, 1, 1))
+    firsts, seconds = np.zeros(V), {r1: np.zeros(V), r2: np.zeros(V)}
+    ctx = _Wrong() if wrong else None
+    if ctx:
+        ctx.__enter__()
+    try:
+        for seed in range(n):
+            v, _ = _verdict(logits, tokens, tree, sampling, seed, 100)
+            firsts[v.tokens[0]] += 1
+            if v.tokens[0] in seconds and len(v.tokens) > 1:
+                seconds[v.tokens[0]][v.tokens[1]] += 1
+    finally:
+        if ctx:
+            ctx.__exit__()
+    return p, (r1, r2), firsts, seconds
+
+
+def test_sampled_trees_emit_the_targets_distribution_at_the_first_and_second_positions():
+    """4000 walks (seeds 0..3999); p < 0.001 fails (chi-squared, bins of expected count >= 5).
+    Second position: given the first emitted token was the root's candidate a (or b), the next
+    token follows the target's distribution at a's node (b's)."""
+    p, (r1, r2), firsts, seconds = _draws(4000)
+    stat, limit = _chi2(firsts, p[0])
+    assert stat < limit, (stat, limit)
+    for tok, node in ((r1, 1), (r2, 2)):
+        assert seconds[tok].sum() > 300
+        stat, limit = _chi2(seconds[tok], p[node])
+        assert stat < limit, (tok, stat, limit)
+    # the control keeps the root's second candidate too rarely: the first position fails
+    p, _, firsts, _ = _draws(4000, wrong=True)
+    stat, limit = _chi2(firsts, p[0])
+    assert stat > limit, (stat, limit)
+
+
+# ---- through the target's model step ----------------------------------------------------------
+
+
+def _top2(model, ids: list[int]) -> tuple[int, int]:
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    a, b = logits.topk(2).indices.tolist()
+    return a, b
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "device-step"])
+def test_greedy_decoding_with_trees_equals_target_only(demo_pair, fixed):
+    """Each round: a tree whose root's first candidate is the target's runner-up and second its
+    argmax, the argmax with a 2-token chain under it: the accepted path is the second branch,
+    its KV moved to follow the prefix; the next rounds read it. 12 rounds."""
+    target = demo_pair.target
+    model = make_target_step(TargetModel(target), Batching(max_sessions=2, max_len=256, tile=None if fixed else 4,
+                                                           fixed_step=fixed))
+    prompt = demo_pair.tokenizer.encode("def add(a, b):\n    return")
+    with torch.inference_mode():
+        ref = target.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False)[0, len(prompt):].tolist()
+    slot = model.open("s")
+    ids = list(prompt)
+    res = model.step(Step([StepRow.verify(slot, ids, [], None, SamplingParams(), 0)])).rows[0]
+    ids += res.verdict.tokens
+    moved = 0
+    for _ in range(12):
+        g = len(ids) - len(prompt)
+        second, first = ref[g], _top2(target, ids)[1]  # first candidate: the runner-up (rejected)
+        drafts = [first, second, ref[g + 1], ref[g + 2]]
+        row = StepRow.verify(slot, ids, drafts, None, SamplingParams(), 0)
+        row.parents = [-1, -1, 1, 2]
+        res = model.step(Step([row])).rows[0]
+        assert res.error is None, res.error
+        moved += res.verdict.num_accepted
+        ids += res.verdict.tokens
+        assert res.cached_len == len(ids) - 1 == model.runner.length(slot)
+    assert ids[len(prompt):] == ref[:len(ids) - len(prompt)]
+    assert moved >= 24  # every round accepted the second branch (3 tokens) or most of it
+
+
+def test_a_chain_given_as_a_tree_gets_the_chains_verdicts_through_the_target(demo_pair):
+    sampling = SamplingParams(temperature=0.9)
+    model = make_target_step(TargetModel(demo_pair.target), Batching(max_sessions=4, max_len=256))
+    prompt = demo_pair.tokenizer.encode("class Stack:\n    def")
+    a, b = model.open("a"), model.open("b")
+    for seed in range(8):
+        drafts = [(seed * 13 + j * 7) % 4096 for j in range(3)]
+        if seed % 2:
+            drafts[0] = _top2(demo_pair.target, prompt)[0]
+        chain = StepRow.verify(a, prompt, drafts, None, sampling, seed)
+        as_tree = StepRow.verify(b, prompt, drafts, None, sampling, seed)
+        as_tree.parents = [-1, 0, 1]
+        ra, rb = model.step(Step([chain, as_tree])).rows
+        assert (ra.verdict.num_accepted, ra.verdict.tokens) == (rb.verdict.num_accepted, rb.verdict.tokens), seed
+        for slot in (a, b):
+            model.runner.rollback(slot, len(prompt) - 1)
