@@ -115,6 +115,14 @@ class StepResult:
     rows: list[RowResult]
 
 
+def tree_depth(parents: Sequence[int]) -> int:
+    """A token tree's depth (its longest path), from its parents (-1: the root)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return max(depths, default=0)
+
+
 class ModelStep(Protocol):
     """What runs a step: worker/model_step.py's batched target and draft over the batched
     runner, and the per-session target and draft."""

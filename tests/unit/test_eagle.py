@@ -234,3 +234,33 @@ def test_local_eagle_is_a_pools_only_address_and_needs_a_head(tmp_path):
     s = TargetSettings(model=str(tmp_path / "target"), draft_pools={"eagle-local": [LOCAL_EAGLE]})
     with pytest.raises(ValueError, match="needs an EAGLE head"):
         eagle_local(s, None, None)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "device-step"])
+def test_eagle_local_trees_are_verified_and_lossless(demo_pair, fixed, one_thread):
+    """tree_width 2 at one session: where the head is unsure of a block's first token it drafts
+    its two likeliest, each with its greedy chain; the target verifies the tree in one pass and
+    greedy output stays the target's."""
+    torch.manual_seed(0)
+    head = load_head(SHIPPED_HEAD) if SHIPPED_HEAD.exists() else \
+        EagleHead(EagleConfig.for_target(demo_pair.target.config)).eval()
+    model = make_target_step(TargetModel(demo_pair.target), Batching(max_sessions=4, max_len=256, prefill_chunk=16,
+                                                                     tile=None if fixed else 4, fixed_step=fixed))
+    model.keep_features(head.cfg.feature_layers)
+    source = _Recording(head, TargetParts(demo_pair.target, head.cfg.feature_layers))
+    stops = lambda params: StopChecker(frozenset(), params.stop, lambda ids: "")  # noqa: E731
+    loop = EngineLoop(model, stops, {"eagle": source}, tree_width=2)
+    prompt = demo_pair.tokenizer.encode("def add(a, b):\n    return")
+    loop.add("s", prompt, EnginePlan(GenerationParams(max_tokens=32, num_draft_tokens=3, seed=3), pool="eagle"))
+    loop.run_until_idle()
+    got = loop.ended["s"]
+    trees = [b for b in source.blocks if b.parents is not None]
+    def two_chains(k: int) -> tuple[int, ...]:
+        return tuple([-1] + list(range(k - 1)) + [-1] + list(range(k, 2 * k - 1)))
+
+    assert trees and all(b.parents == two_chains(len(b.tokens) // 2) for b in trees)
+    assert any(len(b.tokens) == 6 for b in trees)
+    assert any(r.tree_size == 6 for r in got.rounds) and all(r.k <= 3 for r in got.rounds)
+    with torch.inference_mode():
+        ref = demo_pair.target.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
+    assert got.generated == ref[0, len(prompt):].tolist()[:len(got.generated)]

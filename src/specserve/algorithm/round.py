@@ -60,6 +60,7 @@ class RoundStats:
     # the engine: the session's time since its previous round ended, outside this round's step
     # (waiting for its block, held, or left out of steps); the controller prices pools with it
     wait_ms: float = 0.0
+    tree_size: int = 0  # a token tree's drafts (k is then its depth); 0: a chain
 
     @property
     def rejected(self) -> int:

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from specserve.algorithm.rejection import QProbs
 
 
+SURE = 0.9  # the head's top probability at a block's first position above which it drafts a chain
+
+
 class _HeadSession:
     def __init__(self, session: EngineSession) -> None:
         self.prefix = CommittedPrefix(session.committed.ids)
@@ -89,13 +92,13 @@ class EagleLocalDrafts:
             return
         s.prefix.crop(outcome.committed_len - len(outcome.emitted))
         s.prefix.extend(outcome.emitted)
-        self._propose(outcome.session_id, s, outcome.k)
+        self._propose(outcome.session_id, s, outcome.k, outcome.width)
 
     def close(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 
     @torch.inference_mode()
-    def _propose(self, session_id: str, s: _HeadSession, k: int) -> None:
+    def _propose(self, session_id: str, s: _HeadSession, k: int, width: int = 1) -> None:
         n = len(s.prefix)
         if k <= 0 or self.deliver is None or s.inputs is None or s.inputs.shape[0] < n - 1 or n < 2:
             return
@@ -104,9 +107,45 @@ class EagleLocalDrafts:
         if s.cache.length < n - 2:  # the committed positions the cache lacks, with their true features
             a = s.cache.length
             self.head.extend(s.cache, s.inputs[a:n - 2], self.parts.embed(torch.tensor(ids[a + 1:n - 1])))
-        tokens, q = self._block(s, s.inputs[n - 2], ids[n - 1], n, k)
+        parents = None
+        if width > 1:
+            tokens, parents = self._tree(s, s.inputs[n - 2], ids[n - 1], k, width)
+            q = None
+        if parents is None:
+            tokens, q = self._block(s, s.inputs[n - 2], ids[n - 1], n, k)
         self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), tuple(tokens), q,
-                                draft_ms=(time.perf_counter() - t) * 1e3))
+                                draft_ms=(time.perf_counter() - t) * 1e3,
+                                parents=tuple(parents) if parents is not None else None))
+
+    def _tree(self, s: _HeadSession, inp: torch.Tensor, token: int, k: int,
+              width: int) -> tuple[list[int], list[int] | None]:
+        """A token tree (ADR 0020): the head's `width` likeliest tokens at the first position
+        where it is unsure of the first (its top probability under SURE), each followed by its
+        greedy chain to depth k; depth-first, so parents come before children. (None, None)
+        where it is sure: a chain is drafted instead."""
+        saved = (s.cache.k, s.cache.v, s.cache.length)
+        tokens: list[int] = []
+        parents: list[int] = []
+        try:
+            first = self.head.extend(s.cache, inp[None], self.parts.embed(torch.tensor([token])))
+            probs = torch.softmax(self.parts.logits(first)[0], -1)
+            top = probs.topk(width)
+            if float(top.values[0]) >= SURE:
+                return [], None
+            after_first = (s.cache.k, s.cache.v, s.cache.length)
+            for cand in top.indices.tolist():
+                s.cache.k, s.cache.v, s.cache.length = after_first
+                tokens.append(cand)
+                parents.append(-1)
+                x, tok = first, cand
+                for _ in range(k - 1):
+                    x = self.head.extend(s.cache, x, self.parts.embed(torch.tensor([tok])))
+                    tok = int(self.parts.logits(x)[0].argmax())
+                    tokens.append(tok)
+                    parents.append(len(tokens) - 2)
+        finally:
+            s.cache.k, s.cache.v, s.cache.length = saved
+        return tokens, parents
 
     def _block(self, s: _HeadSession, inp: torch.Tensor, token: int, n: int, k: int) -> tuple[list[int], QProbs]:
         """K tokens from position n - 2's input and the last committed token; the cache is

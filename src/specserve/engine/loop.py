@@ -49,7 +49,7 @@ from specserve.engine.session import (
     Status,
 )
 from specserve.params import GenerationParams
-from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow
+from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, tree_depth
 from specserve.structured.constraint import Constraint
 from specserve.worker.cost import CostModel
 
@@ -86,8 +86,11 @@ class EngineLoop:
                  on_step: Callable[[StepReport], None] | None = None,
                  summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0,
                  constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
-                 gather: bool = True) -> None:
+                 gather: bool = True, tree_width: int = 1, tree_sessions: int = 2) -> None:
         self.model = model
+        # token trees (ADR 0020): at most this many candidates at a block's first position, while
+        # at most `tree_sessions` sessions run; 1: chains only
+        self.tree_width, self.tree_sessions = tree_width, tree_sessions
         self.stops_for = stops_for
         self.sources = dict(sources or {})
         self.committer = committer
@@ -356,7 +359,11 @@ class EngineLoop:
     def _row(self, row: Row) -> StepRow:
         s = row.session
         p = s.plan.params
-        drafts, q = clip(row.block, s.k_wanted, row.offset) if row.block is not None else ([], None)
+        parents = None
+        if row.block is not None and row.block.parents is not None and s.grammar is None:
+            drafts, q, parents = list(row.block.tokens), None, list(row.block.parents)  # a tree, whole
+        else:
+            drafts, q = clip(row.block, s.k_wanted, row.offset) if row.block is not None else ([], None)
         allowed = None
         if s.grammar is not None:  # (a prefill chunk short of the prompt's end ignores it)
             t0 = time.perf_counter()
@@ -364,8 +371,10 @@ class EngineLoop:
             drafts, q, allowed = s.grammar.constrain(drafts, q, p.sampling.greedy, min(s.k_wanted, room), room)
             self.mask_ms += (time.perf_counter() - t0) * 1e3
         source = self.sources.get(s.plan.pool or "")
-        return StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed,
-                              features=bool(getattr(source, "wants_features", False)))
+        out = StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed,
+                             features=bool(getattr(source, "wants_features", False)))
+        out.parents = parents
+        return out
 
     def _settle(self, row: Row, result: RowResult, forward_ms: float,
                 commits: list[CommitRecord]) -> tuple[EngineSession, RoundStats | None]:
@@ -393,7 +402,11 @@ class EngineLoop:
         if not s.plan.shadow:  # a shadow twin commits nothing
             commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))
         block = row.block
-        k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
+        tree = block is not None and block.parents is not None and s.grammar is None
+        if tree:
+            k = tree_depth(block.parents)  # type: ignore[union-attr, arg-type]
+        else:
+            k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
             self._acceptance(s).observe(k, verdict.num_accepted)
@@ -407,7 +420,8 @@ class EngineLoop:
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
             verify_ms=forward_ms, fallback_reason="" if block else self._plain_reason(s, row, k_asked),
             k_asked=k_asked,
-            predraft="pushed" if block is not None and block.predrafted else "")
+            predraft="pushed" if block is not None and block.predrafted else "",
+            tree_size=len(block.tokens) if tree and block is not None else 0)
         if s.plan.adaptive and not s.plan.exact:  # after the record: its fallback reason is this round's, not the next's
             self._choose_k(s, len(self.sessions), forward_ms / 1e3, verified=k > 0)
         s.block, s.waiting_since = None, None
@@ -420,8 +434,15 @@ class EngineLoop:
                 pool = s.plan.pool or ""
                 self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if s.block is not None else 0.0)
             self._ask(s)
-            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next))
+            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, self._width()))
         return s, stats
+
+    def _width(self) -> int:
+        """How wide the next blocks' trees may be: `tree_width` while few sessions run (a
+        memory-bound step verifies the extra candidates nearly free), a chain above
+        `tree_sessions` (every candidate's tokens then cost compute the chain does not)."""
+        running = sum(1 for s in self.sessions.values() if s.running)
+        return self.tree_width if running <= self.tree_sessions else 1
 
     def _ask(self, s: EngineSession) -> None:
         s.asks[len(s.committed)] = self.clock()

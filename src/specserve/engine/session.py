@@ -100,17 +100,23 @@ class DraftBlock:
     q: QProbs = None  # their draft distributions; None = one-hot
     draft_ms: float = 0.0  # the replica's compute for it (0 when it was drafted ahead)
     predrafted: bool = False
+    # a token tree (algorithm/tree.py, ADR 0020): each token's parent among them, -1 for the last
+    # committed token; None: a chain. A tree's q is one-hot (its candidates chosen without draws)
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Outcome:
     """A round's result as a draft replica needs it: the committed length after the round,
-    the tokens it emitted, and the K the next block may have (0: no block wanted)."""
+    the tokens it emitted, and the K the next block may have (0: no block wanted); `width`:
+    the most candidates its first position may have (a token tree, where the pool drafts
+    trees and the engine's load makes the wider verify pay; 1: a chain)."""
 
     session_id: str
     committed_len: int
     emitted: tuple[int, ...]
     k: int
+    width: int = 1
 
 
 @dataclass(frozen=True)
@@ -217,6 +223,8 @@ class EngineSession:
         """
         d = len(self.committed) - block.base_len
         if d < 0 or d >= len(block.tokens) or block.base_hash != self.committed.hash_at(block.base_len):
+            return None
+        if block.parents is not None and d:  # a tree drafts its own prefix only
             return None
         if self.committed.ids[block.base_len :] != list(block.tokens[:d]):
             return None
