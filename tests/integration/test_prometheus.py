@@ -50,10 +50,13 @@ NEEDS_AN_EVENT: dict[str, str] = {
     "specserve_fallbacks_total": "rounds without drafts: the load's classes all speculate with healthy pools "
                                  "on the demo pair (its tiny predecessor was held plain by the controller)",
     "specserve_shadow_": "needs a class in shadow mode; the load runs none",
+    "specserve_feature_bytes": "needs a feature-level (eagle) draft pool; the load's stack runs none",
 }
 RULES_NEED_AN_EVENT: dict[str, str] = {
     "workload_class:specserve_shadow_agreement:ratio30m": "needs a class in shadow mode; the load runs none "
                                                           "(its alert is covered by promtool tests)",
+    "draft_pool:specserve_feature_bytes_per_token:rate5m": "needs a feature-level (eagle) draft pool; the load's "
+                                                           "stack runs none (covered by promtool tests)",
 }
 
 

@@ -61,6 +61,7 @@ class RoundStats:
     # (waiting for its block, held, or left out of steps); the controller prices pools with it
     wait_ms: float = 0.0
     tree_size: int = 0  # a token tree's drafts (k is then its depth); 0: a chain
+    feature_bytes: int = 0  # the target's features handed to the session's pool this round (ADR 0020)
 
     @property
     def rejected(self) -> int:

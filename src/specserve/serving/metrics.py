@@ -88,6 +88,13 @@ class RoundMetrics:
         self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
                                 registry=r)
         # alerting signal (deploy/prometheus): drafting-ahead hits
+        # token trees and feature-level drafters (ADR 0020)
+        self.tree_size = Histogram(
+            "specserve_tree_size", "Draft tokens of a round's token tree (0: a chain).", LABELS,
+            buckets=(0, 2, 4, 6, 8, 12, 16, 24, 32), registry=r)
+        self.feature_bytes = Counter(
+            "specserve_feature_bytes", "Bytes of target features handed to a feature-level draft pool (eagle).",
+            LABELS, registry=r)
         self.predraft_rounds = Counter(
             "specserve_predraft_rounds", "Speculative rounds whose block was drafted ahead (source: pushed|cached).",
             (*LABELS, "source"), registry=r)

@@ -339,6 +339,9 @@ class LoopHost:
             return
         m.draft_latency.labels(*labels).observe(r.draft_ms / 1e3)
         m.accepted_drafts.labels(*labels).observe(r.accepted)
+        m.tree_size.labels(*labels).observe(r.tree_size)
+        if r.feature_bytes:
+            m.feature_bytes.labels(*labels).inc(r.feature_bytes)
         if r.predraft:
             m.predraft_rounds.labels(*labels, r.predraft).inc()
         for i in range(r.k):
@@ -378,7 +381,9 @@ class LoopHost:
             "specserve.rejected_position": -1 if r.rejected_position is None else r.rejected_position,
             "specserve.fallback_reason": r.fallback_reason, "specserve.draft_ms": r.draft_ms,
             "specserve.verify_ms": r.verify_ms, "specserve.predraft": r.predraft,
-            "specserve.overhead_ms": r.overhead_ms, "specserve.prefix_len": prefix_len})
+            "specserve.overhead_ms": r.overhead_ms, "specserve.prefix_len": prefix_len,
+            # a token tree's shape (ADR 0020): its drafts and depth (k); 0 for a chain
+            "specserve.tree_size": r.tree_size, "specserve.feature_bytes": r.feature_bytes})
         span.end(end_time=end)
 
     def _ended(self, session: EngineSession, at: float) -> None:
