@@ -21,7 +21,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.algorithm.stops import StopChecker
-from specserve.drafters.eagle import EagleConfig, EagleHead, HeadCache, TargetParts, load_head, save_head
+from specserve.drafters.eagle import (
+    EagleConfig,
+    EagleHead,
+    HeadCache,
+    TargetParts,
+    load_head,
+    save_head,
+)
 from specserve.engine.eagle_local import EagleLocalDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
