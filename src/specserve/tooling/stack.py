@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.config import LOCAL_NGRAM
+from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM
 from specserve.tooling.files import write_private
 from specserve.tooling.redis_server import LocalRedis
 
@@ -185,9 +185,12 @@ class Stack:
         ports: list[tuple[str, str, subprocess.Popen, Path, Path]] = []
         for pool, ps in spec.pools.items():
             if ps.local:
-                if ps.model != "ngram":
-                    raise StackError(f"pool {pool!r}: only an n-gram pool drafts inside the target")
-                self.info.pools[pool] = [LOCAL_NGRAM]
+                if ps.model not in ("ngram", "eagle"):
+                    raise StackError(f"pool {pool!r}: only an n-gram pool or an EAGLE head drafts inside the target")
+                if ps.model == "eagle" and not (pair / "eagle" / "config.json").exists():
+                    raise StackError(f"pool {pool!r}: no EAGLE head at {pair / 'eagle'} "
+                                     "(`specserve models eagle` trains one)")
+                self.info.pools[pool] = [LOCAL_NGRAM if ps.model == "ngram" else LOCAL_EAGLE]
                 continue
             for i in range(ps.replicas):
                 name = f"draft-{pool}-{i}"

@@ -21,7 +21,8 @@ def demo(
     run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
     """Through the router: held-out prompts of each workload class, speculation off (plain
-    decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`)."""
+    decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`, and the pair's EAGLE head `eagle-local`
+    where it ships one)."""
     import time
 
     from rich.console import Console
@@ -53,7 +54,7 @@ def demo(
         call(prompts[0]["prompt"], prompts[0]["workload_class"], "small")  # warm caches and channels
         for cls in ("code", "chat", "extraction"):
             _demo_class(console, table, call, [p["prompt"] for p in demo_choice(prompts, cls, prompts_per_class)],
-                        cls)
+                        cls, eagle=(pair_path / "eagle" / "config.json").exists())
         console.print(table)
         if router is None:  # the local stack: its HTTP API's address is in run/router.http
             code = demo_choice(prompts, "code", 1)[0]["prompt"]
@@ -61,11 +62,12 @@ def demo(
         _demo_policies(console, channel, prompts, prompts_per_class, max_tokens)
 
 
-def _demo_class(console, table, call, chosen: list[str], cls: str) -> None:
+def _demo_class(console, table, call, chosen: list[str], cls: str, eagle: bool = False) -> None:
     """One class's prompts with speculation off and on each pool: the plain outputs printed,
     a table row per arm (time per token, speedup, acceptance, same tokens as plain)."""
-    runs = {name: [call(p, cls, pool) for p in chosen]
-            for name, pool in (("off", "none"), ("on: small", "small"), ("on: ngram", "ngram"))}
+    arms = [("off", "none"), ("on: small", "small"), ("on: ngram", "ngram")] + ([("on: eagle-local", "eagle-local")]
+                                                                                if eagle else [])
+    runs = {name: [call(p, cls, pool) for p in chosen] for name, pool in arms}
     plain = runs["off"]
     console.rule(f"[bold]{cls}[/bold]")
     for prompt, (resp, _) in zip(chosen, plain, strict=True):

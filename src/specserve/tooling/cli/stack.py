@@ -31,8 +31,11 @@ def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
                 "chat": {"draft_pool": "small", "draft_pools": ["ngram"], "k": 4},
                 "extraction": {"draft_pool": "ngram", "draft_pools": ["small"], "adaptive_k": True, "k_min": 2,
                                "k_max": 12}}
+    pools = {"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", local=True)}
+    if (pair / "eagle" / "config.json").exists():  # the pair's EAGLE head, drafting beside the target (ADR 0020)
+        pools["eagle-local"] = PoolSpec("eagle", local=True)
     return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
-                     pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", local=True)},
+                     pools=pools,
                      redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""), http_port=http_port,
                      router_env={"SPECSERVE_ROUTER_ADMIN_TOKEN": token,
                                  "SPECSERVE_ROUTER_POLICIES": json.dumps(policies)})
