@@ -197,6 +197,205 @@ class TargetParts:
         return feats, captured[last], logits
 
 
+    @classmethod
+    def from_weights(cls, target_dir: str | Path, feature_layers: tuple[int, ...]) -> TargetParts:
+        """Only what drafting needs (the token embedding, the final norm, the LM head), read
+        from a target's safetensors without its layers: a remote draft replica's copy."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        d = Path(target_dir)
+        cfg = AutoConfig.from_pretrained(d)
+        tensors: dict[str, torch.Tensor] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as fh:
+                for name in fh.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+                        tensors[name] = fh.get_tensor(name).float()
+        parts = cls.__new__(cls)
+        parts.model = None
+        parts.layers = None
+        parts.feature_layers = feature_layers
+        parts.embed = nn.Embedding.from_pretrained(tensors["model.embed_tokens.weight"])
+        parts.norm = _RMSNorm(tensors["model.norm.weight"], float(cfg.rms_norm_eps))
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        parts.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False)
+        parts.lm_head.weight.data = head
+        return parts
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
+
+
+SURE = 0.9  # the head's top probability at a block's first position above which it drafts a chain
+
+
+class EagleSession:
+    """One session's drafting state: the head's inputs by position (the projected target
+    features of the committed positions, handed in as they are computed) and its key/value
+    cache over the committed positions before the last one. `add_features` may be called from
+    any thread (it queues); drafting takes what was queued first. Drafts a chain of K, or a
+    tree of `width` first candidates with their greedy chains where the head is unsure of the
+    first (ADR 0020)."""
+
+    def __init__(self, head: EagleHead, parts: TargetParts) -> None:
+        from collections import deque
+
+        self.head, self.parts = head, parts
+        self.cache = HeadCache()
+        self.inputs: torch.Tensor | None = None  # [n, H]
+        self.pending: Any = deque()
+        self.feature_bytes = 0
+
+    def add_features(self, start: int, feats: torch.Tensor) -> None:
+        """The target's features of positions start.. (committed), queued."""
+        self.pending.append((start, feats))
+
+    @torch.inference_mode()
+    def _absorb(self) -> None:
+        while self.pending:
+            start, feats = self.pending.popleft()
+            if feats.shape[0] == 0:
+                continue
+            self.feature_bytes += feats.numel() * feats.element_size()
+            inp = self.head.project(feats.to(device="cpu", dtype=torch.float32))
+            have = 0 if self.inputs is None else self.inputs.shape[0]
+            if start > have:  # a gap: features this session never saw (it drafts nothing until re-fed)
+                continue
+            keep = self.inputs[:start] if self.inputs is not None else inp[:0]
+            self.inputs = torch.cat([keep, inp])
+            self.cache.crop(min(self.cache.length, max(start - 1, 0)))
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], k: int, sampling, seed: int, width: int = 1
+              ) -> tuple[list[int], Any, list[int] | None] | None:
+        """The block for the committed `ids`: (tokens, q, parents) — parents None for a
+        chain; None when the features of the positions before the last are not all here."""
+        self._absorb()
+        n = len(ids)
+        if k <= 0 or self.inputs is None or self.inputs.shape[0] < n - 1 or n < 2:
+            return None
+        if self.cache.length > n - 2:
+            self.cache.crop(n - 2)
+        if self.cache.length < n - 2:  # the committed positions the cache lacks, with their true features
+            a = self.cache.length
+            self.head.extend(self.cache, self.inputs[a:n - 2], self.parts.embed(torch.tensor(ids[a + 1:n - 1])))
+        if width > 1:
+            tokens, parents = self._tree(self.inputs[n - 2], ids[n - 1], k, width)
+            if parents is not None:
+                return tokens, None, parents
+        tokens, q = self._chain(self.inputs[n - 2], ids[n - 1], n, k, sampling, seed)
+        return tokens, q, None
+
+    def _chain(self, inp: torch.Tensor, token: int, n: int, k: int, sampling, seed: int) -> tuple[list[int], Any]:
+        """K tokens from position n - 2's input and the last committed token (greedy: argmax,
+        one-hot q; sampled: draws with uniform(seed, position, DRAFT), q dense); the cache is
+        left holding the committed positions only."""
+        from specserve.algorithm.rejection import DenseQ
+        from specserve.algorithm.rng import Purpose, uniform
+        from specserve.algorithm.sampling import draw, logits_to_probs
+
+        saved = (self.cache.k, self.cache.v, self.cache.length)
+        out: list[int] = []
+        qs = []
+        x = inp[None]
+        try:
+            for i in range(k):
+                pred = self.head.extend(self.cache, x, self.parts.embed(torch.tensor([token])))
+                logits = self.parts.logits(pred)[0]
+                if sampling.greedy:
+                    token = int(logits.argmax())
+                else:
+                    probs = logits_to_probs(logits, sampling)
+                    u = torch.from_numpy(uniform(seed, [n + i], Purpose.DRAFT))
+                    token = int(draw(probs[None], u)[0])
+                    qs.append(probs)
+                out.append(token)
+                x = pred
+        finally:
+            self.cache.k, self.cache.v, self.cache.length = saved
+        return out, (DenseQ(torch.stack(qs)) if qs else None)
+
+    def _tree(self, inp: torch.Tensor, token: int, k: int, width: int) -> tuple[list[int], list[int] | None]:
+        """The head's `width` likeliest first tokens, each with its greedy chain to depth k,
+        depth-first (parents before children); ([], None) where it is sure of the first."""
+        saved = (self.cache.k, self.cache.v, self.cache.length)
+        tokens: list[int] = []
+        parents: list[int] = []
+        try:
+            first = self.head.extend(self.cache, inp[None], self.parts.embed(torch.tensor([token])))
+            probs = torch.softmax(self.parts.logits(first)[0], -1)
+            top = probs.topk(width)
+            if float(top.values[0]) >= SURE:
+                return [], None
+            after_first = (self.cache.k, self.cache.v, self.cache.length)
+            for cand in top.indices.tolist():
+                self.cache.k, self.cache.v, self.cache.length = after_first
+                tokens.append(cand)
+                parents.append(-1)
+                x, tok = first, cand
+                for _ in range(k - 1):
+                    x = self.head.extend(self.cache, x, self.parts.embed(torch.tensor([tok])))
+                    tok = int(self.parts.logits(x)[0].argmax())
+                    tokens.append(tok)
+                    parents.append(len(tokens) - 2)
+        finally:
+            self.cache.k, self.cache.v, self.cache.length = saved
+        return tokens, parents
+
+    # the DraftSession protocol, for a draft replica's per-session path
+    def propose(self, token_ids, k: int, sampling, seed: int):
+        from specserve.drafters.base import DraftProposal
+
+        block = self.draft(list(token_ids), k, sampling, seed)
+        if block is None:  # no features for this prefix yet: nothing to propose, the round runs plain
+            return DraftProposal([], None)
+        tokens, q, _ = block
+        return DraftProposal(tokens, q)
+
+    def guess_next(self, token_ids, sampling, seed: int) -> int | None:
+        return None  # (drafting ahead needs features of drafted positions: not for a head)
+
+    def release(self) -> None:
+        self.cache = HeadCache()
+        self.inputs = None
+        self.pending.clear()
+
+
+class EagleDrafter:
+    """A draft replica's drafter over an EAGLE head (the `eagle` pool, ADR 0020): a session per
+    draft session, fed the target's features over the Link."""
+
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, parts: TargetParts) -> None:
+        self.head, self.parts = head, parts
+        self.vocab_size = head.cfg.vocab_size
+
+    def start(self) -> EagleSession:
+        return EagleSession(self.head, self.parts)
+
+
+def features_to_wire(feats: torch.Tensor) -> tuple[int, int, bytes]:
+    """Features [n, F] -> (rows, width, their bfloat16 bytes): what leaves the target's device,
+    once, for a remote head (2 bytes a number)."""
+    host = feats.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    return host.shape[0], host.shape[1], host.view(torch.int16).numpy().tobytes()
+
+
+def features_from_wire(rows: int, width: int, data: bytes) -> torch.Tensor:
+    if len(data) != 2 * rows * width:
+        raise ValueError(f"features of {rows} x {width} need {2 * rows * width} bytes, got {len(data)}")
+    return torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(rows, width).float()
+
+
 def load_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
     """A head saved by the recipe (config.json + model.safetensors)."""
     from safetensors.torch import load_file
