@@ -72,7 +72,11 @@ class DraftSettings(WorkerSettings):
     # guess 1): a batch stops at the first item that would pass it; its first item always goes
     max_batched_tokens: int = Field(2048, ge=1)
     kv_evict_idle_s: float = Field(1.0, ge=0)  # a session idle this long may lose its slot to a new one
-    model: str = "ngram"  # "ngram", or a Hugging Face model directory / hub id
+    model: str = "ngram"  # "ngram", "eagle" (an EAGLE head, ADR 0020), or a Hugging Face model directory / hub id
+    # model "eagle": the head's directory and its target's model directory (the replica reads the
+    # target's embedding, final norm and LM head from it; the target sends the features)
+    eagle_head: str = ""
+    eagle_target: str = ""
     # a model directory whose tokenizer.json masks this replica's drafts under a constraint
     # (ADR 0017); empty = the model's own directory (an n-gram replica without one drafts free)
     tokenizer: str = ""
@@ -126,6 +130,9 @@ class TargetSettings(WorkerSettings):
     # the EAGLE-style head of a `local:eagle` pool (ADR 0020): its directory; empty = `eagle/`
     # beside the target's model directory (the demo pair ships one)
     eagle_head: str = ""
+    # remote pools whose replicas draft with that head (`model: eagle`): the target sends them
+    # its features of the committed positions on the Link, ahead of each outcome
+    eagle_pools: list[str] = Field(default_factory=list)
     # the longest a row waits for a late block, then runs plain (below it, the engine waits only
     # as long as the block is worth: E - 1 plain steps for a block expected to emit E tokens)
     block_wait_ms: float = Field(50.0, ge=0)

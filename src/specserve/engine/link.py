@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.engine.drafting import Deliver
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
@@ -41,6 +41,9 @@ class _Session:
     replica: _Replica | None = None
     failed: bool = False  # the replica refused it (bad parameters, no room): plain rounds
     asked: float | None = None  # event-loop time of the open or outcome still waiting for its block
+    # a feature pool's sessions (ADR 0020): the target's features of the committed positions as
+    # sent, kept to open the session on another replica after a failover
+    features: list[draft_pb2.Features] = field(default_factory=list)
 
 
 class _Replica:
@@ -60,7 +63,7 @@ def replica_for(session_id: str, addresses: list[str]) -> str:
 class RemoteDrafts:
     def __init__(self, addresses: list[str], loop: asyncio.AbstractEventLoop, vocab_size: int,
                  predraft_branches: int = 2, tls: TlsFiles | None = None,
-                 reconnect_s: float = 0.5, timeout_s: float = 1.0) -> None:
+                 reconnect_s: float = 0.5, timeout_s: float = 1.0, wants_features: bool = False) -> None:
         if not addresses:
             raise ValueError("a draft pool needs at least one replica address")
         self.loop = loop
@@ -72,6 +75,10 @@ class RemoteDrafts:
         # stream may not break) and its sessions move to the next live replica
         self.timeout_s = timeout_s
         self.replicas = [_Replica(a) for a in addresses]
+        # a pool whose replicas draft from the target's features (an EAGLE head, ADR 0020): the
+        # engine asks the target for them and they go on the stream before each outcome
+        self.wants_features = wants_features
+        self.feature_bytes = 0
         self.sessions: dict[str, _Session] = {}
         self.deliver: Deliver | None = None
         # a session's trace context for the replica (its draft spans join the request's trace)
@@ -100,6 +107,18 @@ class RemoteDrafts:
 
     def outcome(self, outcome: Outcome) -> None:
         self.loop.call_soon_threadsafe(self._outcome, outcome)
+
+    def features(self, session_id: str, start: int, feats) -> None:
+        """The target's features of committed positions (loop thread): they leave the target's
+        device here, once, as bf16 bytes, and go on the stream ahead of the round's outcome."""
+        from specserve.drafters.eagle import features_to_wire
+
+        if not self.wants_features or feats is None or feats.shape[0] == 0:
+            return
+        rows, width, data = features_to_wire(feats)
+        self.feature_bytes += len(data)
+        msg = draft_pb2.Features(start=start, rows=rows, width=width, data=data)
+        self.loop.call_soon_threadsafe(self._features, session_id, msg)
 
     def close(self, session_id: str) -> None:
         self.loop.call_soon_threadsafe(self._close, session_id)
@@ -130,8 +149,12 @@ class RemoteDrafts:
         if s.replica is not None:
             s.replica.queue.put_nowait(draft_pb2.LinkIn(open=draft_pb2.LinkOpen(
                 session_id=sid, committed=s.prefix.ids, sampling=s.sampling, seed=s.seed, k=s.k,
-                predraft_branches=self.predraft_branches, constraint_kind=s.constraint[0],
-                constraint_value=s.constraint[1], prompt_len=s.constraint[2]), trace_context=self.carrier_for(sid)))
+                predraft_branches=0 if self.wants_features else self.predraft_branches,
+                constraint_kind=s.constraint[0], constraint_value=s.constraint[1], prompt_len=s.constraint[2]),
+                trace_context=self.carrier_for(sid)))
+            for f in s.features:  # a feature pool's session opened elsewhere: what it had so far
+                s.replica.queue.put_nowait(draft_pb2.LinkIn(features=draft_pb2.LinkFeatures(session_id=sid,
+                                                                                            features=f)))
 
     def _pick(self, sid: str) -> _Replica | None:
         live = {r.address: r for r in self.replicas if r.up}
@@ -150,6 +173,21 @@ class RemoteDrafts:
             return
         s.replica.queue.put_nowait(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(
             session_id=o.session_id, committed_len=o.committed_len, emitted=o.emitted, k=o.k)))
+
+    def _features(self, sid: str, f: draft_pb2.Features) -> None:
+        s = self.sessions.get(sid)
+        if s is None or s.failed:
+            return
+        while s.features and s.features[-1].start >= f.start:  # a re-prefill from an earlier position
+            s.features.pop()
+        if s.features and s.features[-1].start + s.features[-1].rows > f.start:
+            last = s.features[-1]
+            keep = f.start - last.start
+            s.features[-1] = draft_pb2.Features(start=last.start, rows=keep, width=last.width,
+                                                data=last.data[:2 * keep * last.width])
+        s.features.append(f)
+        if s.replica is not None and s.replica.up:
+            s.replica.queue.put_nowait(draft_pb2.LinkIn(features=draft_pb2.LinkFeatures(session_id=sid, features=f)))
 
     def _close(self, sid: str) -> None:
         s = self.sessions.pop(sid, None)

@@ -27,6 +27,8 @@ def load_drafter(settings: DraftSettings):
 
     if settings.model == "ngram":
         return NgramDrafter(NGRAM_VOCAB, settings.ngram_min, settings.ngram_max, name=settings.pool)
+    if settings.model == "eagle":  # an EAGLE head fed the target's features over the Link (ADR 0020)
+        return load_eagle_drafter(settings)
 
     import torch
 
@@ -38,6 +40,23 @@ def load_drafter(settings: DraftSettings):
                      q_max_entries=settings.q_max_entries)
 
 
+def load_eagle_drafter(settings: DraftSettings):
+    """The head (`eagle_head`) and what it borrows from its target (`eagle_target`: the token
+    embedding, final norm and LM head, read alone from the target's weights)."""
+    from pathlib import Path
+
+    import torch
+
+    from specserve.drafters.eagle import EagleDrafter, TargetParts, load_head
+
+    if not settings.eagle_head or not settings.eagle_target:
+        raise ValueError("an eagle draft replica needs eagle_head (the head's directory) and eagle_target (its "
+                         "target's model directory)")
+    torch.set_num_threads(settings.torch_threads)
+    head = load_head(Path(settings.eagle_head))
+    return EagleDrafter(head, TargetParts.from_weights(settings.eagle_target, head.cfg.feature_layers))
+
+
 def _tokenizer(settings: DraftSettings):
     """The tokenizer that masks the replica's drafts under a constraint (ADR 0017): the
     `tokenizer` setting's directory, else the model's own; none for an n-gram replica without
@@ -46,7 +65,8 @@ def _tokenizer(settings: DraftSettings):
 
     from specserve.services.router.model_info import ModelInfo
 
-    directory = settings.tokenizer or ("" if settings.model == "ngram" else settings.model)
+    directory = settings.tokenizer or ("" if settings.model == "ngram" else
+                                       settings.eagle_target if settings.model == "eagle" else settings.model)
     return ModelInfo(directory) if directory and (Path(directory) / "tokenizer.json").exists() else None
 
 

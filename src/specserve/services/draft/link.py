@@ -80,6 +80,14 @@ class Link:
 
     def _receive(self, msg: draft_pb2.LinkIn) -> None:
         kind = msg.WhichOneof("kind")
+        if kind == "features":  # queued in the session's drafter, ahead of the outcome that follows
+            f = msg.features
+            if f.session_id in self.sessions:
+                try:
+                    self.servicer.features(f.session_id, f.features)
+                except SpecserveError as exc:
+                    self._fail(f.session_id, exc)
+            return
         if kind == "close":
             linked = self.sessions.pop(msg.close, None)
             if linked is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import Drafter, DraftProposal
-from specserve.errors import SessionNotFound
+from specserve.errors import InvalidRequest, SessionNotFound
 from specserve.params import check_k
 from specserve.services.draft.link import Link
 from specserve.services.router.model_info import ModelInfo
@@ -101,6 +101,20 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         grammars = self.tokenizer.grammars(width)
         return DraftGrammar(grammars.compile(Constraint(kind, value)), prompt_len, grammars.vocab_size,
                             width or grammars.vocab_size)
+
+    def features(self, session_id: str, f: draft_pb2.Features) -> None:
+        """The target's features of a session's committed positions (the Link, ADR 0020), for
+        a drafter that drafts from them; ignored by the others."""
+        from specserve.drafters.eagle import features_from_wire
+
+        seq = self._session(session_id)
+        add = getattr(seq.handle, "add_features", None)
+        if add is not None:
+            try:
+                feats = features_from_wire(f.rows, f.width, f.data)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from exc
+            add(int(f.start), feats)
 
     async def propose(self, request: draft_pb2.ProposeRequest, push: Push | None = None,
                       grammar: Any = None) -> draft_pb2.ProposeResponse:

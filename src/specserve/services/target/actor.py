@@ -168,14 +168,17 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     def stops_for(params):
         return StopChecker(info.eos_token_ids, params.stop, info.decode)
 
-    def source(addrs: list[str]):
+    def source(name: str, addrs: list[str]):
         if addrs == [LOCAL_NGRAM]:  # drafted on the engine's thread at each outcome: no hop
             return LocalDrafts(NgramDrafter(target.vocab_size))
         if addrs == [LOCAL_EAGLE]:  # the head beside the target, from its features (ADR 0020)
             return eagle_local(s, engine, target)
-        return RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches, tls=tls).start()
+        return RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches, tls=tls,
+                            wants_features=name in s.eagle_pools).start()
 
-    sources = {name: source(addrs) for name, addrs in s.draft_pools.items()}
+    if s.eagle_pools:  # remote heads: the target keeps their features (the head's layers) in every step
+        engine.keep_features(eagle_head_config(s).feature_layers)
+    sources = {name: source(name, addrs) for name, addrs in s.draft_pools.items()}
     controller = Controller(store.client, s.key_prefix, s.controller_half_life_s, ttl_s=s.stats_ttl_s)
     loop.create_task(controller.start())
 
@@ -195,6 +198,19 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
                       worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag,
                       gather=s.gather_rows, model_thread=model_thread, on_loop_failure=_exit_for_a_restart)
+
+
+def eagle_head_config(s: TargetSettings):
+    """The head's config (its feature layers), from `eagle_head` or `eagle/` beside the target."""
+    from pathlib import Path
+
+    from specserve.drafters.eagle import EagleConfig
+
+    directory = Path(s.eagle_head) if s.eagle_head else Path(s.model).parent / "eagle"
+    if not (directory / "config.json").exists():
+        raise ValueError(f"an EAGLE pool needs its head: none at {directory} (eagle_head; "
+                         "`specserve models eagle --target DIR` trains one)")
+    return EagleConfig.from_json((directory / "config.json").read_text())
 
 
 def eagle_local(s: TargetSettings, engine, target):
