@@ -24,7 +24,8 @@ CHART_WIRED = {
     "draft": {"pool", "model", "host", "port", "port_file", "metrics_port", "metrics_port_file", "tls_dir"},
     "target": {"model", "redis_url", "key_prefix", "name", "host", "port", "metrics_port",
                "num_gpus", "tls_dir",
-               "draft_pools", "tls_server_name"},  # the engine's links to the draft pools (ADR 0014)
+               "draft_pools", "tls_server_name",  # the engine's links to the draft pools (ADR 0014)
+               "eagle_pools"},  # from the pools with model "eagle" (ADR 0020)
 }
 CLASSES = {"router": RouterSettings, "draft": DraftSettings, "target": TargetSettings}
 CONSTRAINTS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -201,4 +202,33 @@ def test_an_in_target_ngram_pool_has_no_deployment_and_both_sides_name_it_local(
     for var, pools_json in seen.items():
         assert pools_json["ngram"] == [LOCAL_NGRAM] and pools_json["small"] != [LOCAL_NGRAM], var
     values["draft"]["pools"][0]["inTarget"] = True  # a model pool cannot
-    assert 'draft.pools "small": inTarget needs model "ngram"' in rejected(helm, tmp_path, values)
+    assert 'draft.pools "small": inTarget needs model "ngram" or "eagle"' in rejected(helm, tmp_path, values)
+
+
+def test_eagle_pools_in_the_target_and_remote(helm, render, tmp_path):
+    """ADR 0020: an inTarget eagle pool is local:eagle on both sides (no Deployment); a remote
+    one is a Deployment of `model: eagle` replicas with the head's and the target's
+    directories, and the target is told to send it its features (SPECSERVE_TARGET_EAGLE_POOLS)."""
+    from rendered import containers, env_of
+
+    from specserve.config import LOCAL_EAGLE
+
+    values = default_values()
+    values["draft"]["pools"].append({"name": "eagle-local", "model": "eagle", "inTarget": True, "replicas": 1})
+    values["draft"]["pools"].append({"name": "eagle", "model": "eagle", "replicas": 2, "settings": {
+        "eagle_head": "/models/specserve-demo-v1/eagle", "eagle_target": "/models/specserve-demo-v1/target"}})
+    path = tmp_path / "eagle.yaml"
+    path.write_text(yaml.safe_dump(values))
+    manifests = render(path)
+    deployments = {m["metadata"]["labels"].get("specserve.io/pool") for m in manifests if m["kind"] == "Deployment"}
+    assert "eagle" in deployments and "eagle-local" not in deployments
+    envs = [env_of(c) for _, _, c in containers(manifests)]
+    target = next(e for e in envs if "SPECSERVE_TARGET_DRAFT_POOLS" in e)
+    assert json.loads(target["SPECSERVE_TARGET_DRAFT_POOLS"]["value"])["eagle-local"] == [LOCAL_EAGLE]
+    assert json.loads(target["SPECSERVE_TARGET_EAGLE_POOLS"]["value"]) == ["eagle"]
+    replica = next(e for e in envs if e.get("SPECSERVE_DRAFT_POOL", {}).get("value") == "eagle")
+    assert replica["SPECSERVE_DRAFT_MODEL"]["value"] == "eagle"
+    assert replica["SPECSERVE_DRAFT_EAGLE_HEAD"]["value"] == "/models/specserve-demo-v1/eagle"
+    assert replica["SPECSERVE_DRAFT_EAGLE_TARGET"]["value"] == "/models/specserve-demo-v1/target"
+    del values["draft"]["pools"][-1]["settings"]
+    assert 'a remote eagle pool needs settings.eagle_head and settings.eagle_target' in rejected(helm, tmp_path, values)

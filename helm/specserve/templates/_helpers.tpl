@@ -355,8 +355,11 @@ affinity:
 {{- fail (printf "draft.pools: pool name %q is used twice" $p.name) -}}
 {{- end -}}
 {{- $_ := set $seen $p.name true -}}
-{{- if and $p.inTarget (ne ($p.model | toString) "ngram") -}}
-{{- fail (printf "draft.pools %q: inTarget needs model \"ngram\" (only prompt lookup drafts inside the target)" $p.name) -}}
+{{- if and $p.inTarget (not (has ($p.model | toString) (list "ngram" "eagle"))) -}}
+{{- fail (printf "draft.pools %q: inTarget needs model \"ngram\" or \"eagle\" (prompt lookup or the target's EAGLE head: the only drafters inside the target)" $p.name) -}}
+{{- end -}}
+{{- if and (eq ($p.model | toString) "eagle") (not $p.inTarget) (not (and ($p.settings | default dict).eagle_head ($p.settings | default dict).eagle_target)) -}}
+{{- fail (printf "draft.pools %q: a remote eagle pool needs settings.eagle_head and settings.eagle_target (directories under models.mountPath)" $p.name) -}}
 {{- end -}}
 {{- $pool := deepCopy $p -}}
 {{- $_ := set $pool "settings" (mergeOverwrite (deepCopy ($.Values.draft.settings | default dict)) ($p.settings | default dict)) -}}
@@ -382,11 +385,23 @@ affinity:
 
 {{/* SPECSERVE_ROUTER_DRAFT_POOLS: pool -> [its headless Service's DNS name:port], or
      ["local:ngram"] for a pool drafted inside the target (inTarget: no Deployment) */}}
+{{/* SPECSERVE_TARGET_EAGLE_POOLS: the remote pools whose replicas draft with an EAGLE head
+     (model "eagle", not inTarget): the target sends them its features (ADR 0020) */}}
+{{- define "specserve.eaglePoolsJson" -}}
+{{- $out := list -}}
+{{- range $p := (include "specserve.draftPools" . | fromYaml).pools -}}
+{{- if and (eq ($p.model | toString) "eagle") (not $p.inTarget) -}}
+{{- $out = append $out $p.name -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
 {{- define "specserve.draftPoolsJson" -}}
 {{- $m := dict -}}
 {{- range $p := (include "specserve.draftPools" . | fromYaml).pools -}}
 {{- if $p.inTarget -}}
-{{- $_ := set $m $p.name (list "local:ngram") -}}
+{{- $_ := set $m $p.name (list (printf "local:%s" ($p.model | toString))) -}}
 {{- else -}}
 {{- $host := include "specserve.svcHost" (dict "ctx" $ "name" (include "specserve.draftName" (dict "ctx" $ "pool" $p))) -}}
 {{- $_ := set $m $p.name (list (printf "%s:%d" $host (int $.Values.draft.port))) -}}
