@@ -201,3 +201,42 @@ def test_a_chain_given_as_a_tree_gets_the_chains_verdicts_through_the_target(dem
         assert (ra.verdict.num_accepted, ra.verdict.tokens) == (rb.verdict.num_accepted, rb.verdict.tokens), seed
         for slot in (a, b):
             model.runner.rollback(slot, len(prompt) - 1)
+
+
+@pytest.mark.parametrize("pool", ["small", "ngram"])
+def test_local_small_and_ngram_pools_propose_trees_and_stay_lossless(demo_pair, pool):
+    """tree_width 2 at one session: `small` branches where it is unsure of the next token, the
+    n-gram drafter where the suffix matches with two different continuations; greedy output
+    equals target-only greedy, and some rounds verified a tree."""
+    from specserve.algorithm.stops import StopChecker
+    from specserve.drafters.hf import HFDrafter
+    from specserve.drafters.ngram import NgramDrafter
+    from specserve.engine.drafting import LocalDrafts
+    from specserve.engine.loop import EngineLoop
+    from specserve.engine.session import EnginePlan
+    from specserve.params import GenerationParams
+
+    drafter = HFDrafter(demo_pair.draft) if pool == "small" else NgramDrafter(demo_pair.target.config.vocab_size)
+    model = make_target_step(TargetModel(demo_pair.target), Batching(max_sessions=2, max_len=512))
+    stops = lambda params: StopChecker(frozenset(), params.stop, lambda ids: "")  # noqa: E731
+    loop = EngineLoop(model, stops, {pool: LocalDrafts(drafter)}, tree_width=2)
+    # (n-gram: after "x =" the prompt has " 1" once and " 3" once: two continuations)
+    text = "x = 1\ny = 2\nx = 3\ny = 4\nx =" if pool == "ngram" else "class Stack:\n    def push(self, item):\n"
+    prompt = demo_pair.tokenizer.encode(text)
+    loop.add("s", prompt, EnginePlan(GenerationParams(max_tokens=40, num_draft_tokens=3, seed=1), pool=pool))
+    loop.run_until_idle()
+    got = loop.ended["s"]
+    assert any(r.tree_size > 0 for r in got.rounds), [r.tree_size for r in got.rounds]
+    with torch.inference_mode():
+        ref = demo_pair.target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
+    assert got.generated == ref[0, len(prompt):].tolist()[:len(got.generated)]
+
+
+def test_ngram_branches_are_the_latest_matches_with_distinct_next_tokens():
+    from specserve.drafters.ngram import NgramDrafter
+
+    seq = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 3, 7, 1, 2]  # "1 2" followed by 3, 4, 3 (latest first)
+    s = NgramDrafter(50).start()
+    tokens, parents = s.propose_tree(seq, 2, SamplingParams(), 0, 2)
+    assert tokens == [3, 7, 4, 8] and parents == [-1, 0, -1, 2]
+    assert s.propose_tree([5, 6, 5, 6, 5], 2, SamplingParams(), 0, 2) is None  # one continuation: a chain

@@ -78,6 +78,40 @@ class HFDraftSession:
         return make_proposal(steps, sampling, dropped)
 
     @torch.inference_mode()
+    def propose_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
+                     width: int, sure: float = 0.9) -> tuple[list[int], list[int]] | None:
+        """A token tree (ADR 0020) where the draft is unsure of the next token (its top
+        probability under `sure`): its `width` likeliest next tokens (banned ones left out),
+        each followed by its greedy chain to depth k, depth-first; None where it is sure. The
+        candidates are chosen without draws, so the target verifies them exactly at any T."""
+        k = min(k, self.drafter.max_positions - len(token_ids))
+        if k <= 0:
+            return None
+        self.lm.reconcile(token_ids)
+        logits = self.lm.extend(token_ids[self.lm.length:])[-1].float()
+        if sampling.banned_token_ids:
+            logits = logits.index_fill(0, torch.tensor(list(sampling.banned_token_ids)), float("-inf"))
+        top = torch.softmax(logits, -1).topk(width)
+        if float(top.values[0]) >= sure:
+            return None
+        base = self.lm.length
+        tokens: list[int] = []
+        parents: list[int] = []
+        for cand in top.indices.tolist():
+            tokens.append(cand)
+            parents.append(-1)
+            tok = cand
+            for _ in range(k - 1):
+                nxt = self.lm.extend([tok])[-1].float()
+                if sampling.banned_token_ids:
+                    nxt = nxt.index_fill(0, torch.tensor(list(sampling.banned_token_ids)), float("-inf"))
+                tok = int(nxt.argmax())
+                parents.append(len(tokens) - 1)
+                tokens.append(tok)
+            self.lm.crop(base)
+        return tokens, parents
+
+    @torch.inference_mode()
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
         """At T = 0 the draft's argmax; at T > 0 a draw from q with the uniform the target
         draws its bonus token with, uniform(seed, position, BONUS): when q is close to p the

@@ -34,12 +34,71 @@ class NgramSession:
         tokens = lookup(token_ids, k, self.drafter.min_n, self.drafter.max_n)
         return DraftProposal(until_banned(tokens, set(sampling.banned_token_ids)), None)
 
+    def propose_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
+                     width: int) -> tuple[list[int], list[int]] | None:
+        """A token tree (ADR 0020) where the longest suffix match has several continuations:
+        the `width` latest matches with distinct next tokens, each continued for k tokens, as
+        branches (depth-first); None where one continuation (or none) is found."""
+        branches = lookup_branches(token_ids, k, self.drafter.min_n, self.drafter.max_n, width)
+        banned = set(sampling.banned_token_ids)
+        branches = [b for b in (until_banned(b, banned) for b in branches) if b]
+        if len(branches) < 2:
+            return None
+        tokens: list[int] = []
+        parents: list[int] = []
+        for branch in branches:
+            for j, t in enumerate(branch):
+                parents.append(-1 if j == 0 else len(tokens) - 1)
+                tokens.append(t)
+        return tokens, parents
+
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
         guess = lookup(token_ids, 1, self.drafter.min_n, self.drafter.max_n)
         return guess[0] if guess and guess[0] not in sampling.banned_token_ids else None
 
     def release(self) -> None:
         return None
+
+
+def lookup_branches(token_ids: Sequence[int], k: int, min_n: int, max_n: int, width: int) -> list[list[int]]:
+    """`lookup`'s continuations of up to `width` matches of the longest suffix match, the
+    latest first, one per distinct next token."""
+    length = len(token_ids)
+    ends = _match_ends(token_ids, min_n, max_n)
+    if k <= 0 or ends is None:
+        return []
+    seq = np.asarray(token_ids, dtype=np.int64)
+    out: list[list[int]] = []
+    seen: set[int] = set()
+    for end in reversed(ends.tolist()):
+        begin = int(end) + 1
+        branch: list[int] = []
+        for j in range(k):
+            i = begin + j
+            branch.append(int(seq[i]) if i < length else branch[i - length])
+        if branch[0] not in seen:
+            seen.add(branch[0])
+            out.append(branch)
+        if len(out) == width:
+            break
+    return out
+
+
+def _match_ends(token_ids: Sequence[int], min_n: int, max_n: int) -> np.ndarray | None:
+    """The positions ending the longest suffix matches (see `lookup`), or None."""
+    length = len(token_ids)
+    if length < 2 or max_n < min_n:
+        return None
+    seq = np.asarray(token_ids, dtype=np.int64)
+    ends = np.flatnonzero(seq[: length - 1] == seq[-1])
+    n = 1
+    while ends.size and n < max_n:
+        longer = ends[ends >= n]
+        longer = longer[seq[longer - n] == seq[length - 1 - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    return ends if ends.size and n >= min_n else None
 
 
 def lookup(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -105,19 +105,27 @@ class LocalDrafts:
             return
         local.prefix.crop(outcome.committed_len - len(outcome.emitted))
         local.prefix.extend(outcome.emitted)
-        self._propose(outcome.session_id, local, outcome.k)
+        self._propose(outcome.session_id, local, outcome.k, outcome.width)
 
     def close(self, session_id: str) -> None:
         local = self.sessions.pop(session_id, None)
         if local is not None:
             local.draft.release()
 
-    def _propose(self, session_id: str, local: _Local, k: int) -> None:
+    def _propose(self, session_id: str, local: _Local, k: int, width: int = 1) -> None:
         if k <= 0 or self.deliver is None:
             return
         t = time.perf_counter()
-        proposal = propose_constrained(local.draft, local.prefix.ids, k, local.sampling, local.seed, local.grammar)
         n = len(local.prefix)
+        tree = getattr(local.draft, "propose_tree", None)
+        if width > 1 and tree is not None and local.grammar is None:  # a token tree where it pays (ADR 0020)
+            proposed = tree(local.prefix.ids, k, local.sampling, local.seed, width)
+            if proposed is not None:
+                tokens, parents = proposed
+                self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(tokens), None,
+                                        draft_ms=(time.perf_counter() - t) * 1e3, parents=tuple(parents)))
+                return
+        proposal = propose_constrained(local.draft, local.prefix.ids, k, local.sampling, local.seed, local.grammar)
         self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
                                 draft_ms=(time.perf_counter() - t) * 1e3))
 
