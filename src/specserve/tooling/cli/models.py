@@ -68,3 +68,19 @@ def models_eagle(
     record = build_head(target, out, recipe, held, log=typer.echo)
     typer.echo(f"head ready: {out} ({record['params'] / 1e6:.2f} M parameters, {record['seconds'] / 60:.1f} min, "
                f"weights sha256 {record['weights_sha256'][:16]})")
+    small = None
+    if held and (prompts / "draft" / "config.json").exists():  # the pair's draft model, by the same measure
+        import torch
+
+        from specserve.models.loading import load_model, load_tokenizer
+        from specserve.tooling.modelbuild.eagle import draft_model_acceptance
+
+        small = draft_model_acceptance(load_model(str(prompts / "draft"), dtype=torch.float32).eval(),
+                                       load_model(str(target), dtype=torch.float32).eval(),
+                                       load_tokenizer(str(target)), held)
+        typer.echo("the pair's draft model by the same measure: " + ", ".join(
+            f"{c} {r['mean_accepted']:.2f}" for c, r in small.items()))
+    from specserve.tooling.modelbuild.eagle import write_card
+
+    layers_arg = f" --layers {layers}" if layers.strip() else ""
+    write_card(out, record, small, f"specserve models eagle --steps {steps}{layers_arg}")

@@ -297,6 +297,56 @@ def build_head(target_dir: Path, out: Path, recipe: HeadRecipe, prompts: list[di
         torch.set_num_threads(threads)
 
 
+def write_card(out: Path, record: dict, small: dict | None, command: str) -> None:
+    """The head's MODEL_CARD.md: identity, recipe, training time, held-out acceptance beside the
+    pair's draft model's (the same measure)."""
+    r = record["recipe"]
+    acc = record.get("acceptance_k4", {})
+    lines = [
+        "# EAGLE-style draft head for specserve-demo-v1's target",
+        "",
+        "A one-layer head that drafts from the target's own features (ADR 0020): it predicts the "
+        "target's next last-layer feature from the current one and the next token, and drafts through "
+        "the target's final norm and LM head (borrowed, not shipped). Served by the `eagle-local` pool "
+        "beside the target and by `eagle` draft replicas fed the features over the Link.",
+        "",
+        "## Identity",
+        f"- weights sha256 (model.safetensors, bfloat16): `{record['weights_sha256']}`",
+        f"- for the target whose weights' sha256 begins `{record['target_sha256']}`",
+        f"- parameters: {record['params'] / 1e6:.2f} M; features of layers {list(r['feature_layers'] or ['last'])}",
+        f"- recipe version {record['recipe_version']}; torch {record['torch']}, Python {record['python']}, "
+        f"{record['machine']}",
+        f"- trained in {record['train_seconds'] / 60:.1f} min ({record['seconds'] / 60:.1f} min with the corpus, the "
+        "save and the evaluation) of wall time on 2 threads; the machine was shared with other work during "
+        "the build (see ADR 0020 for the calm step time)",
+        "",
+        "## Recipe",
+        f"- `{command}` (tooling/modelbuild/eagle.py; deterministic from seed {r['seed']} on one CPU type)",
+        f"- data: the pair's corpus (code {r['code_bytes'] / 1e6:.0f} MB, prose {r['prose_bytes'] / 1e6:.0f} MB, "
+        f"{r['n_extraction']} extraction records), windows of {r['seq_len']} tokens, batches of {r['batch']}, "
+        f"mixed {dict(r['weights'])}",
+        f"- {r['steps']} steps of AdamW, lr {r['lr']} (warm-up, cosine to 10 %); loss: smooth-L1 regression onto "
+        f"the target's last-layer feature (x{r['reg_weight']}) + cross-entropy against the target's distribution "
+        f"(x{r['cls_weight']}), input-feature noise {r['noise']} of their RMS, one unrolled training-time-test pass "
+        f"(x{r['unroll_weight']})",
+        "",
+        "## Held-out acceptance",
+        "The pair's held-out prompts, 10 a class: the target's greedy 48-token continuation; every position "
+        "starts a round; a K = 4 block drafted from the true prefix; accepted drafts = its agreement with the "
+        "continuation (what a greedy verify accepts). Mean accepted drafts a round:",
+        "",
+        "| class | this head | the pair's draft model (`small`) | ratio |",
+        "|---|---|---|---|",
+    ]
+    for cls, row in acc.items():
+        s_row = (small or {}).get(cls)
+        ratio = f"{row['mean_accepted'] / s_row['mean_accepted']:.2f}" if s_row and s_row["mean_accepted"] else "-"
+        lines.append(f"| {cls} | {row['mean_accepted']:.2f} | {s_row['mean_accepted']:.2f} | {ratio} |" if s_row
+                     else f"| {cls} | {row['mean_accepted']:.2f} | - | - |")
+    lines += ["", "The training log (every 5 %): `build.json`'s history.", ""]
+    (Path(out) / "MODEL_CARD.md").write_text("\n".join(lines))
+
+
 def steps_per_minute_hint(seconds_per_step: float, budget_min: float = 60.0) -> int:
     """How many steps fit the budget at a measured step time (for choosing `steps`)."""
     return int(math.floor(budget_min * 60 / max(seconds_per_step, 1e-3)))
