@@ -134,8 +134,10 @@ def test_the_audit_fails_on_the_eager_forward(arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_a_draft_steps_positions_are_one_graph_on_a_fake_cuda_device(arch, monkeypatch):
-    """K = 4 for three greedy sessions: positions 1..3 of a step replay one bucket; their
-    picks (and heads) come from the step's own run, fed to the next position on the device."""
+    """K = 4 for three greedy sessions: after the committed tokens' forward, positions 2..4 run
+    as one chain (`run_chain`: each position's picks fed to the next inside it), and the chain
+    is graph-safe: over three draft steps it runs the same ops on the same buffers, reads
+    nothing made for one step, copies nothing from or to the host."""
     copy = DesignatedCopy(max_width=4)
     monkeypatch.setattr(model_step_module, "to_host", copy)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
@@ -147,20 +149,58 @@ def test_a_draft_steps_positions_are_one_graph_on_a_fake_cuda_device(arch, monke
                                                          fixed_step=True, max_batch=4))
         ds = engine.runner.device_step
         assert ds is not None and ds.with_heads and not ds.graphs_on
-        traces = _record_runs(ds)
+        chains: list[OpTrace] = []
+        plain_chain = ds.run_chain
+
+        def traced_chain(b: Bucket, steps: int) -> None:
+            with OpTrace() as t:
+                plain_chain(b, steps)
+            chains.append(t)
+
+        ds.run_chain = traced_chain
         jobs = [Work(f"s{i}", StepRow.draft(engine.open(f"s{i}"), [3 * i + j for j in range(5 + i)], 4,
                                             SamplingParams(), i), 4) for i in range(3)]
-        for _ in range(2):
-            traces.clear()
+        for _ in range(3):
             host_copies.copies.clear()
             results = engine.step(Step([w.payload for w in jobs])).rows
-            assert all(r.proposal is not None for r in results), results
-            assert len(traces) == 4  # the committed tokens, then 3 positions fed from the device
-            assert audit_runs(traces[1:], _step_buffers(ds)) == []
-            assert host_copies.copies == [] and len(copy.calls) >= 1
+            assert all(r.proposal is not None and len(r.proposal.tokens) == 4 for r in results), results
+            assert host_copies.copies == [] and len(copy.calls) == 1  # the step's one designated copy
             copy.calls.clear()
             for w in jobs:
                 w.payload.ids = w.payload.ids + [1]
+        assert len(chains) == 3 and ds.counts.chains == 3
+        allowed = _step_buffers(ds) | storages(ds.chain_picks, ds.chain_heads, ds.chain_base)
+        assert audit_runs(chains, allowed) == []
+        assert len(chains[0].ops) > 3 * 50  # three positions' forwards in the one chain
+
+
+def test_the_chained_positions_draft_what_the_position_by_position_loop_does(demo_pair, one_thread):
+    """Greedy draft steps of mixed K (1 to 4) over twelve rounds: the same tokens and
+    runner-ups with the chain as position by position (the eager forward)."""
+    from specserve.worker.model_step import BatchedTarget
+
+    runs = []
+    for fixed in (False, True):
+        b = Batching(max_sessions=8, max_len=256, fixed_step=fixed, tile=None, fuse_upto=0)
+        target, draft = BatchedTarget(TargetModel(demo_pair.target), b), BatchedDraft(HFDrafter(demo_pair.draft), b)
+        seqs = [[(97 * i + 13 * j) % 4000 + 10 for j in range(20 + 7 * i)] for i in range(3)]
+        th, dh = [target.open(f"t{i}") for i in range(3)], [draft.open(f"d{i}") for i in range(3)]
+        got = []
+        for st in range(12):
+            ks = [3 if i != st % 3 else 1 + st % 4 for i in range(3)]
+            while (res := draft.step(Step([StepRow.draft(dh[i], seqs[i], ks[i], SamplingParams(), i)
+                                           for i in range(3)])).rows) and any(r.again for r in res):
+                pass
+            got.append([(r.proposal.tokens, r.proposal.runner_up) for r in res])
+            rows = [StepRow.verify(th[i], seqs[i], res[i].proposal.tokens, None, SamplingParams(), i) for i in range(3)]
+            while (out := target.step(Step(rows)).rows) and any(r.again for r in out):
+                pass
+            for i, r in enumerate(out):
+                seqs[i].extend(r.verdict.tokens)
+        runs.append(got)
+        if fixed:
+            assert draft.runner.device_step.counts.chains >= 10
+    assert runs[0] == runs[1]
 
 
 # ---- 2. exactness -------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class StepCounts:
     unbucketed: int = 0
     captured: int = 0
     capture_s: float = 0.0
+    chains: int = 0  # a draft's positions run as one chain (`run_chain`; its positions count above too)
     by_bucket: dict[Bucket, int] = field(default_factory=dict)
 
 
@@ -146,7 +147,7 @@ class DeviceStep:
         # pos: a token's rotary position; at: the slot position its KV goes to (start + i: they
         # differ in a token tree, whose tokens sit in order but rotate by depth)
         self._fields = {"ids": t, "pos": t, "at": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t,
-                        "ndraft": r}
+                        "ndraft": r, "kleft": r}
         self._at: dict[str, int] = {}
         at = 0
         for name, n in self._fields.items():
@@ -167,6 +168,13 @@ class DeviceStep:
         # their probabilities), at each row's last position, computed in the same run
         self.with_heads = heads
         self.heads = torch.zeros(r, 4, dtype=torch.float64, device=self.device)
+        # a draft's chain of positions in one run (`run_chain`): each position's picks and heads,
+        # and the prepared numbers it starts from (restored at its end, so a replay starts there too)
+        self.max_chain = max_width
+        self.chain_picks = torch.zeros(self.max_chain, r, dtype=torch.long, device=self.device)
+        self.chain_heads = torch.zeros(self.max_chain, r, 4, dtype=torch.float64, device=self.device)
+        self.chain_base = torch.zeros(5, r, dtype=torch.long, device=self.device)
+        self.chain_graphs: dict[tuple[Bucket, int], torch.cuda.CUDAGraph] = {}
         self._run = self.run
         self._pre, self._post = attention_in, attention_out
         if compile:
@@ -212,7 +220,8 @@ class DeviceStep:
 
     def prepare(self, rows: Sequence[Row], slots: Sequence[int], starts: Sequence[int], b: Bucket,
                 masks: Sequence[torch.Tensor | None] | None = None,
-                depths: Sequence[Sequence[int] | None] | None = None) -> None:
+                depths: Sequence[Sequence[int] | None] | None = None,
+                chain: Sequence[int] | None = None) -> None:
         """Write the step's numbers into the device buffers (one copy in, no wait). `masks`:
         per row an [n, n] bool block mask over its new tokens (a token tree), None = causal;
         `depths`: per row its tokens' positions after the row's start (a tree's depths; None:
@@ -262,6 +271,8 @@ class DeviceStep:
         put("start", start)
         put("jpos", jpos)
         put("ndraft", ndraft)
+        if chain is not None:  # per row, the chain positions it drafts (`run_chain`)
+            put("kleft", list(chain))
         copy_in(self.ints, host)
         if on_device:  # a draft's picks, fed from where they are
             picks = torch.cat([t.to(dtype=torch.long).view(-1) for _, t in on_device])
@@ -317,6 +328,84 @@ class DeviceStep:
             last = logits.index_select(0, jpos[:, -1])  # [R, V]: a draft row's one logit position
             self.heads[:b.rows].copy_(_heads(last, judged.final, torch.softmax(last, -1)))
 
+    def run_chain(self, b: Bucket, steps: int) -> None:
+        """A draft's next `steps` positions in one run (ADR 0019: its K-position loop in one
+        graph), from a prepared bucket of one-token rows: each position runs the forward, then
+        feeds every row's greedy pick to the next in place (ids), one position further (rotary
+        and slot positions, cached lengths). A row whose own chain (`kleft`) is shorter keeps its
+        place and writes its extra positions to the scratch slot. Each position's picks and
+        heads go to `chain_picks[s]`, `chain_heads[s]`; the prepared numbers are restored at the
+        end, so a replay (or a capture's warm-up run) starts from them again."""
+        r, max_len = b.rows, self.r.kv.max_len
+        ids, pos, at = self.field("ids", r), self.field("pos", r), self.field("at", r)
+        start, wslot, kleft = self.field("start", r), self.field("wslot", r), self.field("kleft", r)
+        base = self.chain_base[:, :r]
+        for i, f in enumerate((ids, pos, at, start, wslot)):
+            base[i].copy_(f)
+        scratch = self.field("rslot", r).new_full((r,), self.scratch)
+        for s in range(steps):
+            if s:
+                ids.copy_(self.picks[:r])
+                pos.copy_((base[1] + s).clamp(max=max_len - 1))
+                at.copy_((base[2] + s).clamp(max=max_len - 1))
+                start.copy_(base[3] + s)
+                wslot.copy_(torch.where(kleft > s, base[4], scratch))
+            self.run(b)
+            self.chain_picks[s, :r].copy_(self.picks[:r])
+            self.chain_heads[s, :r].copy_(self.heads[:r])
+        for i, f in enumerate((ids, pos, at, start, wslot)):
+            f.copy_(base[i])
+
+    def launch_chain(self, b: Bucket, steps: int) -> None:
+        """`run_chain`, replayed from its graph (one per bucket and length) where graphs are on."""
+        if steps > self.max_chain:
+            raise ValueError(f"a chain of {steps} positions: at most {self.max_chain}")
+        self.counts.by_bucket[b] = self.counts.by_bucket.get(b, 0) + steps
+        self.counts.chains += 1
+        graph = self._chain_graph(b, steps) if self.graphs_on else None
+        if graph is None:
+            self.counts.eager += steps
+            self.run_chain(b, steps)
+            return
+        self.counts.replayed += steps
+        graph.replay()
+
+    def _chain_graph(self, b: Bucket, steps: int) -> torch.cuda.CUDAGraph | None:
+        key = (b, steps)
+        graph = self.chain_graphs.get(key)
+        if graph is not None or len(self.graphs) + len(self.chain_graphs) >= self.max_graphs:
+            return graph
+        t0 = time.perf_counter()
+        graph = self._capture(lambda: self.run_chain(b, steps))
+        self.chain_graphs[key] = graph
+        self.counts.captured += 1
+        self.counts.capture_s += time.perf_counter() - t0
+        return graph
+
+    def _capture(self, fn) -> torch.cuda.CUDAGraph:
+        """`fn` captured into a CUDA graph in the shared pool, after one warm-up run of it on a
+        side stream (lazy initialisation stays out of the graph; `fn` must be idempotent: the
+        replay computes the prepared step again)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        # capture_begin/end, not `torch.cuda.graph`: that context collects Python's garbage and
+        # empties the allocator's cache at every capture (tens of ms each); `capture` does it once
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph
+
     def _mask(self, b: Bucket) -> torch.Tensor:
         """[R, 1, G W, S] additive, in the model's dtype (0 where seen, -inf elsewhere, made
         once a step rather than converted from bool by every layer's attention): query i of
@@ -363,26 +452,8 @@ class DeviceStep:
         if graph is not None or len(self.graphs) >= self.max_graphs:
             return graph
         t0 = time.perf_counter()
-        # a warm-up run first, on a side stream (lazy initialisation stays out of the graph);
-        # it computes the prepared step, which the replay then computes again: same values
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._run(b)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        # capture_begin/end, not `torch.cuda.graph`: that context collects Python's garbage and
-        # empties the allocator's cache at every capture (tens of ms each); `capture` does it once
-        graph = torch.cuda.CUDAGraph()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                self._run(b)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = graph.pool()
+        # its warm-up run computes the prepared step, which the replay then computes again
+        graph = self._capture(lambda: self._run(b))
         self.graphs[b] = graph
         self.counts.captured += 1
         self.counts.capture_s += time.perf_counter() - t0

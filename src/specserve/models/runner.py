@@ -451,6 +451,29 @@ class ModelRunner:
             self.last_features = feats
         return out  # type: ignore[return-value]
 
+    @torch.inference_mode()
+    def forward_chain(self, rows: Sequence[Row], chain: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A draft's next positions in one device run (ADR 0019): `rows` are one token each
+        (the picks of the position before, on the device); row i drafts `chain[i]` more
+        positions, each fed its own greedy pick. Returns views of the picks [S, R] and their
+        heads [S, R, 4] (S = max(chain); valid until the next step), or None where the device
+        step cannot take them (the caller then runs position by position)."""
+        ds = self.device_step
+        if ds is None or not rows or any(len(r.tokens) != 1 for r in rows) or max(chain) > ds.max_chain:
+            return None
+        for r, n in zip(rows, chain, strict=True):
+            self.kv.check_room(r.session, n)
+        starts = [self.length(r.session) for r in rows]
+        bucket = ds.bucket_for(rows, starts)
+        if bucket is None:
+            return None
+        steps = max(chain)
+        ds.prepare(rows, [self.kv.slot(r.session) for r in rows], starts, bucket, chain=chain)
+        ds.launch_chain(bucket, steps)
+        for r, n in zip(rows, chain, strict=True):
+            self.kv.append(r.session, torch.empty(n))  # (device picks: recorded as unknown until settled)
+        return ds.chain_picks[:steps, :len(rows)], ds.chain_heads[:steps, :len(rows)]
+
     def _forward_eager(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """The variable-shape forward (checked rows): prefill chunks, and every row where the
         device step is off."""

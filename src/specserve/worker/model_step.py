@@ -340,9 +340,32 @@ class BatchedDraft(_RunnerSessions):
         logits = self._forward(rows)
         while live:
             rows, live = self._position(live, logits, results, done)
+            if live and self._chained(live, rows, results, done):
+                break
             logits = self._forward(rows)
         self._finish(done, results)
         return StepResult(results)
+
+    def _chained(self, live: list[_Drafting], rows: list[Row], results: list[RowResult],
+                 done: list[_Drafting]) -> bool:
+        """Every live row's remaining positions in one device run (the device step's chain,
+        ADR 0019: the K-position loop in one graph), where all are greedy, unbanned and
+        unconstrained; False where it cannot (the caller goes on position by position)."""
+        ds = self.runner.device_step
+        if ds is None or not ds.with_heads or any(
+                not d.job.sampling.greedy or d.job.sampling.banned_token_ids or d.job.kind is not Kind.DRAFT
+                or d.masks is not None for d in live):
+            return False
+        chain = [d.k - len(d.rows) for d in live]
+        out = self.runner.forward_chain(rows, chain)
+        if out is None:
+            return False
+        heads = out[1].clone()  # (the next step writes over the buffers)
+        for j, (d, n) in enumerate(zip(live, chain, strict=True)):
+            d.rows.extend(heads[s, j] for s in range(n))
+            results[d.index].fed += n - 1
+            done.append(d)
+        return True
 
     def _forward(self, rows: list[Row]) -> dict:
         """The rows' logits by session; `self._fixed`: the sessions the device step ran, by
