@@ -67,3 +67,13 @@ def micro_llama():
         return LlamaForCausalLM(cfg).eval()
 
     return build
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test's forwards (exactness does not depend on it; two threads on
+    a shared 2-core machine stall each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

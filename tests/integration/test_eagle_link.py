@@ -88,6 +88,31 @@ def _local_run(target, head, max_tokens):
     return loop
 
 
+async def _remote(head, target_dir, target, **pool_args):
+    """Two eagle replicas on loopback, the pool over them, and the engine on its own thread with
+    every prompt's session added: (servers, pool, engine, stop, thread)."""
+    servers = [await _eagle_server(head, target_dir) for _ in range(2)]
+    pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB, wants_features=True,
+                        timeout_s=5.0, **pool_args).start()
+    await _until(lambda: all(r.up for r in pool.replicas))
+    engine = EngineLoop(_model(target, head), _stops, {"eagle": pool}, block_wait_max_s=1.0, exact_wait_s=8.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    for i, p in enumerate(PROMPTS):  # exact: every round waits for its block, as the local pool's has it
+        engine.add(f"s{i}", p, _plan(24))
+    return servers, pool, engine, stop, thread
+
+
+async def _finish(servers, pool, engine, stop, thread) -> None:
+    await _until(lambda: all(f"s{i}" in engine.ended for i in range(len(PROMPTS))))
+    stop.set()
+    thread.join(10)
+    await pool.stop()
+    for server, _ in servers:
+        await server.stop(0)
+
+
 async def _until(predicate, timeout_s: float = 60.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():
@@ -99,22 +124,8 @@ def test_a_remote_head_drafts_what_the_local_one_does_from_the_features_on_the_l
     local = _local_run(target, head, 24)
 
     async def go():
-        servers = [await _eagle_server(head, target_dir) for _ in range(2)]
-        pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB, wants_features=True,
-                            timeout_s=5.0).start()
-        await _until(lambda: all(r.up for r in pool.replicas))
-        engine = EngineLoop(_model(target, head), _stops, {"eagle": pool}, block_wait_max_s=1.0, exact_wait_s=5.0)
-        stop = threading.Event()
-        thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
-        thread.start()
-        for i, p in enumerate(PROMPTS):  # exact: every round waits for its block, as the local pool's has it
-            engine.add(f"s{i}", p, _plan(24))
-        await _until(lambda: all(f"s{i}" in engine.ended for i in range(len(PROMPTS))))
-        stop.set()
-        thread.join(10)
-        await pool.stop()
-        for server, _ in servers:
-            await server.stop(0)
+        servers, pool, engine, stop, thread = await _remote(head, target_dir, target)
+        await _finish(servers, pool, engine, stop, thread)
         return engine, pool
 
     engine, pool = run(go())
@@ -135,27 +146,13 @@ def test_a_replica_that_dies_mid_generation_hands_its_sessions_and_their_feature
     local = _local_run(target, head, 24)
 
     async def go():
-        servers = [await _eagle_server(head, target_dir) for _ in range(2)]
-        pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB, wants_features=True,
-                            timeout_s=5.0, reconnect_s=30.0).start()
-        await _until(lambda: all(r.up for r in pool.replicas))
-        engine = EngineLoop(_model(target, head), _stops, {"eagle": pool}, block_wait_max_s=1.0, exact_wait_s=8.0)
-        stop = threading.Event()
-        thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
-        thread.start()
-        for i, p in enumerate(PROMPTS):
-            engine.add(f"s{i}", p, _plan(24))
+        servers, pool, engine, stop, thread = await _remote(head, target_dir, target, reconnect_s=30.0)
         await _until(lambda: any(sum(1 for r in s.rounds if r.k) >= 3 for s in engine.sessions.values()))
         victim = next(s.replica for s in pool.sessions.values() if s.replica is not None)
         moved = [sid for sid, s in pool.sessions.items() if s.replica is victim]
         at_kill = {sid: len(engine.sessions[sid].rounds) for sid in moved if sid in engine.sessions}
         await next(srv for srv, a in servers if a == victim.address).stop(0)
-        await _until(lambda: all(f"s{i}" in engine.ended for i in range(len(PROMPTS))))
-        stop.set()
-        thread.join(10)
-        await pool.stop()
-        for server, _ in servers:
-            await server.stop(0)
+        await _finish(servers, pool, engine, stop, thread)
         return engine, at_kill
 
     engine, at_kill = run(go())

@@ -217,14 +217,6 @@ def _with_device_step(monkeypatch, max_rows: int = 4) -> None:
     monkeypatch.setattr(ModelRunner, "from_hf", build)
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_demo_pair_through_the_device_step_matches_hf_per_sequence(demo_pair, monkeypatch, one_thread):
     """The exactness scenario (prefill chunks, decode, verify, rollbacks; rows of up to 16
     tokens run in the device step, the 20-token one eagerly beside them) at fp32, atol 1e-4."""

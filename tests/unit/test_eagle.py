@@ -50,14 +50,6 @@ def _micro(seed: int = 0, layers: int = 3) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("fixed", [False, True], ids=["eager", "device-step"])
 @pytest.mark.parametrize("layers", [(2,), (0, 1, 2)], ids=["last", "fused"])
 def test_the_runner_keeps_the_layers_outputs_of_the_same_forward(fixed, layers, one_thread):

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from specserve.drafters.eagle import EagleHead, EagleSession, TargetParts
-from specserve.engine.drafting import Deliver
+from specserve.engine.drafting import LocalDrafts
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
 from specserve.state.prefix import CommittedPrefix
 
@@ -29,27 +29,20 @@ class _HeadSession:
         self.eagle = EagleSession(head, parts)
 
 
-class EagleLocalDrafts:
+class EagleLocalDrafts(LocalDrafts):
+    """A local source (LocalDrafts: it always drafts, never refuses) whose drafter is the head."""
+
     wants_features = True  # the engine asks the target for this pool's sessions' features
 
     def __init__(self, head: EagleHead, parts: TargetParts) -> None:
+        super().__init__(None)  # type: ignore[arg-type]  # a head session per session, not a drafter
         self.head = head
         self.parts = parts
-        self.deliver: Deliver | None = None
-        self.sessions: dict[str, _HeadSession] = {}
+        self.sessions: dict[str, _HeadSession] = {}  # type: ignore[assignment]
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.head.cfg.feature_layers
-
-    def drafts_for(self, session_id: str) -> bool:
-        return True
-
-    def refused(self, session_id: str) -> bool:
-        return False
-
-    def attach(self, deliver: Deliver) -> None:
-        self.deliver = deliver
 
     def open(self, session: EngineSession) -> None:
         # nothing to draft from until the target has fed the prompt: its features come first
@@ -72,7 +65,7 @@ class EagleLocalDrafts:
     def close(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 
-    def _propose(self, session_id: str, s: _HeadSession, k: int, width: int = 1) -> None:
+    def _propose(self, session_id: str, s: _HeadSession, k: int, width: int = 1) -> None:  # type: ignore[override]
         if k <= 0 or self.deliver is None:
             return
         t = time.perf_counter()

@@ -183,79 +183,77 @@ def draft_block(head: EagleHead, parts: TargetParts, cache: HeadCache, last_inpu
     return out
 
 
+def _agreement(block: list[int], truth: list[int]) -> int:
+    """Accepted drafts of a greedy verify: the block's agreement with the continuation."""
+    a = 0
+    while a < min(len(block), len(truth)) and block[a] == truth[a]:
+        a += 1
+    return a
+
+
 @torch.no_grad()
+def _per_class(target, tokenizer, prompts: list[dict], per_class: int, new_tokens: int,
+               rounds_of) -> dict[str, dict]:
+    """The held-out measure's frame: per class, its first `per_class` prompts, the target's
+    greedy continuation of each, and `rounds_of(ids, gen)`'s accepted drafts at every position
+    (a list); the mean accepted drafts a round."""
+    seen: dict[str, int] = {}
+    out: dict[str, dict] = {}
+    for p in prompts:
+        cls = p["workload_class"]
+        if seen.get(cls, 0) >= per_class:
+            continue
+        seen[cls] = seen.get(cls, 0) + 1
+        ids = tokenizer.encode(p["prompt"])
+        gen = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=new_tokens, do_sample=False)[0].tolist()
+        accepted = rounds_of(ids, gen)
+        row = out.setdefault(cls, {"accepted": 0, "rounds": 0})
+        row["accepted"] += sum(accepted)
+        row["rounds"] += len(accepted)
+    for row in out.values():
+        row["mean_accepted"] = row["accepted"] / max(row["rounds"], 1)
+    return out
+
+
 def acceptance(head: EagleHead, target, tokenizer, prompts: list[dict], k: int = 4, new_tokens: int = 48,
                per_class: int = 10) -> dict[str, dict]:
     """Per class: mean accepted drafts per round (greedy, K = k) when every position of the
     target's greedy continuation starts a round, and the rounds counted."""
     parts = TargetParts(target, head.cfg.feature_layers)
-    seen: dict[str, int] = {}
-    out: dict[str, dict] = {}
-    for p in prompts:
-        cls = p["workload_class"]
-        if seen.get(cls, 0) >= per_class:
-            continue
-        seen[cls] = seen.get(cls, 0) + 1
-        ids = tokenizer.encode(p["prompt"])
-        gen = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=new_tokens, do_sample=False)[0].tolist()
+
+    def rounds_of(ids: list[int], gen: list[int]) -> list[int]:
         feats, _, _ = parts.features(torch.tensor([gen]))
         inputs = head.project(feats[0])  # [T, H]
         cache = HeadCache()
         n0 = len(ids)
-        acc = rounds = 0
         # the head's cache over positions < n0 - 1 (true inputs), then a round at each position
         head.extend(cache, inputs[:n0 - 2], parts.embed(torch.tensor(gen[1:n0 - 1])))
+        out = []
         for pos in range(n0 - 1, len(gen) - 1):
             # committed: gen[:pos + 1]; the head drafts gen[pos + 1 ...] from (input at pos - 1, token at pos)
-            block = draft_block(head, parts, cache, inputs[pos - 1], gen[pos], k)
-            truth = gen[pos + 1:pos + 1 + k]
-            a = 0
-            while a < min(len(block), len(truth)) and block[a] == truth[a]:
-                a += 1
-            acc += a
-            rounds += 1
+            out.append(_agreement(draft_block(head, parts, cache, inputs[pos - 1], gen[pos], k), gen[pos + 1:pos + 1 + k]))
             head.extend(cache, inputs[pos - 1:pos], parts.embed(torch.tensor([gen[pos]])))  # the true position
-        row = out.setdefault(cls, {"accepted": 0, "rounds": 0})
-        row["accepted"] += acc
-        row["rounds"] += rounds
-    for row in out.values():
-        row["mean_accepted"] = row["accepted"] / max(row["rounds"], 1)
-    return out
+        return out
+
+    return _per_class(target, tokenizer, prompts, per_class, new_tokens, rounds_of)
 
 
-@torch.no_grad()
 def draft_model_acceptance(draft, target, tokenizer, prompts: list[dict], k: int = 4, new_tokens: int = 48,
                            per_class: int = 10) -> dict[str, dict]:
     """`acceptance`'s measure for a separate draft model (the pair's `small`): at each position
     of the target's greedy continuation, the draft's greedy K tokens from the true prefix."""
-    seen: dict[str, int] = {}
-    out: dict[str, dict] = {}
-    for p in prompts:
-        cls = p["workload_class"]
-        if seen.get(cls, 0) >= per_class:
-            continue
-        seen[cls] = seen.get(cls, 0) + 1
-        ids = tokenizer.encode(p["prompt"])
-        gen = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              max_new_tokens=new_tokens, do_sample=False)[0].tolist()
-        acc = rounds = 0
+
+    def rounds_of(ids: list[int], gen: list[int]) -> list[int]:
+        out = []
         for pos in range(len(ids) - 1, len(gen) - 1):
             prefix = torch.tensor([gen[:pos + 1]])
             block = draft.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=k,
                                    min_new_tokens=k, do_sample=False)[0, pos + 1:].tolist()
-            truth = gen[pos + 1:pos + 1 + k]
-            a = 0
-            while a < min(len(block), len(truth)) and block[a] == truth[a]:
-                a += 1
-            acc += a
-            rounds += 1
-        row = out.setdefault(cls, {"accepted": 0, "rounds": 0})
-        row["accepted"] += acc
-        row["rounds"] += rounds
-    for row in out.values():
-        row["mean_accepted"] = row["accepted"] / max(row["rounds"], 1)
-    return out
+            out.append(_agreement(block, gen[pos + 1:pos + 1 + k]))
+        return out
+
+    return _per_class(target, tokenizer, prompts, per_class, new_tokens, rounds_of)
 
 
 def build_head(target_dir: Path, out: Path, recipe: HeadRecipe, prompts: list[dict] | None = None,
