@@ -62,6 +62,7 @@ class RoundStats:
     wait_ms: float = 0.0
     tree_size: int = 0  # a token tree's drafts (k is then its depth); 0: a chain
     feature_bytes: int = 0  # the target's features handed to the session's pool this round (ADR 0020)
+    probe: bool = False  # held plain, the round asked for a block to keep learning and waited for none
 
     @property
     def rejected(self) -> int:

@@ -423,7 +423,8 @@ class EngineLoop:
             predraft="pushed" if block is not None and block.predrafted else "",
             tree_size=len(block.tokens) if tree and block is not None else 0,
             feature_bytes=int(result.features.numel() * result.features.element_size())
-            if result.features is not None else 0)
+            if result.features is not None else 0,
+            probe=bool(k_asked and s.probing))
         if s.plan.adaptive and not s.plan.exact:  # after the record: its fallback reason is this round's, not the next's
             self._choose_k(s, len(self.sessions), forward_ms / 1e3, verified=k > 0)
         s.block, s.waiting_since = None, None

@@ -383,7 +383,8 @@ class LoopHost:
             "specserve.verify_ms": r.verify_ms, "specserve.predraft": r.predraft,
             "specserve.overhead_ms": r.overhead_ms, "specserve.prefix_len": prefix_len,
             # a token tree's shape (ADR 0020): its drafts and depth (k); 0 for a chain
-            "specserve.tree_size": r.tree_size, "specserve.feature_bytes": r.feature_bytes})
+            "specserve.tree_size": r.tree_size, "specserve.feature_bytes": r.feature_bytes,
+            "specserve.probe": r.probe})
         span.end(end_time=end)
 
     def _ended(self, session: EngineSession, at: float) -> None:
