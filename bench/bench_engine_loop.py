@@ -11,7 +11,11 @@ remote pool:
   in advance: at T = 0 the output is the target's alone) and corrupts each position with
   probability 1 − α, from a seeded draw.
 
-Arms: plain, fixed K and the engine's own K choice (adaptive), at 1, 4, 16 and 64 streams.
+Arms: plain, fixed K, the engine's own K choice (adaptive), and token trees (`tree:K=4`: two
+first candidates, each followed by its chain to K, while at most two sessions run, as the
+engine's `tree_width` 2 does; above that, chains), at 1, 4, 16 and 64 streams. A tree's second
+candidate is right with probability β (`--beta`) where the first is wrong; its branches are
+drafted as one batch (the profile's draft at 2 rows).
 Each cell first runs an unmeasured wave of sessions on the same engine, so its acceptance
 table, cost fit and draft latency are warm, as on a running server.
 Reported per cell:
@@ -58,6 +62,7 @@ from specserve.state.prefix import CommittedPrefix
 from specserve.worker.model_step import Batching, make_target_step
 
 VOCAB = 512  # the stand-in's; the 1B model's is gpu_check's (32000)
+TREE_SESSIONS = 2  # trees while at most this many sessions run (the engine's default)
 PROMPT_LEN = 16
 REAL = "real"  # the profile name for a real device: no padding; the drafts as in `h100`
 
@@ -68,7 +73,7 @@ class SyntheticDrafts:
     engine thread for the GIL and show up as the engine's own bookkeeping."""
 
     def __init__(self, reference: dict[str, list[int]], prompts: dict[str, list[int]], alpha: float,
-                 profile: Profile) -> None:
+                 profile: Profile, beta: float = 0.0) -> None:
         self.reference, self.alpha, self.profile = reference, alpha, profile
         self.prompt_len = {sid: len(p) for sid, p in prompts.items()}
         self.prefix = {sid: CommittedPrefix([*p, *reference[sid]]) for sid, p in prompts.items()}  # hashes once
@@ -84,6 +89,9 @@ class SyntheticDrafts:
                               for i, t in enumerate(ref)] for sid, ref in reference.items()}
         self.ahead = {sid: [uniform(seeds[sid] + 1, i, Purpose.DRAFT) < alpha for i in range(len(ref) + 1)]
                       for sid, ref in reference.items()}
+        # a tree's second first candidate: the target's token where the first is not, with probability β
+        self.sibling = {sid: [uniform(seeds[sid] + 2, i, Purpose.DRAFT) < beta for i in range(len(ref))]
+                        for sid, ref in reference.items()}
         self.deliver = None
         self.due: list[tuple[float, int, DraftBlock]] = []
         self.wake = threading.Condition()
@@ -109,7 +117,7 @@ class SyntheticDrafts:
         self._draft(session.id, len(session.generated), session.k_wanted)
 
     def outcome(self, o: Outcome) -> None:
-        self._draft(o.session_id, o.committed_len - self.prompt_len[o.session_id], o.k)
+        self._draft(o.session_id, o.committed_len - self.prompt_len[o.session_id], o.k, o.width)
 
     def close(self, session_id: str) -> None:
         pass
@@ -117,24 +125,44 @@ class SyntheticDrafts:
     def _block(self, sid: str, n: int, k: int) -> tuple[int, ...]:
         return tuple(self.drafted[sid][n:n + k])
 
-    def _draft(self, sid: str, n: int, k: int) -> None:
+    def _tree(self, sid: str, n: int, chain: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The chain and a second first candidate with its own chain, depth-first (the pools'
+        tree shape): the target's token where the chain's first is not and the draw says so
+        (then the chain after it is the same drafted continuation), else a wrong token
+        followed by wrong ones."""
+        ref = self.reference[sid]
+        k = len(chain)
+        if chain[0] != ref[n] and self.sibling[sid][n]:
+            second = (ref[n], *chain[1:])
+        else:
+            second = tuple(ref[n + j] ^ 2 for j in range(k))  # neither the target's token nor the first's (t ± 1)
+        return (*chain, *second), (*range(-1, k - 1), -1, *range(k, 2 * k - 1))
+
+    def _draft(self, sid: str, n: int, k: int, width: int = 1) -> None:
         """The block after n generated tokens, due when the simulated draft is done; and the
         all-accepted branch drafted ahead (its bonus guessed right with probability α)."""
         if k <= 0 or n >= len(self.reference[sid]):
             return
         now = time.monotonic()
         tokens = self._block(sid, n, k)
-        delay = self.profile.draft_ms(len(tokens)) / 1e3
-        self._at(now + delay, self._make(sid, n, tokens, False, delay * 1e3))
+        rows = 2 if width > 1 else 1
+        delay = self.profile.draft_ms(len(tokens), rows) / 1e3
+        self._at(now + delay, self._make(sid, n, tokens, False, delay * 1e3, width))
         nxt = n + len(tokens) + 1
         if tokens == tuple(self.reference[sid][n:n + len(tokens)]) and nxt < len(self.reference[sid]) \
                 and self.ahead[sid][nxt]:
             ahead = self._block(sid, nxt, k)
-            self._at(now + delay + self.profile.draft_ms(len(ahead) + 1) / 1e3, self._make(sid, nxt, ahead, True, 0.0))
+            self._at(now + delay + self.profile.draft_ms(len(ahead) + 1, rows) / 1e3,
+                     self._make(sid, nxt, ahead, True, 0.0, width))
 
-    def _make(self, sid: str, n: int, tokens: tuple[int, ...], predrafted: bool, ms: float) -> DraftBlock:
+    def _make(self, sid: str, n: int, tokens: tuple[int, ...], predrafted: bool, ms: float,
+              width: int = 1) -> DraftBlock:
         base = self.prompt_len[sid] + n
-        return DraftBlock(sid, base, self.prefix[sid].hash_at(base), tokens, predrafted=predrafted, draft_ms=ms)
+        parents = None
+        if width > 1:
+            tokens, parents = self._tree(sid, n, tokens)
+        return DraftBlock(sid, base, self.prefix[sid].hash_at(base), tokens, predrafted=predrafted, draft_ms=ms,
+                          parents=parents)
 
     def _at(self, when: float, block: DraftBlock) -> None:
         with self.wake:
@@ -176,7 +204,7 @@ def _stops(p):
 
 
 def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float],
-          tile: int | None, gather: bool = True, device: str = "cpu") -> EngineLoop:
+          tile: int | None, gather: bool = True, device: str = "cpu", tree_width: int = 1) -> EngineLoop:
     """`tile`: the stand-in forward's runner. Its own CPU time is not what a cell measures
     (the profile's step time is), so by default it is the fast one: no padding to tiles, the
     cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
@@ -192,7 +220,8 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
         return ms
 
     return EngineLoop(model, _stops, sources, budget=Budget(max_batch=64, max_batched_tokens=4096),
-                      block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None, gather=gather)
+                      block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None, gather=gather,
+                      tree_width=tree_width, tree_sessions=TREE_SESSIONS)
 
 
 def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
@@ -205,18 +234,20 @@ def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
 
 
 def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: float, tile: int | None,
-         gather: bool = True, device: str = "cpu", real: bool = False) -> dict:
+         gather: bool = True, device: str = "cpu", real: bool = False, beta: float = 0.0) -> dict:
     """One arm at one load. A first wave of sessions warms the engine (its acceptance table,
     cost fit and draft latency, as on a running server) and is not measured; the second is.
     `real`: the target's steps are not padded; device busy is their measured forward time."""
     busy: list[float] = []
     waves = {f"{w}{sid}": (sid, p) for w in ("warm-", "") for sid, p in prompts.items()}
     drafts = SyntheticDrafts({wid: refs[sid] for wid, (sid, _) in waves.items()},
-                             {wid: p for wid, (_, p) in waves.items()}, alpha, profile)
+                             {wid: p for wid, (_, p) in waves.items()}, alpha, profile, beta)
     book: list[float] = []
-    loop = _loop(target, {"syn": drafts}, None if real else profile, len(prompts), busy, tile, gather, device)
+    tree = arm.startswith("tree:")
+    loop = _loop(target, {"syn": drafts}, None if real else profile, len(prompts), busy, tile, gather, device,
+                 tree_width=2 if tree else 1)
 
-    k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.removeprefix("K="))
+    k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.split("K=")[1])
 
     def run_wave(prefix: str) -> float:
         for sid, p in prompts.items():
@@ -243,7 +274,9 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
             "bookkeeping_ms_p50": statistics.median(book), "bookkeeping_ms_p99": sorted(book)[int(0.99 * (len(book) - 1))],
             "steps": len(book), "pushed_share": sum(r.predraft == "pushed" for r in rounds) / max(len(rounds), 1),
             "late_share": sum(r.fallback_reason == "draft_late" for r in rounds) / max(len(rounds), 1),
-            "mean_k": statistics.mean(r.k for r in rounds), "estimates": loop.estimates.get(("code", "syn"), {}),
+            "mean_k": statistics.mean(r.k for r in rounds),
+            "tokens_per_pass": sum(r.emitted for r in rounds) / max(len(rounds), 1),
+            "mean_tree_size": statistics.mean(r.tree_size for r in rounds), "estimates": loop.estimates.get(("code", "syn"), {}),
             "draft_latency_ms_per_token": loop.draft_latency.get("syn", 0.0) * 1e3}
 
 
@@ -251,8 +284,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profiles", default="seed,h100")
     ap.add_argument("--streams", default="1,4,16,64")
-    ap.add_argument("--arms", default="plain,K=1,K=2,K=3,K=4,K=6,K=8,adaptive")
+    ap.add_argument("--arms", default="plain,K=1,K=2,K=3,K=4,K=6,K=8,tree:K=4,adaptive")
     ap.add_argument("--alpha", type=float, default=0.7)
+    ap.add_argument("--beta", type=float, default=0.3,
+                    help="a tree's second first candidate: right with this probability where the first is wrong")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--exact-batching", choices=("fast", "invariant"), default="fast",
                     help="the stand-in forward's runner (see _loop)")
@@ -278,12 +313,12 @@ def main() -> None:
             prompts = dict(list(all_prompts.items())[:n])
             for arm in a.arms.split(","):
                 r = {"profile": pname, **cell(target, prompts, refs, PROFILES["h100" if real else pname], arm,
-                                              a.tokens, a.alpha, tile, a.gather == "on", a.device, real)}
+                                              a.tokens, a.alpha, tile, a.gather == "on", a.device, real, a.beta)}
                 rows.append(r)
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
                       f"busy {r['device_busy']:.0%}  book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
                       f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
-                      f"  K {r['mean_k']:.1f}" + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
+                      f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}" + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
                       flush=True)
             if not real:
                 _bounds([r for r in rows if r["profile"] == pname and r["streams"] == n], PROFILES[pname], a)
@@ -306,10 +341,13 @@ def _bounds(cells: list[dict], profile: Profile, a) -> None:
     overhead_ms = plain["wall_s"] * (1.0 - plain["device_busy"]) / plain["steps"] * 1e3
     cached = plain["streams"] * (PROMPT_LEN + a.tokens // 2)  # the mean over a session's life
     for r in cells:
-        if r["arm"].startswith("K="):
+        if r["arm"].startswith(("K=", "tree:")):
+            # a tree arm drafts trees only while at most TREE_SESSIONS sessions run: chains above
+            width = 2 if r["arm"].startswith("tree:") and r["streams"] <= TREE_SESSIONS else 1
             r["vs_plain"] = r["tok_s"] / plain["tok_s"]
-            r["bound"] = profile.speculation_bound(a.alpha, int(r["arm"][2:]), r["streams"], cached, overhead_ms)
-            print(f"      {r['arm']:5} / plain {r['vs_plain']:.2f}: the most any schedule gets {r['bound']['any']:.2f}, "
+            r["bound"] = profile.speculation_bound(a.alpha, int(r["arm"].split("K=")[1]), r["streams"], cached,
+                                                   overhead_ms, width=width, beta=a.beta)
+            print(f"      {r['arm']:8} / plain {r['vs_plain']:.2f}: the most any schedule gets {r['bound']['any']:.2f}, "
                   f"steps held for every block {r['bound']['held']:.2f} (busy {r['bound']['held_busy']:.0%}); "
                   f"engine overhead {overhead_ms:.2f} ms a step", flush=True)
 

@@ -40,7 +40,8 @@ class Profile:
         """K draft steps for a batch of `rows` sessions."""
         return k * (self.draft_step_ms + self.draft_token_ms * rows)
 
-    def speculation_bound(self, alpha: float, k: int, rows: int, cached: int, overhead_ms: float = 0.0) -> dict:
+    def speculation_bound(self, alpha: float, k: int, rows: int, cached: int, overhead_ms: float = 0.0,
+                          width: int = 1, beta: float = 0.0) -> dict:
         """The most a fixed K can gain over plain, in this profile, with bench_engine_loop's
         synthetic pool: each position accepted with probability α; a block drafted after the
         outcome it follows (K draft steps, d each, a session drafted alone); the all-accepted
@@ -60,11 +61,20 @@ class Profile:
 
         Example (`h100`, α 0.7, 16 rows over 768 positions, o = 0): K = 1 -> any 1.41, held
         1.21 at 71 % busy; K = 2 -> any 1.37 (the ahead block is 1.4 ms late), held 1.21.
+
+        A token tree (`width` 2, ADR 0020; the shape the pools draft): two first candidates,
+        each followed by its chain to depth K, 2K tokens verified. The second is tried where
+        the first was rejected and is right with probability `beta` then, its chain's
+        positions with α each: E = E(K) + (1 − α) β E(K − 1). Its branches are drafted as one
+        batch of `width` rows (d at `width` rows a step), and the verify feeds 1 + width K
+        tokens a row.
         """
-        d = self.draft_ms(1)
+        d = self.draft_ms(1, width)
         t0 = self.target_ms(rows, cached) + overhead_ms
-        tk = self.target_ms(rows * (k + 1), cached) + overhead_ms
+        tk = self.target_ms(rows * (width * k + 1), cached) + overhead_ms
         emitted = sum(alpha ** j for j in range(k + 1))
+        if width > 1:
+            emitted += (1.0 - alpha) * beta * sum(alpha ** j for j in range(k))
         ahead = alpha ** (k + 1)
         late = max(0.0, (k + 1) * d - tk)
         every = ahead ** rows  # every row's block came ahead (and in time)

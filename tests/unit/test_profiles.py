@@ -36,3 +36,18 @@ def test_the_h100_profile_bounds_speculation_below_one_and_a_half_at_alpha_0_7()
 def test_the_bound_grows_with_acceptance_and_is_not_below_one_and_a_half_everywhere():
     assert max(H100.speculation_bound(0.9, k, 16, 768)["any"] for k in range(1, 9)) > 1.9
     assert H100.speculation_bound(0.0, 1, 16, 768)["any"] < 1.0  # nothing accepted: the drafting is lost time
+
+
+def test_a_trees_bound_at_one_stream_adds_the_second_candidates_tokens_at_the_same_verify_cost():
+    """One row over 40 positions: 9 tokens verified cost what 5 do (6.70 ms, the weights'
+    floor); the two branches drafted as a batch of 2 rows: d = 2.74 ms against 2.72. α 0.7,
+    K 4: E = 2.773 for the chain; the tree adds (1 − α) β E(3) = 0.09 x 2.533 at β 0.3.
+    A round: 6.702 + α^5 (5 d − 6.702) + (1 − α^5) 4 d = 16.996 ms."""
+    chain = H100.speculation_bound(0.7, 4, 1, 40)["any"]
+    tree = H100.speculation_bound(0.7, 4, 1, 40, width=2, beta=0.3)["any"]
+    assert tree == pytest.approx((2.7731 + 0.09 * 2.533) * 6.7021 / 16.996, rel=1e-3)
+    assert tree > 1.07 * chain
+    # a second candidate that is never right only adds drafting time
+    assert H100.speculation_bound(0.7, 4, 1, 40, width=2, beta=0.0)["any"] < chain
+    # at 64 rows a tree's 9 tokens a row cost compute the chain's 5 do not: the verify grows
+    assert H100.target_ms(64 * 9, 64 * 40) > 1.5 * H100.target_ms(64 * 5, 64 * 40)

@@ -35,6 +35,7 @@ from specserve.engine.kchoice import (
     PROBE_ROUNDS,
     Acceptance,
     choose_k,
+    expected_emitted,
     prior_cost,
     speedups,
 )
@@ -414,7 +415,11 @@ class EngineLoop:
             # Nothing verified, so nothing learned about the blocks: relax the estimate toward
             # the prior. Otherwise a few rejected blocks shrink the wait below the draft's
             # latency, every later block is late, and the estimate never hears otherwise.
-            s.expected_emitted += 0.3 * (PRIOR_EMITTED - s.expected_emitted)
+            # The prior: what the class's blocks of this K are worth by its acceptance table,
+            # at least PRIOR_EMITTED (a constant alone held a good pool's sessions under its
+            # latency for good: bench_engine_loop's h100 profile, α 0.7, K 4 trees)
+            prior = max(PRIOR_EMITTED, expected_emitted(self._acceptance(s).alphas(), k_asked))
+            s.expected_emitted += 0.3 * (prior - s.expected_emitted)
         stats = RoundStats(
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
@@ -455,12 +460,15 @@ class EngineLoop:
     def _block_arrived(self, s: EngineSession, block: DraftBlock, arrived: float) -> None:
         """The pool's drafting time per token, from the ask for this block's prefix to its
         arrival; a late block counts too (timing only those that came in time would learn
-        that drafting is fast). Blocks drafted ahead were not asked for."""
+        that drafting is fast). Blocks drafted ahead were not asked for. Per position: a token
+        tree's candidates at one depth are one position (the wait for the next block is priced
+        by its depth, as a chain's by its length)."""
         asked = s.asks.pop(block.base_len, None)
         if asked is None or block.predrafted or not block.tokens:
             return
         pool = s.plan.pool or ""
-        per_token = max(arrived - asked, 0.0) / len(block.tokens)
+        positions = tree_depth(block.parents) if block.parents is not None else len(block.tokens)
+        per_token = max(arrived - asked, 0.0) / max(positions, 1)
         self.draft_latency[pool] = self.draft_latency.get(pool, per_token) * 0.8 + per_token * 0.2
 
     def _acceptance(self, s: EngineSession) -> Acceptance:
