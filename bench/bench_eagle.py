@@ -5,7 +5,7 @@ on this CPU, per workload class, at 1, 4 and 16 streams, one run, the same held-
   small        the pair's distilled draft model (LocalDrafts: drafted on the engine's thread)
   ngram-local  prompt lookup on the engine's thread
   eagle-local  the pair's EAGLE head, chains
-  eagle-tree   the EAGLE head, token trees of two first candidates (tree_width 2 at <= 2 sessions)
+  eagle-tree   the EAGLE head, token trees of two first candidates (tree_width 2, always: the cost model would choose chains on this CPU)
 
 Per cell: output tok/s, accepted drafts per speculative round, tokens per target pass, tree
 drafts per round; per class the speedups over plain at each load, and whether greedy output
@@ -56,7 +56,7 @@ def cell(model, pair, head, parts, arm: str, prompts: list[list[int]], max_token
     source = _source(arm, pair, head, parts)
     stops = lambda params: StopChecker(frozenset(), params.stop, lambda ids: "")  # noqa: E731
     loop = EngineLoop(model, stops, {"pool": source} if source else {}, budget=Budget(max_batch=64),
-                      tree_width=2 if arm == "eagle-tree" else 1, tree_sessions=2)
+                      tree_width=2 if arm == "eagle-tree" else 1, tree_always=True)
     eos = pair.target.generation_config.eos_token_id
     sampling = SamplingParams(banned_token_ids=(eos,) if eos is not None else ())
     t0 = time.perf_counter()

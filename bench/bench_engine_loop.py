@@ -11,11 +11,11 @@ remote pool:
   in advance: at T = 0 the output is the target's alone) and corrupts each position with
   probability 1 − α, from a seeded draw.
 
-Arms: plain, fixed K, the engine's own K choice (adaptive), and token trees (`tree:K=4`: two
-first candidates, each followed by its chain to K, while at most two sessions run, as the
-engine's `tree_width` 2 does; above that, chains), at 1, 4, 16 and 64 streams. A tree's second
-candidate is right with probability β (`--beta`) where the first is wrong; its branches are
-drafted as one batch (the profile's draft at 2 rows).
+Arms: plain, fixed K, the engine's own K choice (adaptive), and token trees (`tree:K=4`: the
+engine's `tree_width` 2, which offers a tree of two first candidates, each followed by its
+chain to K, where its cost model says the wider verify pays; else chains), at 1, 4, 16 and 64
+streams. A tree's second candidate is right with probability β (`--beta`) where the first is
+wrong; its branches are drafted as one batch (the profile's draft at 2 rows).
 Each cell first runs an unmeasured wave of sessions on the same engine, so its acceptance
 table, cost fit and draft latency are warm, as on a running server.
 Reported per cell:
@@ -62,7 +62,6 @@ from specserve.state.prefix import CommittedPrefix
 from specserve.worker.model_step import Batching, make_target_step
 
 VOCAB = 512  # the stand-in's; the 1B model's is gpu_check's (32000)
-TREE_SESSIONS = 2  # trees while at most this many sessions run (the engine's default)
 PROMPT_LEN = 16
 REAL = "real"  # the profile name for a real device: no padding; the drafts as in `h100`
 
@@ -221,7 +220,7 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
 
     return EngineLoop(model, _stops, sources, budget=Budget(max_batch=64, max_batched_tokens=4096),
                       block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None, gather=gather,
-                      tree_width=tree_width, tree_sessions=TREE_SESSIONS)
+                      tree_width=tree_width)
 
 
 def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
@@ -276,7 +275,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
             "late_share": sum(r.fallback_reason == "draft_late" for r in rounds) / max(len(rounds), 1),
             "mean_k": statistics.mean(r.k for r in rounds),
             "tokens_per_pass": sum(r.emitted for r in rounds) / max(len(rounds), 1),
-            "mean_tree_size": statistics.mean(r.tree_size for r in rounds), "estimates": loop.estimates.get(("code", "syn"), {}),
+            "tree_share": sum(r.tree_size > 0 for r in rounds) / max(len(rounds), 1), "estimates": loop.estimates.get(("code", "syn"), {}),
             "draft_latency_ms_per_token": loop.draft_latency.get("syn", 0.0) * 1e3}
 
 
@@ -318,7 +317,7 @@ def main() -> None:
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
                       f"busy {r['device_busy']:.0%}  book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
                       f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
-                      f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}" + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
+                      f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}  trees {r['tree_share']:.0%}" + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
                       flush=True)
             if not real:
                 _bounds([r for r in rows if r["profile"] == pname and r["streams"] == n], PROFILES[pname], a)
@@ -342,11 +341,12 @@ def _bounds(cells: list[dict], profile: Profile, a) -> None:
     cached = plain["streams"] * (PROMPT_LEN + a.tokens // 2)  # the mean over a session's life
     for r in cells:
         if r["arm"].startswith(("K=", "tree:")):
-            # a tree arm drafts trees only while at most TREE_SESSIONS sessions run: chains above
-            width = 2 if r["arm"].startswith("tree:") and r["streams"] <= TREE_SESSIONS else 1
+            k = int(r["arm"].split("K=")[1])
             r["vs_plain"] = r["tok_s"] / plain["tok_s"]
-            r["bound"] = profile.speculation_bound(a.alpha, int(r["arm"].split("K=")[1]), r["streams"], cached,
-                                                   overhead_ms, width=width, beta=a.beta)
+            r["bound"] = profile.speculation_bound(a.alpha, k, r["streams"], cached, overhead_ms)
+            if r["arm"].startswith("tree:"):  # the engine chooses tree or chain: the better bound of the two
+                tree = profile.speculation_bound(a.alpha, k, r["streams"], cached, overhead_ms, width=2, beta=a.beta)
+                r["bound"] = max(r["bound"], tree, key=lambda b: b["any"])
             print(f"      {r['arm']:8} / plain {r['vs_plain']:.2f}: the most any schedule gets {r['bound']['any']:.2f}, "
                   f"steps held for every block {r['bound']['held']:.2f} (busy {r['bound']['held_busy']:.0%}); "
                   f"engine overhead {overhead_ms:.2f} ms a step", flush=True)

@@ -528,3 +528,41 @@ def test_a_round_records_how_long_its_session_waited_outside_the_steps(pair):
     plain = loop.ended["plain"].rounds[1:]
     assert late and sum(r.wait_ms for r in late) / len(late) > 15.0, [round(r.wait_ms, 1) for r in late]
     assert sum(r.wait_ms for r in plain) / len(plain) < 3.0, [round(r.wait_ms, 1) for r in plain]
+
+
+def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair):
+    """The engine's tree width (ADR 0020) by its cost model and the class's rates: on a
+    memory-bound step (a + r B, no cost per token) a tree whose other first candidates often
+    hold the target's token pays; where each token fed costs as much as the rest of the
+    step, it does not; nor where the siblings never hit; and never for a sampled session."""
+    from specserve.algorithm.rejection import Verdict
+
+    loop = _loop(pair, tree_width=2)
+    greedy = EnginePlan(GenerationParams(max_tokens=40, num_draft_tokens=4, seed=1), pool="small")
+    sampled = EnginePlan(GenerationParams(max_tokens=40, num_draft_tokens=4, seed=1,
+                                          sampling=SamplingParams(temperature=1.0)), pool="small")
+    loop.add("g", PROMPTS[0], greedy)
+    loop.add("t", PROMPTS[1], sampled)
+    loop.step()
+    g, t = loop.sessions["g"], loop.sessions["t"]
+    tree = DraftBlock("g", 0, 0, (5, 6, 7, 8, 9, 10, 11, 12), parents=(-1, 0, 1, 2, -1, 4, 5, 6))
+    # the walk went through the second first candidate (9): a sibling hit; the chain's table
+    # hears that its own first candidate was rejected
+    for _ in range(20):
+        assert loop._observe_tree(g, tree, Verdict(2, [9, 10, 3], 2)) == 0
+    assert loop._siblings(g).rate() > 0.9
+    trials = loop._siblings(g).trials
+    assert loop._observe_tree(g, tree, Verdict(3, [5, 6, 7, 3], 3)) == 3  # through the first: not a trial
+    assert loop._siblings(g).trials == trials
+    loop.cost.coef = np.array([0.010, 0.0005, 0.0])  # memory-bound: tokens cost nothing
+    assert loop._width(g, 4) == 2
+    assert loop._width(t, 4) == 1  # sampled: chains (they carry q; a tree's coins differ)
+    assert loop._width(g, 0) == 1
+    loop.cost.coef = np.array([0.001, 0.0, 0.004])  # every token fed costs 4x the step's fixed part
+    assert loop._width(g, 4) == 1
+    loop.cost.coef = np.array([0.010, 0.0005, 0.0])
+    loop.siblings.clear()
+    for _ in range(60):
+        loop._observe_tree(g, tree, Verdict(0, [3], 0))  # the siblings never hold the token
+    assert loop._width(g, 4) == 1
+    assert _loop(pair)._width(g, 4) == 1  # tree_width 1 (the default): chains

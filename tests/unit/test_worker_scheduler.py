@@ -133,6 +133,22 @@ def test_the_cost_model_drops_a_negative_term():
     assert cost.coef[0] < 0.0099 and cost.coef[2] == pytest.approx(0.001, rel=0.01)
 
 
+def test_one_session_alone_still_fits_the_cost_of_its_tokens():
+    """Rows never vary (one session): the rows' term cannot be told from the constant, so
+    the fit is a + b N (it was none, and a lone session's K and tree width were priced by the
+    prior). Where the tokens do not vary either, still none."""
+    cost = CostModel(min_batches=2)
+    for tokens in (1, 5, 9, 1, 5):
+        cost.observe(1, tokens, 0.010 + 0.0004 * tokens)
+    assert cost.coef is not None
+    assert cost.coef[0] == pytest.approx(0.010, rel=1e-6) and cost.coef[1] == 0
+    assert cost.coef[2] == pytest.approx(0.0004, rel=1e-6)
+    flat = CostModel(min_batches=2)
+    for _ in range(5):
+        flat.observe(1, 1, 0.01)
+    assert flat.coef is None
+
+
 def test_max_wait_is_bounded_by_one_millisecond():
     with pytest.raises(ValueError, match="max_wait_s"):
         Scheduler(max_wait_s=0.005)

@@ -36,6 +36,9 @@ PROBE_ROUNDS = 4
 # at 1.2-1.5x one token on the 2-core CPU (DESIGN §7), about 0.1 per token; a GPU's
 # memory-bound step is flatter, and the fit takes over as soon as the batches vary.
 PRIOR_TOKEN_COST = 0.1
+# a tree's other first candidates: how often they hold the target's token where the first does
+# not, before a class has tree rounds (a guess, learnt within a few tree rounds)
+PRIOR_SIBLING = 0.3
 
 
 def prior_cost(step_s: float) -> Callable[[int], float]:
@@ -88,3 +91,20 @@ class Acceptance:
 
     def alphas(self) -> list[float]:
         return [(a + PRIOR_ALPHA) / (r + 1.0) for a, r in zip(self.accepted, self.reached, strict=True)]
+
+
+@dataclass
+class Siblings:
+    """How often a token tree's other first candidates held the target's token where the
+    first did not, for one (class, pool), decayed per trial as `Acceptance` is. Its prior
+    (PRIOR_SIBLING, weight one trial) lets a tree be tried before any was verified."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, hit: bool) -> None:
+        self.hits = self.hits * DECAY + (1.0 if hit else 0.0)
+        self.trials = self.trials * DECAY + 1.0
+
+    def rate(self) -> float:
+        return (self.hits + PRIOR_SIBLING) / (self.trials + 1.0)

@@ -33,7 +33,9 @@ from specserve.engine.drafting import DRAFT_UNAVAILABLE, DraftSource, clip
 from specserve.engine.kchoice import (
     PROBE_EVERY,
     PROBE_ROUNDS,
+    PRIOR_ALPHA,
     Acceptance,
+    Siblings,
     choose_k,
     expected_emitted,
     prior_cost,
@@ -55,6 +57,9 @@ from specserve.structured.constraint import Constraint
 from specserve.worker.cost import CostModel
 
 NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
+TREE_MARGIN = 0.05  # a tree replaces the chain only if it emits this much more per second
+TREE_PROBE_EVERY = 8  # while the engine cannot price trees yet: one block in this many is one
+TREE_TRIALS = 4.0  # sibling trials of a class before its rate is trusted over the prior
 MAX_ASKS = 8  # asks remembered per session, by committed length, until their block arrives
 
 
@@ -87,11 +92,12 @@ class EngineLoop:
                  on_step: Callable[[StepReport], None] | None = None,
                  summarize: Callable[[EngineSession], str] | None = None, exact_wait_s: float = 5.0,
                  constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
-                 gather: bool = True, tree_width: int = 1, tree_sessions: int = 2) -> None:
+                 gather: bool = True, tree_width: int = 1, tree_always: bool = False) -> None:
         self.model = model
-        # token trees (ADR 0020): at most this many candidates at a block's first position, while
-        # at most `tree_sessions` sessions run; 1: chains only
-        self.tree_width, self.tree_sessions = tree_width, tree_sessions
+        # token trees (ADR 0020): at most this many candidates at a block's first position, for
+        # greedy sessions, where the cost model says the wider verify pays (`_width`); 1: chains.
+        # `tree_always`: wherever a tree may be drafted, whatever it costs (benchmarks, tests)
+        self.tree_width, self.tree_always = tree_width, tree_always
         self.stops_for = stops_for
         self.sources = dict(sources or {})
         self.committer = committer
@@ -123,6 +129,9 @@ class EngineLoop:
         self.last: StepReport | None = None
         self.cost = CostModel()  # step time by rows and tokens: prices K at the current load
         self.acceptance: dict[tuple[str, str], Acceptance] = {}  # per (class, pool)
+        # per (class, pool): how often a tree's other first candidates held the target's token
+        # where its first did not (prices a tree's extra candidates)
+        self.siblings: dict[tuple[str, str], Siblings] = {}
         self.estimates: dict[tuple[str, str], dict[int, float]] = {}  # S(K) per (class, pool), last computed
         # per pool: seconds from asking for a block to its arrival, per draft token, over the
         # blocks not drafted ahead: what a round waits for its drafts, beside the verify
@@ -410,7 +419,7 @@ class EngineLoop:
             k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
-            self._acceptance(s).observe(k, verdict.num_accepted)
+            self._acceptance(s).observe(k, self._observe_tree(s, block, verdict) if tree else verdict.num_accepted)
         elif k_asked and row.fallback == DRAFT_LATE and not s.probing:
             # Nothing verified, so nothing learned about the blocks: relax the estimate toward
             # the prior. Otherwise a few rejected blocks shrink the wait below the draft's
@@ -442,15 +451,48 @@ class EngineLoop:
                 pool = s.plan.pool or ""
                 self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if s.block is not None else 0.0)
             self._ask(s)
-            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, self._width()))
+            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, self._width(s, k_next)))
         return s, stats
 
-    def _width(self) -> int:
-        """How wide the next blocks' trees may be: `tree_width` while few sessions run (a
-        memory-bound step verifies the extra candidates nearly free), a chain above
-        `tree_sessions` (every candidate's tokens then cost compute the chain does not)."""
-        running = sum(1 for s in self.sessions.values() if s.running)
-        return self.tree_width if running <= self.tree_sessions else 1
+    def _width(self, s: EngineSession, k: int) -> int:
+        """How many first candidates the session's next block may have: `tree_width` where the
+        cost model says a tree emits more per second than the chain at this load, else 1. A
+        tree of w first candidates, each with its chain to K, verifies 1 + w K tokens and is
+        expected to emit E(K) + (1 - α_1) β E(K - 1) (β: how often another first candidate
+        held the target's token where the first did not). At low load a memory-bound step
+        verifies the extra tokens nearly free; as the batch grows they cost what the fit says.
+        Greedy sessions only: a tree's candidates are one-hot (a sampled session's chain
+        carries its draft's q, which a tree would lose) and its coins differ from a chain's
+        (a seeded session's sample path would depend on the load)."""
+        if self.tree_width <= 1 or k <= 0 or not s.plan.params.sampling.greedy or s.grammar is not None:
+            return 1
+        if self.tree_always:
+            return self.tree_width
+        alphas = self._acceptance(s).alphas()
+        beta = self._siblings(s).rate()
+        chain = expected_emitted(alphas, k)
+        tree = chain + (1.0 - (alphas[0] if alphas else PRIOR_ALPHA)) * beta * expected_emitted(alphas, k - 1)
+        batch, step_s = max(len(self.sessions), 1), self.step_ms / 1e3
+        step = prior_cost(step_s) if self.cost.coef is None else (lambda n: self.cost.row_cost(batch, n, step_s))
+        pays = tree / step(1 + self.tree_width * k) > (1.0 + TREE_MARGIN) * chain / step(1 + k)
+        # Until it can price a tree (a cost fit, which needs verify rows of more than one
+        # width, and a few trials of the class's siblings), one block in TREE_PROBE_EVERY is
+        # a tree anyway: chains alone would never teach it either.
+        learning = self.cost.coef is None or self._siblings(s).trials < TREE_TRIALS
+        return self.tree_width if pays or (learning and len(s.rounds) % TREE_PROBE_EVERY == 0) else 1
+
+    def _observe_tree(self, s: EngineSession, block: DraftBlock, verdict) -> int:
+        """A tree round's lesson: whether another first candidate held the target's token
+        where the first did not (the siblings' rate), and, for the chain's table, what the
+        first candidate's own chain got (its drafts accepted if the walk went through it, else
+        none). Returns the latter."""
+        through_first = verdict.num_accepted > 0 and verdict.tokens[0] == block.tokens[0]
+        if not through_first and sum(1 for p in block.parents if p < 0) > 1:
+            self._siblings(s).observe(verdict.num_accepted > 0)
+        return verdict.num_accepted if through_first else 0
+
+    def _siblings(self, s: EngineSession) -> Siblings:
+        return self.siblings.setdefault((s.plan.workload_class, s.plan.pool or ""), Siblings())
 
     def _ask(self, s: EngineSession) -> None:
         s.asks[len(s.committed)] = self.clock()

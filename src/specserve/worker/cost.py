@@ -38,19 +38,25 @@ class CostModel:
             self.coef = self._solve()
 
     def _solve(self) -> np.ndarray | None:
-        """Non-negative coefficients, or None when the batches seen cannot separate them."""
+        """Non-negative coefficients, or None when the batches seen cannot separate them. A
+        batch size that never changed (one session alone) cannot be told from the constant:
+        then the fit is a + b·N, the rows' term folded into a."""
         if np.linalg.cond(self.xtx) > 1e10:
-            return None
+            return self._fit((0, 2))
         coef = np.linalg.solve(self.xtx, self.xty)
         if coef.min() >= 0:
             return coef
         # a negative term: drop it and refit the others (the constant always stays)
-        keep = [0] + [i for i in (1, 2) if coef[i] >= 0]
+        return self._fit(tuple([0] + [i for i in (1, 2) if coef[i] >= 0]))
+
+    def _fit(self, keep: tuple[int, ...]) -> np.ndarray | None:
+        """The fit over the terms `keep` alone (the others 0), or None where they too cannot
+        be separated; negative terms are clipped to 0."""
         sub = self.xtx[np.ix_(keep, keep)]
         if np.linalg.cond(sub) > 1e10:
             return None
         out = np.zeros(3)
-        out[keep] = np.maximum(np.linalg.solve(sub, self.xty[keep]), 0.0)
+        out[list(keep)] = np.maximum(np.linalg.solve(sub, self.xty[list(keep)]), 0.0)
         return out
 
     def row_cost(self, rows: int, row_tokens: float, batch_s: float) -> float:

@@ -109,7 +109,7 @@ class LoopHost:
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
                  constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
-                 gather: bool = True, model_thread: Executor | None = None,
+                 gather: bool = True, tree_width: int = 1, model_thread: Executor | None = None,
                  on_loop_failure: Callable[[BaseException], None] = lambda exc: None) -> None:
         self.store = store
         self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
@@ -137,7 +137,7 @@ class LoopHost:
                                  block_wait_max_s=block_wait_max_s,
                                  simulated_step_ms=(lambda step, out: simulated_step_ms) if simulated_step_ms else None,
                                  on_step=self._on_step, summarize=self._summary, constrain=constrain,
-                                 max_commit_lag=max_commit_lag, gather=gather)
+                                 max_commit_lag=max_commit_lag, gather=gather, tree_width=tree_width)
         self.committer.on_acked = self.engine.acked
         self.driving: dict[str, _Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
