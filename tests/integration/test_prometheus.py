@@ -51,6 +51,8 @@ NEEDS_AN_EVENT: dict[str, str] = {
                                  "on the demo pair (its tiny predecessor was held plain by the controller)",
     "specserve_shadow_": "needs a class in shadow mode; the load runs none",
     "specserve_feature_bytes": "needs a feature-level (eagle) draft pool; the load's stack runs none",
+    "specserve_device_utilization_ratio": "NVML's series: GPU nodes only (absent, not zero, on this CPU)",
+    "specserve_device_memory_bytes": "NVML's series: GPU nodes only (absent, not zero, on this CPU)",
 }
 RULES_NEED_AN_EVENT: dict[str, str] = {
     "workload_class:specserve_shadow_agreement:ratio30m": "needs a class in shadow mode; the load runs none "

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from specserve.serving.busy import BusyMeter, DeviceCollector
 from specserve.serving.metrics import RoundMetrics, RouterMetrics, WorkerMetrics
 from specserve.tooling import promrules, waterfall
 
@@ -34,6 +36,12 @@ def _families() -> dict[str, str]:
     for metrics in (RouterMetrics(), RoundMetrics(), WorkerMetrics("draft"), WorkerMetrics("target")):
         for fam in metrics.registry.collect():
             out[fam.name] = fam.type
+    # a GPU node's NVML families (absent here: no NVML), as its worker exports them
+    gpu = SimpleNamespace(nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
+                          nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=50),
+                          nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=1, total=2))
+    for fam in DeviceCollector("target", BusyMeter(), nvml=gpu).collect():
+        out[fam.name] = fam.type
     return out
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specserve.serving.busy import BusyMeter, DeviceCollector
+
 LABELS = ("workload_class", "draft_pool")
 _MS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -146,6 +148,9 @@ class WorkerMetrics:
         for how in ("replayed", "eager", "unbucketed"):  # exported at 0 where no device step runs (the CPU)
             self.device_steps.labels(how)
         self._device_seen: dict[str, int] = {}
+        # how busy the device is (ADR 0021): the worker adds each step's or batch's compute time
+        self.busy = BusyMeter()
+        r.register(DeviceCollector(service, self.busy))
 
     def device_step(self, step) -> None:
         """Count what a model step's device step (`models/device_step.py`, or None) ran since

@@ -41,6 +41,7 @@ class WorkerCore:
 
     def _observe(self, size: int, seconds: float) -> None:
         m = self.metrics
+        m.busy.add(seconds)  # the batch's model time (with a simulated device's, where one is set)
         m.batch_size.observe(size)
         m.queue_depth.set(self.scheduler.depth())
         m.sessions.set(len(self.sessions))

@@ -290,6 +290,7 @@ class LoopHost:
     def _on_step(self, report: StepReport) -> None:
         m = self.worker_metrics
         if m is not None and report.rows:
+            m.busy.add(report.forward_ms / 1e3)  # the step's forward (padded to a simulated device's time)
             m.batch_size.observe(report.rows)
             m.call_latency.labels("step").observe(report.forward_ms / 1e3)
             slots = getattr(self.engine.model, "slots", None)  # the batched runner's KV (not the HF path)
