@@ -115,6 +115,17 @@ class StepResult:
     rows: list[RowResult]
 
 
+def first_branch(tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
+    """A token tree's first branch as a chain: the first candidate and its first child, and
+    so on (the leading nodes of a depth-first tree whose parent is the node before)."""
+    out: list[int] = []
+    for i, p in enumerate(parents):
+        if p != i - 1:
+            break
+        out.append(int(tokens[i]))
+    return out
+
+
 def tree_depth(parents: Sequence[int]) -> int:
     """A token tree's depth (its longest path), from its parents (-1: the root)."""
     depths: list[int] = []

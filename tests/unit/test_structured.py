@@ -370,3 +370,49 @@ def test_sampled_outputs_under_a_grammar_and_a_regex_match_them(demo_pair, targe
             else r"[A-Z][a-z]{2,8} [0-9]{1,3}"
         assert re.fullmatch(pattern, text), text
     assert finished >= 4  # finished outputs were checked, not only cut ones (6 of 16 end on their own)
+
+
+# -- token trees under a constraint (ADR 0020) --------------------------------------------
+def test_a_trees_nodes_are_pruned_and_masked_along_their_own_paths(demo_pair, cache, target_model):
+    """After '{"name": "Ada", "year": ' the schema wants an integer: a branch of digits is
+    kept with each node's mask the chain's mask along it, a branch of letters is dropped with
+    its subtree; where the grammar forces the next token the tree gives way to the chain."""
+    encode = _encode(demo_pair)
+    row = ConstrainedRow(cache.compile(Constraint.json_schema(SCHEMA)), cache.vocab_size, target_model.vocab_size,
+                         encode=encode)
+    row.advance(encode(" {"))
+    assert row.constrain_tree(encode('"name'), [-1, 0][:len(encode('"name'))]) is None  # '"name": "' is forced
+    row.advance(encode('"name": "Ada", "year": '))
+    digits, letters = encode("1815,"), encode("abc")
+    tokens = [*digits, *letters]
+    parents = [-1, *range(len(digits) - 1), -1, *range(len(digits), len(tokens) - 1)]
+    kept, kept_parents, allowed = row.constrain_tree(tokens, parents)
+    chain, _, chain_allowed = row.constrain(digits, None, greedy=True, k_max=len(digits))
+    # (the chain goes on with what the grammar forces after them: its first positions are the branch's)
+    assert kept == chain[:len(digits)] == digits and kept_parents == list(range(-1, len(digits) - 1))
+    assert torch.equal(allowed, chain_allowed[:len(digits) + 1])
+    assert not bool(allowed[0, letters[0]])  # the dropped branch's first token is illegal at the root
+    # the matcher is where it was: the same tree again gives the same answer
+    assert row.constrain_tree(tokens, parents)[0] == kept
+
+
+@pytest.mark.parametrize("pool", ["small", "ngram"])
+def test_constrained_greedy_with_token_trees_equals_target_only_constrained_greedy(demo_pair, target_model, cache,
+                                                                                   eval_prompts, pool):
+    from specserve.engine.loop import EngineLoop
+
+    c = Constraint.json_schema(SCHEMA)
+    prompts = _prompts(demo_pair, eval_prompts, 2)
+    base = _loop(demo_pair, target_model, cache)
+    loop = EngineLoop(base.model, base.stops_for, base.sources, constrain=base.constrain, tree_width=2,
+                      tree_always=True)
+    for i, ids in enumerate(prompts):
+        loop.add(f"s{i}", ids, EnginePlan(GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=4, seed=1),
+                                          pool=pool, constraint=c))
+    loop.run_until_idle()
+    trees = 0
+    for i, ids in enumerate(prompts):
+        s = loop.ended[f"s{i}"]
+        assert s.generated == _reference(demo_pair, target_model, cache, ids, c, MAX_TOKENS), i
+        trees += sum(r.tree_size > 0 for r in s.rounds)
+    assert trees > 0  # some rounds verified a tree under the constraint

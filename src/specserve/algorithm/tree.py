@@ -88,12 +88,16 @@ class Tree:
 
 
 def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree, sampling: SamplingParams,
-                         seed: int, start: int) -> torch.Tensor:
+                         seed: int, start: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """logits [m + 1, V] of the root and the tree's tokens -> [m + 1, 2] float64 on their
     device: per node, its token's probability under its parent's distribution (the root: 0),
     and its final token (drawn from p less its children, or from p at a leaf). `start`: the
-    absolute position of the root's children."""
+    absolute position of the root's children. `allowed` [m + 1, V] bool: a constraint's legal
+    tokens at each node (structured/grammar.py: ConstrainedRow.constrain_tree); p is the
+    target's masked to them."""
     device = logits.device
+    if allowed is not None:
+        logits = logits.masked_fill(~to_device(allowed, device), float("-inf"))
     m = tree.size
     children = tree.children()
     depths = [0] + tree.depths

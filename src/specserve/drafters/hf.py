@@ -79,16 +79,21 @@ class HFDraftSession:
 
     @torch.inference_mode()
     def propose_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
-                     width: int, sure: float = 0.9) -> tuple[list[int], list[int]] | None:
+                     width: int, sure: float = 0.9, grammar: Any = None) -> tuple[list[int], list[int]] | None:
         """A token tree (ADR 0020) where the draft is unsure of the next token (its top
         probability under `sure`): its `width` likeliest next tokens (banned ones left out),
         each followed by its greedy chain to depth k, depth-first; None where it is sure. The
-        candidates are chosen without draws, so the target verifies them exactly at any T."""
+        candidates are chosen without draws, so the target verifies them exactly at any T.
+        Under a constraint (`grammar`: structured/grammar.py DraftGrammar) every position's
+        logits are masked to what it allows along the branch (a branch's own matcher)."""
         k = min(k, self.drafter.max_positions - len(token_ids))
         if k <= 0:
             return None
         self.lm.reconcile(token_ids)
         logits = self.lm.extend(token_ids[self.lm.length:])[-1].float()
+        root = grammar.start(token_ids) if grammar is not None else None
+        if root is not None:
+            logits = root.apply(logits)
         if sampling.banned_token_ids:
             logits = logits.index_fill(0, torch.tensor(list(sampling.banned_token_ids)), float("-inf"))
         top = torch.softmax(logits, -1).topk(width)
@@ -97,15 +102,24 @@ class HFDraftSession:
         base = self.lm.length
         tokens: list[int] = []
         parents: list[int] = []
-        for cand in top.indices.tolist():
+        for cand, prob in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            if prob <= 0.0:  # fewer legal tokens than candidates wanted
+                break
+            masks = grammar.start(token_ids) if grammar is not None else None
+            if masks is not None:
+                masks.push(cand)
             tokens.append(cand)
             parents.append(-1)
             tok = cand
             for _ in range(k - 1):
                 nxt = self.lm.extend([tok])[-1].float()
+                if masks is not None:
+                    nxt = masks.apply(nxt)
                 if sampling.banned_token_ids:
                     nxt = nxt.index_fill(0, torch.tensor(list(sampling.banned_token_ids)), float("-inf"))
                 tok = int(nxt.argmax())
+                if masks is not None:
+                    masks.push(tok)
                 parents.append(len(tokens) - 1)
                 tokens.append(tok)
             self.lm.crop(base)

@@ -52,7 +52,7 @@ from specserve.engine.session import (
     Status,
 )
 from specserve.params import GenerationParams
-from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, tree_depth
+from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, first_branch, tree_depth
 from specserve.structured.constraint import Constraint
 from specserve.worker.cost import CostModel
 
@@ -370,15 +370,23 @@ class EngineLoop:
         s = row.session
         p = s.plan.params
         parents = None
-        if row.block is not None and row.block.parents is not None and s.grammar is None:
-            drafts, q, parents = list(row.block.tokens), None, list(row.block.parents)  # a tree, whole
+        allowed = None
+        t0 = time.perf_counter()
+        if row.block is not None and row.block.parents is not None:  # a tree, whole
+            drafts, q, parents = list(row.block.tokens), None, list(row.block.parents)
+            if s.grammar is not None:  # its nodes the grammar allows, and each node's mask
+                pruned = s.grammar.constrain_tree(drafts, parents)
+                if pruned is not None:
+                    drafts, parents, allowed = pruned
+                    parents = parents or None  # (no node left: a plain row under the root's mask)
+                else:  # the grammar forces the next token: its first branch as a chain (jump-forward)
+                    drafts, parents = first_branch(drafts, parents), None
         else:
             drafts, q = clip(row.block, s.k_wanted, row.offset) if row.block is not None else ([], None)
-        allowed = None
-        if s.grammar is not None:  # (a prefill chunk short of the prompt's end ignores it)
-            t0 = time.perf_counter()
+        if s.grammar is not None and allowed is None:  # (a prefill chunk short of the prompt's end ignores it)
             room = p.max_tokens - s.n_generated - 1  # drafts past the budget would never commit
             drafts, q, allowed = s.grammar.constrain(drafts, q, p.sampling.greedy, min(s.k_wanted, room), room)
+        if s.grammar is not None:
             self.mask_ms += (time.perf_counter() - t0) * 1e3
         source = self.sources.get(s.plan.pool or "")
         out = StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed,
@@ -412,7 +420,7 @@ class EngineLoop:
         if not s.plan.shadow:  # a shadow twin commits nothing
             commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))
         block = row.block
-        tree = block is not None and block.parents is not None and s.grammar is None
+        tree = block is not None and block.parents is not None
         if tree:
             k = tree_depth(block.parents)  # type: ignore[union-attr, arg-type]
         else:
@@ -464,7 +472,7 @@ class EngineLoop:
         Greedy sessions only: a tree's candidates are one-hot (a sampled session's chain
         carries its draft's q, which a tree would lose) and its coins differ from a chain's
         (a seeded session's sample path would depend on the load)."""
-        if self.tree_width <= 1 or k <= 0 or not s.plan.params.sampling.greedy or s.grammar is not None:
+        if self.tree_width <= 1 or k <= 0 or not s.plan.params.sampling.greedy:
             return 1
         if self.tree_always:
             return self.tree_width

@@ -251,6 +251,49 @@ class ConstrainedRow:
             q = trim_q(q, len(out))
         return out, q, self._masks(buf, filled, len(out) + 1)
 
+    def constrain_tree(self, tokens: Sequence[int], parents: Sequence[int]
+                       ) -> tuple[list[int], list[int], torch.Tensor] | None:
+        """A token tree's nodes the grammar allows and the legal tokens at each of its nodes
+        (ADR 0020): [m + 1, width] bool, the root's row first (the position after the committed
+        prefix), then each kept node's (the position after its path). A node the grammar
+        forbids at its parent is dropped with its subtree (the target could never accept it;
+        at T > 0 too, since a tree's candidates were chosen without draws), as are the
+        children of a node that ends the output. The kept nodes stay depth-first, siblings in
+        their order. None where the grammar forces the root's token: the chain path drafts
+        what it forces (jump-forward), which a tree would give up."""
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
+        for i, p in enumerate(parents):
+            children[p + 1].append(i + 1)
+        buf = self._buffer(len(tokens) + 1)
+        words = buf.numpy()
+        self.matcher.fill_next_token_bitmask(buf, 0)
+        if self.forced_drafts and _only_token(words[0]) is not None:
+            return None
+        out: list[int] = []
+        out_parents: list[int] = []
+        rows = [0]  # per kept node (the root first): its row in `buf`
+
+        def visit(node: int, row: int, new_index: int) -> None:
+            if self.matcher.is_terminated():
+                return
+            for c in children[node]:
+                tok = int(tokens[c - 1])
+                if not _has(words[row], tok) or not self.matcher.accept_token(tok):
+                    continue
+                out.append(tok)
+                out_parents.append(new_index)
+                mine = len(rows)
+                rows.append(mine)
+                if self.matcher.is_terminated():
+                    buf[mine] = buf[row]  # (never used: the output ends at this node)
+                else:
+                    self.matcher.fill_next_token_bitmask(buf, mine)
+                visit(c, mine, len(out) - 1)
+                self.matcher.rollback(1)
+
+        visit(0, 0, -1)
+        return out, out_parents, self._masks(buf, len(rows), len(rows))
+
     def _pick(self, row: np.ndarray, drafts: list[int], i: int,
               pending: list[int]) -> tuple[int | None, int | None, list[int]]:
         """Position i's draft (None: the drafts end here), the model's draft there (None past

@@ -256,7 +256,8 @@ class BatchedTarget(_RunnerSessions):
             parts.append(packed)
         for k in trees:
             _, j, lg, _, _ = judged[k]
-            parts.append(tree_judge_on_device(lg, j.drafts, Tree(tuple(j.parents)), j.sampling, j.seed, len(j.ids)))
+            parts.append(tree_judge_on_device(lg, j.drafts, Tree(tuple(j.parents)), j.sampling, j.seed, len(j.ids),
+                                              j.allowed))
         out: list[Verdict | None] = [None] * len(judged)
         paths: dict[int, list[int]] = {}
         if not parts:
