@@ -96,6 +96,7 @@ def main() -> None:
     prompts = load_eval_prompts(pair_dir)
     streams = [int(x) for x in a.streams.split(",")]
     rows = []
+    samples: dict[str, dict] = {}  # per class: three outputs (every arm's: greedy) and each pool's acceptance
     for cls in ("code", "chat", "extraction"):
         chosen = [pair.tokenizer.encode(p["prompt"]) for p in prompts if p["workload_class"] == cls]
         for n in streams:
@@ -117,6 +118,10 @@ def main() -> None:
                     "outputs": [o for r in parts_out for o in r["outputs"]],
                 }
             plain = results["plain"]
+            if cls not in samples:
+                samples[cls] = {"prompts": [pair.tokenizer.decode(p) for p in batch[:3]],
+                                "outputs": [pair.tokenizer.decode(o) for o in plain["outputs"][:3]],
+                                "accepted_per_round": {arm: r["accepted_per_round"] for arm, r in results.items()}}
             for arm, r in results.items():
                 row = {"class": cls, "streams": n, "arm": arm, **{k: v for k, v in r.items() if k != "outputs"},
                        "speedup": r["tok_s"] / plain["tok_s"], "greedy_equal_plain": r["outputs"] == plain["outputs"]}
@@ -127,7 +132,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eagle.json").write_text(json.dumps({"load_before": load, "k": a.k, "max_tokens": a.max_tokens,
-                                                "threads": a.threads, "rows": rows}, indent=1))
+                                                "threads": a.threads, "rows": rows, "samples": samples}, indent=1))
     _plot(rows, out / "eagle.png", streams)
     print(f"wrote {out / 'eagle.json'} and {out / 'eagle.png'}")
 
