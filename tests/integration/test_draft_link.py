@@ -76,6 +76,16 @@ async def _until(predicate, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.005)
 
 
+async def _finish(servers, pool, engine, stop, thread, sessions: int) -> None:
+    """Sessions s0.. all ended: stop the engine's thread, the pool and the draft servers."""
+    await _until(lambda: all(f"s{i}" in engine.ended for i in range(sessions)))
+    stop.set()
+    thread.join(10)
+    await pool.stop()
+    for server, _ in servers:
+        await server.stop(0)
+
+
 def test_greedy_through_the_link_is_the_target_alone_and_pushed_blocks_are_used(models, run):
     target_model, draft_model = models
     reference = _plain_reference(target_model, 32)
@@ -91,12 +101,7 @@ def test_greedy_through_the_link_is_the_target_alone_and_pushed_blocks_are_used(
         for i, p in enumerate(PROMPTS):
             engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=32, num_draft_tokens=3, seed=1),
                                               pool="small"))
-        await _until(lambda: all(f"s{i}" in engine.ended for i in range(len(PROMPTS))))
-        stop.set()
-        thread.join(10)
-        await pool.stop()
-        for server, _ in servers:
-            await server.stop(0)
+        await _finish(servers, pool, engine, stop, thread, len(PROMPTS))
         return engine
 
     engine = run(go())

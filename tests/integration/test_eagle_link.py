@@ -18,6 +18,7 @@ import threading
 import grpc
 import pytest
 import torch
+from test_draft_link import _finish, _until
 
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, TargetParts, save_head
@@ -104,28 +105,13 @@ async def _remote(head, target_dir, target, **pool_args):
     return servers, pool, engine, stop, thread
 
 
-async def _finish(servers, pool, engine, stop, thread) -> None:
-    await _until(lambda: all(f"s{i}" in engine.ended for i in range(len(PROMPTS))))
-    stop.set()
-    thread.join(10)
-    await pool.stop()
-    for server, _ in servers:
-        await server.stop(0)
-
-
-async def _until(predicate, timeout_s: float = 60.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-
 def test_a_remote_head_drafts_what_the_local_one_does_from_the_features_on_the_link(models, run):
     target, target_dir, head = models
     local = _local_run(target, head, 24)
 
     async def go():
         servers, pool, engine, stop, thread = await _remote(head, target_dir, target)
-        await _finish(servers, pool, engine, stop, thread)
+        await _finish(servers, pool, engine, stop, thread, len(PROMPTS))
         return engine, pool
 
     engine, pool = run(go())
@@ -152,7 +138,7 @@ def test_a_replica_that_dies_mid_generation_hands_its_sessions_and_their_feature
         moved = [sid for sid, s in pool.sessions.items() if s.replica is victim]
         at_kill = {sid: len(engine.sessions[sid].rounds) for sid in moved if sid in engine.sessions}
         await next(srv for srv, a in servers if a == victim.address).stop(0)
-        await _finish(servers, pool, engine, stop, thread)
+        await _finish(servers, pool, engine, stop, thread, len(PROMPTS))
         return engine, at_kill
 
     engine, at_kill = run(go())

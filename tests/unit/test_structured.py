@@ -46,7 +46,7 @@ def _encode(demo_pair):
     return lambda text: demo_pair.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _loop(demo_pair, target_model, cache, forced=True, sources=None) -> EngineLoop:
+def _loop(demo_pair, target_model, cache, forced=True, sources=None, **kw) -> EngineLoop:
     model = make_target_step(target_model, Batching(kv_budget_mb=96, max_sessions=16, prefill_chunk=32, max_len=512))
     eos = target_model.eos_token_ids
     encode = _encode(demo_pair)
@@ -55,7 +55,7 @@ def _loop(demo_pair, target_model, cache, forced=True, sources=None) -> EngineLo
                       {"small": LocalDrafts(HFDrafter(demo_pair.draft)),
                        "ngram": LocalDrafts(NgramDrafter(target_model.vocab_size))},
                       constrain=lambda c: ConstrainedRow(cache.compile(c), cache.vocab_size, target_model.vocab_size,
-                                                         forced_drafts=forced, encode=encode))
+                                                         forced_drafts=forced, encode=encode), **kw)
 
 
 def _reference(demo_pair, target_model, cache, ids: list[int], c: Constraint, max_tokens: int) -> list[int]:
@@ -132,11 +132,15 @@ def test_the_grammar_drafts_what_it_forces_and_masks_every_position(demo_pair, c
 
 
 # -- lossless under the constraint ----------------------------------------------------------
-@pytest.mark.parametrize("pool", ["small", "ngram", None])
-def test_constrained_greedy_equals_target_only_constrained_greedy(demo_pair, target_model, cache, eval_prompts, pool):
+@pytest.mark.parametrize("pool,trees", [("small", False), ("ngram", False), (None, False),
+                                        ("small", True), ("ngram", True)])
+def test_constrained_greedy_equals_target_only_constrained_greedy(demo_pair, target_model, cache, eval_prompts, pool,
+                                                                  trees):
+    """Chains, and token trees (ADR 0020: pruned and masked along their paths; the control
+    without the tree's masks fails for `small`)."""
     c = Constraint.json_schema(SCHEMA)
     prompts = _prompts(demo_pair, eval_prompts, 3)
-    loop = _loop(demo_pair, target_model, cache)
+    loop = _loop(demo_pair, target_model, cache, **({"tree_width": 2, "tree_always": True} if trees else {}))
     for i, ids in enumerate(prompts):
         loop.add(f"s{i}", ids, EnginePlan(GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=4, seed=1),
                                           pool=pool, constraint=c))
@@ -152,6 +156,8 @@ def test_constrained_greedy_equals_target_only_constrained_greedy(demo_pair, tar
         else:
             assert s.finish_reason == "length" and len(s.generated) == MAX_TOKENS
     assert parsed >= 1  # a finished output was checked, not only truncated ones
+    if trees:  # some rounds verified a tree under the constraint
+        assert any(r.tree_size > 0 for i in range(len(prompts)) for r in loop.ended[f"s{i}"].rounds)
 
 
 def test_forced_tokens_need_no_draft_and_cut_target_passes(demo_pair, target_model, cache, eval_prompts):
@@ -394,25 +400,3 @@ def test_a_trees_nodes_are_pruned_and_masked_along_their_own_paths(demo_pair, ca
     assert not bool(allowed[0, letters[0]])  # the dropped branch's first token is illegal at the root
     # the matcher is where it was: the same tree again gives the same answer
     assert row.constrain_tree(tokens, parents)[0] == kept
-
-
-@pytest.mark.parametrize("pool", ["small", "ngram"])
-def test_constrained_greedy_with_token_trees_equals_target_only_constrained_greedy(demo_pair, target_model, cache,
-                                                                                   eval_prompts, pool):
-    from specserve.engine.loop import EngineLoop
-
-    c = Constraint.json_schema(SCHEMA)
-    prompts = _prompts(demo_pair, eval_prompts, 2)
-    base = _loop(demo_pair, target_model, cache)
-    loop = EngineLoop(base.model, base.stops_for, base.sources, constrain=base.constrain, tree_width=2,
-                      tree_always=True)
-    for i, ids in enumerate(prompts):
-        loop.add(f"s{i}", ids, EnginePlan(GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=4, seed=1),
-                                          pool=pool, constraint=c))
-    loop.run_until_idle()
-    trees = 0
-    for i, ids in enumerate(prompts):
-        s = loop.ended[f"s{i}"]
-        assert s.generated == _reference(demo_pair, target_model, cache, ids, c, MAX_TOKENS), i
-        trees += sum(r.tree_size > 0 for r in s.rounds)
-    assert trees > 0  # some rounds verified a tree under the constraint

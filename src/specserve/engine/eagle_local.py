@@ -17,7 +17,7 @@ from typing import Any
 
 from specserve.drafters.eagle import EagleHead, EagleSession, TargetParts
 from specserve.engine.drafting import LocalDrafts
-from specserve.engine.session import DraftBlock, EngineSession, Outcome
+from specserve.engine.session import DraftBlock, EngineSession
 from specserve.state.prefix import CommittedPrefix
 
 
@@ -54,13 +54,7 @@ class EagleLocalDrafts(LocalDrafts):
         if s is not None and feats is not None:
             s.eagle.add_features(start, feats)
 
-    def outcome(self, outcome: Outcome) -> None:
-        s = self.sessions.get(outcome.session_id)
-        if s is None:
-            return
-        s.prefix.crop(outcome.committed_len - len(outcome.emitted))
-        s.prefix.extend(outcome.emitted)
-        self._propose(outcome.session_id, s, outcome.k, outcome.width)
+    # (`outcome` is LocalDrafts': the session's prefix moved, then this `_propose`)
 
     def close(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)

@@ -25,15 +25,15 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from specserve.algorithm.round import RoundStats, settle
 from specserve.algorithm.stops import StopChecker
 from specserve.engine.drafting import DRAFT_UNAVAILABLE, DraftSource, clip
 from specserve.engine.kchoice import (
+    PRIOR_ALPHA,
     PROBE_EVERY,
     PROBE_ROUNDS,
-    PRIOR_ALPHA,
     Acceptance,
     Siblings,
     choose_k,
@@ -55,6 +55,9 @@ from specserve.params import GenerationParams
 from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, first_branch, tree_depth
 from specserve.structured.constraint import Constraint
 from specserve.worker.cost import CostModel
+
+if TYPE_CHECKING:  # (an annotation only)
+    from specserve.algorithm.rejection import Verdict
 
 NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
 TREE_MARGIN = 0.05  # a tree replaces the chain only if it emits this much more per second
@@ -427,7 +430,8 @@ class EngineLoop:
             k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
-            self._acceptance(s).observe(k, self._observe_tree(s, block, verdict) if tree else verdict.num_accepted)
+            self._acceptance(s).observe(k, self._observe_tree(s, block, verdict)  # type: ignore[arg-type]
+                                        if tree else verdict.num_accepted)
         elif k_asked and row.fallback == DRAFT_LATE and not s.probing:
             # Nothing verified, so nothing learned about the blocks: relax the estimate toward
             # the prior. Otherwise a few rejected blocks shrink the wait below the draft's
@@ -489,13 +493,13 @@ class EngineLoop:
         learning = self.cost.coef is None or self._siblings(s).trials < TREE_TRIALS
         return self.tree_width if pays or (learning and len(s.rounds) % TREE_PROBE_EVERY == 0) else 1
 
-    def _observe_tree(self, s: EngineSession, block: DraftBlock, verdict) -> int:
+    def _observe_tree(self, s: EngineSession, block: DraftBlock, verdict: Verdict) -> int:
         """A tree round's lesson: whether another first candidate held the target's token
         where the first did not (the siblings' rate), and, for the chain's table, what the
         first candidate's own chain got (its drafts accepted if the walk went through it, else
         none). Returns the latter."""
         through_first = verdict.num_accepted > 0 and verdict.tokens[0] == block.tokens[0]
-        if not through_first and sum(1 for p in block.parents if p < 0) > 1:
+        if not through_first and sum(1 for p in block.parents or () if p < 0) > 1:
             self._siblings(s).observe(verdict.num_accepted > 0)
         return verdict.num_accepted if through_first else 0
 
