@@ -253,10 +253,18 @@ class EagleSession:
         self.inputs: torch.Tensor | None = None  # [n, H]
         self.pending: Any = deque()
         self.feature_bytes = 0
+        self.covered = 0  # positions 0.. whose features were handed in (queued or absorbed), without a gap
 
     def add_features(self, start: int, feats: torch.Tensor) -> None:
         """The target's features of positions start.. (committed), queued."""
         self.pending.append((start, feats))
+        if start <= self.covered:  # (past a gap nothing is usable until it is re-fed)
+            self.covered = start + feats.shape[0]
+
+    def ready(self, length: int) -> bool:
+        """Whether a block after `length` committed tokens can be drafted: the features of the
+        positions before the last are all here (queued counts)."""
+        return length >= 2 and self.covered >= length - 1
 
     @torch.inference_mode()
     def _absorb(self) -> None:
@@ -367,6 +375,7 @@ class EagleSession:
         self.cache = HeadCache()
         self.inputs = None
         self.pending.clear()
+        self.covered = 0
 
 
 class EagleDrafter:

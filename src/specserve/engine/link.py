@@ -150,7 +150,8 @@ class RemoteDrafts:
             s.replica.queue.put_nowait(draft_pb2.LinkIn(open=draft_pb2.LinkOpen(
                 session_id=sid, committed=s.prefix.ids, sampling=s.sampling, seed=s.seed, k=s.k,
                 predraft_branches=0 if self.wants_features else self.predraft_branches,
-                constraint_kind=s.constraint[0], constraint_value=s.constraint[1], prompt_len=s.constraint[2]),
+                constraint_kind=s.constraint[0], constraint_value=s.constraint[1], prompt_len=s.constraint[2],
+                features_through=s.features[-1].start + s.features[-1].rows if s.features else 0),
                 trace_context=self.carrier_for(sid)))
             for f in s.features:  # a feature pool's session opened elsewhere: what it had so far
                 s.replica.queue.put_nowait(draft_pb2.LinkIn(features=draft_pb2.LinkFeatures(session_id=sid,

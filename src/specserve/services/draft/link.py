@@ -43,6 +43,9 @@ class _Linked:
     carrier: dict[str, str] = field(default_factory=dict)  # the session's trace (from its open)
     grammar: Any = None  # structured/grammar.py DraftGrammar: its blocks draft from the masked q
     compiling: asyncio.Future | None = None  # the constraint, compiling on a thread (the grammar, when done)
+    # a block asked for before the features it drafts from were here (K, trace): drafted when they come
+    deferred: tuple[int, dict] | None = None
+    features_through: int = 0  # the open's: the target's features of positions before it follow the open
 
 
 class Link:
@@ -82,11 +85,16 @@ class Link:
         kind = msg.WhichOneof("kind")
         if kind == "features":  # queued in the session's drafter, ahead of the outcome that follows
             f = msg.features
-            if f.session_id in self.sessions:
+            linked = self.sessions.get(f.session_id)
+            if linked is not None:
                 try:
                     self.servicer.features(f.session_id, f.features)
                 except SpecserveError as exc:
                     self._fail(f.session_id, exc)
+                    return
+                if linked.deferred is not None and self.servicer.ready(f.session_id, len(linked.prefix)):
+                    (k, carrier), linked.deferred = linked.deferred, None
+                    self._spawn(self._draft(f.session_id, k, None, carrier))
             return
         if kind == "close":
             linked = self.sessions.pop(msg.close, None)
@@ -97,7 +105,8 @@ class Link:
             o = msg.open
             linked = self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
                                                            o.predraft_branches, latest=len(o.committed),
-                                                           carrier=dict(msg.trace_context))
+                                                           carrier=dict(msg.trace_context),
+                                                           features_through=int(o.features_through))
             if o.constraint_kind:  # compiled on a thread: this loop carries every session's blocks
                 linked.compiling = asyncio.ensure_future(asyncio.to_thread(
                     self.servicer.grammar, o.constraint_kind, o.constraint_value, o.prompt_len))
@@ -111,7 +120,10 @@ class Link:
             sid, k, update = msg.outcome.session_id, msg.outcome.k, msg.outcome
         else:
             return
-        task = asyncio.ensure_future(self._draft(sid, k, update, dict(msg.trace_context)))
+        self._spawn(self._draft(sid, k, update, dict(msg.trace_context)))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -121,14 +133,23 @@ class Link:
             return
         async with linked.lock:
             if outcome is not None:
+                linked.deferred = None  # a newer round: its own block is what is wanted now
                 linked.prefix.crop(outcome.committed_len - len(outcome.emitted))
                 linked.prefix.extend(outcome.emitted)
                 if outcome.committed_len < linked.latest:
                     return  # a newer outcome is queued behind: this block would be stale
             if k <= 0 or sid not in self.sessions or not await self._compiled(sid, linked):
                 return
-            attach_carrier(carrier or linked.carrier)  # each block is a span of the session's trace
             n = len(linked.prefix)
+            if linked.features_through and not self.servicer.ready(sid, n):
+                # A feature head reopened here after a failover, before the target's features
+                # that follow its open came: its block is drafted when they come (an empty one
+                # would make the round plain and change a seeded session's sample path). (A new
+                # session has none at its open: its empty first block is what the local pool's
+                # nothing is, a plain first round, and tells the target the replica answers.)
+                linked.deferred = (k, carrier)
+                return
+            attach_carrier(carrier or linked.carrier)  # each block is a span of the session's trace
             request = draft_pb2.ProposeRequest(session_id=sid, prefix=prefix_to_proto(linked.prefix, linked.held),
                                                k=k, sampling=linked.sampling, seed=linked.seed,
                                                predraft_branches=linked.branches)

@@ -102,6 +102,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return DraftGrammar(grammars.compile(Constraint(kind, value)), prompt_len, grammars.vocab_size,
                             width or grammars.vocab_size)
 
+    def ready(self, session_id: str, length: int) -> bool:
+        """Whether the session's drafter can draft after `length` committed tokens: a head needs
+        the target's features of the positions before the last (a session reopened here after a
+        failover gets them just after its open); any other drafter always can."""
+        ready = getattr(self._session(session_id).handle, "ready", None)
+        return ready is None or bool(ready(length))
+
     def features(self, session_id: str, f: draft_pb2.Features) -> None:
         """The target's features of a session's committed positions (the Link, ADR 0020), for
         a drafter that drafts from them; ignored by the others."""
