@@ -126,6 +126,29 @@ def first_branch(tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
     return out
 
 
+def subtree(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int]
+            ) -> tuple[list[int], list[int]] | None:
+    """The token tree below the node that `path` (tokens, from the root) reaches, re-indexed
+    with that node as its root: a tree block drafted for prefix P still drafts P + path there
+    (a plain round committed the path meanwhile). None where the path leaves the tree.
+
+    Example: tokens [5, 6, 7], parents [-1, 0, -1], path [5] -> ([6], [-1])."""
+    node = -1
+    for t in path:
+        node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == t), -2)
+        if node == -2:
+            return None
+    where: dict[int, int] = {node: -1}
+    out: list[int] = []
+    out_parents: list[int] = []
+    for i, p in enumerate(parents):
+        if p in where and i != node:
+            where[i] = len(out)
+            out.append(int(tokens[i]))
+            out_parents.append(where[p])
+    return out, out_parents
+
+
 def tree_depth(parents: Sequence[int]) -> int:
     """A token tree's depth (its longest path), from its parents (-1: the root)."""
     depths: list[int] = []

@@ -545,14 +545,14 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     loop.add("t", PROMPTS[1], sampled)
     loop.step()
     g, t = loop.sessions["g"], loop.sessions["t"]
-    tree = DraftBlock("g", 0, 0, (5, 6, 7, 8, 9, 10, 11, 12), parents=(-1, 0, 1, 2, -1, 4, 5, 6))
+    tree = ((5, 6, 7, 8, 9, 10, 11, 12), (-1, 0, 1, 2, -1, 4, 5, 6))  # (drafts, parents)
     # the walk went through the second first candidate (9): a sibling hit; the chain's table
     # hears that its own first candidate was rejected
     for _ in range(20):
-        assert loop._observe_tree(g, tree, Verdict(2, [9, 10, 3], 2)) == 0
+        assert loop._observe_tree(g, *tree, Verdict(2, [9, 10, 3], 2)) == 0
     assert loop._siblings(g).rate() > 0.9
     trials = loop._siblings(g).trials
-    assert loop._observe_tree(g, tree, Verdict(3, [5, 6, 7, 3], 3)) == 3  # through the first: not a trial
+    assert loop._observe_tree(g, *tree, Verdict(3, [5, 6, 7, 3], 3)) == 3  # through the first: not a trial
     assert loop._siblings(g).trials == trials
     loop.cost.coef = np.array([0.010, 0.0005, 0.0])  # memory-bound: tokens cost nothing
     assert loop._width(g, 4) == 2
@@ -563,6 +563,6 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     loop.cost.coef = np.array([0.010, 0.0005, 0.0])
     loop.siblings.clear()
     for _ in range(60):
-        loop._observe_tree(g, tree, Verdict(0, [3], 0))  # the siblings never hold the token
+        loop._observe_tree(g, *tree, Verdict(0, [3], 0))  # the siblings never hold the token
     assert loop._width(g, 4) == 1
     assert _loop(pair)._width(g, 4) == 1  # tree_width 1 (the default): chains

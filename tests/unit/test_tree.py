@@ -240,3 +240,33 @@ def test_ngram_branches_are_the_latest_matches_with_distinct_next_tokens():
     tokens, parents = s.propose_tree(seq, 2, SamplingParams(), 0, 2)
     assert tokens == [3, 7, 4, 8] and parents == [-1, 0, -1, 2]
     assert s.propose_tree([5, 6, 5, 6, 5], 2, SamplingParams(), 0, 2) is None  # one continuation: a chain
+
+
+def test_a_late_tree_is_used_below_the_path_a_plain_round_committed():
+    """A tree drafted for prefix P, late: a plain round committed token t meanwhile. Where t is
+    one of its first candidates the tree below it still drafts P + t (re-rooted there); where
+    it is none of them the tree is stale. (On the old code any tree past its prefix was
+    dropped, where a chain in the same place is kept: trees ran late more often.)"""
+    from specserve.algorithm.stops import StopChecker
+    from specserve.engine.scheduler import Budget, schedule
+    from specserve.engine.session import DraftBlock, EnginePlan, EngineSession
+    from specserve.params import GenerationParams
+    from specserve.step import subtree
+
+    assert subtree([5, 6, 7], [-1, 0, -1], [5]) == ([6], [-1])
+    assert subtree([5, 6, 7, 8], [-1, 0, -1, 2], []) == ([5, 6, 7, 8], [-1, 0, -1, 2])
+    assert subtree([5, 6, 7, 8], [-1, 0, -1, 2], [7]) == ([8], [-1])
+    assert subtree([5, 6, 7, 8], [-1, 0, -1, 2], [9]) is None
+    plan = EnginePlan(GenerationParams(max_tokens=20, num_draft_tokens=3, seed=1), pool="p")
+    s = EngineSession.new("s", [1, 2, 3], plan, StopChecker(frozenset(), (), lambda ids: ""))
+    s.cached = 3
+    tree = DraftBlock("s", 3, s.committed.hash_at(3), (5, 6, 7, 8, 9, 10), parents=(-1, 0, 1, -1, 3, 4))
+    s.committed.extend([8])  # a plain round emitted the second first candidate
+    assert s.usable(tree) == 1
+    s.block = tree
+    plan_rows = schedule([s], 0.0, Budget(), lambda s: 1.0, lambda s: True, lambda s: False)
+    row = plan_rows.rows[0]
+    assert row.tree == ([9, 10], [-1, 0]) and row.tokens == 1 + 2
+    s.committed.crop(3)
+    s.committed.extend([4])  # none of them
+    assert s.usable(tree) is None

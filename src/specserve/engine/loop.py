@@ -375,8 +375,8 @@ class EngineLoop:
         parents = None
         allowed = None
         t0 = time.perf_counter()
-        if row.block is not None and row.block.parents is not None:  # a tree, whole
-            drafts, q, parents = list(row.block.tokens), None, list(row.block.parents)
+        if row.tree is not None:  # a tree: all its nodes below the committed path
+            drafts, q, parents = list(row.tree[0]), None, list(row.tree[1])
             if s.grammar is not None:  # its nodes the grammar allows, and each node's mask
                 pruned = s.grammar.constrain_tree(drafts, parents)
                 if pruned is not None:
@@ -423,15 +423,14 @@ class EngineLoop:
         if not s.plan.shadow:  # a shadow twin commits nothing
             commits.append(CommitRecord(s.id, s.epoch, expected, tuple(settled.tokens), text, settled.finish_reason))
         block = row.block
-        tree = block is not None and block.parents is not None
-        if tree:
-            k = tree_depth(block.parents)  # type: ignore[union-attr, arg-type]
+        if row.tree is not None:
+            k = tree_depth(row.tree[1])
         else:
             k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
-            self._acceptance(s).observe(k, self._observe_tree(s, block, verdict)  # type: ignore[arg-type]
-                                        if tree else verdict.num_accepted)
+            self._acceptance(s).observe(k, self._observe_tree(s, *row.tree, verdict)
+                                        if row.tree is not None else verdict.num_accepted)
         elif k_asked and row.fallback == DRAFT_LATE and not s.probing:
             # Nothing verified, so nothing learned about the blocks: relax the estimate toward
             # the prior. Otherwise a few rejected blocks shrink the wait below the draft's
@@ -447,7 +446,7 @@ class EngineLoop:
             verify_ms=forward_ms, fallback_reason="" if block else self._plain_reason(s, row, k_asked),
             k_asked=k_asked,
             predraft="pushed" if block is not None and block.predrafted else "",
-            tree_size=len(block.tokens) if tree and block is not None else 0,
+            tree_size=len(row.tree[0]) if row.tree is not None else 0,
             feature_bytes=int(result.features.numel() * result.features.element_size())
             if result.features is not None else 0,
             probe=bool(k_asked and s.probing))
@@ -493,13 +492,13 @@ class EngineLoop:
         learning = self.cost.coef is None or self._siblings(s).trials < TREE_TRIALS
         return self.tree_width if pays or (learning and len(s.rounds) % TREE_PROBE_EVERY == 0) else 1
 
-    def _observe_tree(self, s: EngineSession, block: DraftBlock, verdict: Verdict) -> int:
+    def _observe_tree(self, s: EngineSession, tokens: Sequence[int], parents: Sequence[int], verdict: Verdict) -> int:
         """A tree round's lesson: whether another first candidate held the target's token
         where the first did not (the siblings' rate), and, for the chain's table, what the
         first candidate's own chain got (its drafts accepted if the walk went through it, else
         none). Returns the latter."""
-        through_first = verdict.num_accepted > 0 and verdict.tokens[0] == block.tokens[0]
-        if not through_first and sum(1 for p in block.parents or () if p < 0) > 1:
+        through_first = verdict.num_accepted > 0 and verdict.tokens[0] == tokens[0]
+        if not through_first and sum(1 for p in parents if p < 0) > 1:
             self._siblings(s).observe(verdict.num_accepted > 0)
         return verdict.num_accepted if through_first else 0
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from specserve.engine.session import DraftBlock, EngineSession
+from specserve.step import subtree
 
 DRAFT_LATE = "draft_late"
 
@@ -35,6 +36,8 @@ class Row:
     tokens: int  # tokens the row feeds (its share of the budget)
     fallback: str = ""  # why a speculating session runs without drafts this step
     offset: int = 0  # the block's drafts already committed (the row verifies the rest)
+    # a token tree's drafts and parents as this row verifies them (below the committed path); None: a chain
+    tree: tuple[list[int], list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[Engin
     if s.declined(s.block):
         return Row(s, None, feed)
     if s.block is not None and (offset := s.usable(s.block)) is not None:
+        if s.block.parents is not None:  # a tree verifies all its nodes below the committed path
+            view = subtree(s.block.tokens, s.block.parents, s.committed.ids[s.block.base_len:])
+            return Row(s, s.block, feed + len(view[0]), offset=offset, tree=view)  # type: ignore[index]
         return Row(s, s.block, feed + min(len(s.block.tokens) - offset, k), offset=offset)
     if s.waiting_since is None:
         s.waiting_since = now
