@@ -27,8 +27,6 @@ VOCAB = 96
 PROMPTS = [[(5 * i + 3 * j) % VOCAB for j in range(4 + 6 * i)] for i in range(4)]
 
 
-
-
 @pytest.fixture(scope="module")
 def models(micro_llama):
     """The draft is the target's twin: two unrelated random models almost never agree at
@@ -50,12 +48,12 @@ async def _draft_server(draft_model, simulated_token_ms: float = 0.0) -> tuple[g
     return server, f"127.0.0.1:{port}"
 
 
-def _engine(target_model, sources, step_ms: float = 0.0) -> tuple[EngineLoop, threading.Event, threading.Thread]:
+def _engine(target_model, sources, step_ms: float = 0.0, **kw) -> tuple[EngineLoop, threading.Event, threading.Thread]:
     """The engine on its own thread; `step_ms`: a slower simulated target device, so the
     draft (here the target's twin) is cheap next to a target step, as a real draft is."""
     engine = EngineLoop(make_target_step(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)),
                         _stops, sources, block_wait_max_s=0.05,
-                        simulated_step_ms=(lambda step, out: step_ms) if step_ms else None)
+                        simulated_step_ms=(lambda step, out: step_ms) if step_ms else None, **kw)
     stop = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
     thread.start()
@@ -109,6 +107,33 @@ def test_greedy_through_the_link_is_the_target_alone_and_pushed_blocks_are_used(
     rounds = [r for i in range(len(PROMPTS)) for r in engine.ended[f"s{i}"].rounds]
     assert sum(r.k for r in rounds) > 0 and sum(r.accepted for r in rounds) > 0
     assert any(r.predraft == "pushed" for r in rounds)  # a block drafted ahead, used with no call
+
+
+def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(models, run):
+    """Trees from a remote pool (ADR 0020): the engine's width goes out with each outcome; a
+    replica unsure of a block's first token (a random model always is) drafts its runner-up
+    there as a second branch with its own chain; the target verifies the tree. Greedy output
+    is the target's alone, and the rounds verified trees of both branches."""
+    target_model, draft_model = models
+    reference = _plain_reference(target_model, 24)
+
+    async def go():
+        servers = [await _draft_server(draft_model) for _ in range(2)]
+        pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB).start()
+        await _until(lambda: all(r.up for r in pool.replicas))
+        engine, stop, thread = _engine(target_model, {"small": pool}, tree_width=2, tree_always=True)
+        for i, p in enumerate(PROMPTS):
+            engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=24, num_draft_tokens=3, seed=1),
+                                              pool="small"))
+        await _finish(servers, pool, engine, stop, thread, len(PROMPTS))
+        return engine
+
+    engine = run(go())
+    assert [engine.ended[f"s{i}"].generated for i in range(len(PROMPTS))] == reference
+    rounds = [r for i in range(len(PROMPTS)) for r in engine.ended[f"s{i}"].rounds]
+    trees = [r for r in rounds if r.tree_size]
+    assert trees and all(r.k <= 3 < r.tree_size <= 6 for r in trees), [(r.k, r.tree_size) for r in trees]
+    assert sum(r.accepted for r in trees) > 0
 
 
 def test_replicas_dying_mid_generation_move_sessions_then_fail_closed_to_plain(models, run):

@@ -15,6 +15,11 @@ if TYPE_CHECKING:  # torch-free at run time: the router imports the prediction d
     from specserve.algorithm.rejection import QProbs
 
 
+# a token tree's first candidates branch only where the drafter's probability of its first token
+# is under this (ADR 0020): where it is sure, a second candidate would rarely be the target's
+SURE = 0.9
+
+
 @dataclass
 class DraftProposal:
     tokens: list[int]  # K' <= K draft tokens (a drafter may propose fewer, even none)

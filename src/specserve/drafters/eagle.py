@@ -29,6 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.drafters.base import (
+    SURE,  # (a tree branches where the head is less sure of its first token)
+)
+
 
 @dataclass(frozen=True)
 class EagleConfig:
@@ -232,9 +236,6 @@ class _RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
-
-
-SURE = 0.9  # the head's top probability at a block's first position above which it drafts a chain
 
 
 class EagleSession:

@@ -19,7 +19,7 @@ from specserve.algorithm.sampling import (
     logits_to_probs,
     truncate_mass,
 )
-from specserve.drafters.base import DraftProposal
+from specserve.drafters.base import SURE, DraftProposal
 from specserve.models.device import to_device
 from specserve.models.kvcache import CachedLM
 
@@ -79,7 +79,7 @@ class HFDraftSession:
 
     @torch.inference_mode()
     def propose_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
-                     width: int, sure: float = 0.9, grammar: Any = None) -> tuple[list[int], list[int]] | None:
+                     width: int, sure: float = SURE, grammar: Any = None) -> tuple[list[int], list[int]] | None:
         """A token tree (ADR 0020) where the draft is unsure of the next token (its top
         probability under `sure`): its `width` likeliest next tokens (banned ones left out),
         each followed by its greedy chain to depth k, depth-first; None where it is sure. The

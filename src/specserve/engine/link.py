@@ -173,7 +173,8 @@ class RemoteDrafts:
             self._place(o.session_id, s)
             return
         s.replica.queue.put_nowait(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(
-            session_id=o.session_id, committed_len=o.committed_len, emitted=o.emitted, k=o.k)))
+            session_id=o.session_id, committed_len=o.committed_len, emitted=o.emitted, k=o.k,
+            tree_width=o.width)))
 
     def _features(self, sid: str, f: draft_pb2.Features) -> None:
         s = self.sessions.get(sid)
@@ -262,6 +263,10 @@ class RemoteDrafts:
             return
         s.asked = None
         tokens = tuple(int(t) for t in b.block.tokens)
+        parents = tuple(int(p) for p in b.block.parents) or None  # a token tree (ADR 0020)
+        if parents is not None and (len(parents) != len(tokens) or any(not -1 <= p < i for i, p in enumerate(parents))):
+            log.warning("draft replica sent a malformed tree for %s: ignored", b.session_id)
+            return
         self.deliver(DraftBlock(b.session_id, b.prefix_len, b.prefix_hash, tokens,
-                                q_from_proto(b.block.q, len(tokens), self.vocab_size),
-                                draft_ms=b.block.draft_ms, predrafted=b.block.predrafted))
+                                None if parents else q_from_proto(b.block.q, len(tokens), self.vocab_size),
+                                draft_ms=b.block.draft_ms, predrafted=b.block.predrafted, parents=parents))

@@ -152,7 +152,8 @@ class Link:
             attach_carrier(carrier or linked.carrier)  # each block is a span of the session's trace
             request = draft_pb2.ProposeRequest(session_id=sid, prefix=prefix_to_proto(linked.prefix, linked.held),
                                                k=k, sampling=linked.sampling, seed=linked.seed,
-                                               predraft_branches=linked.branches)
+                                               predraft_branches=linked.branches,
+                                               tree_width=outcome.tree_width if outcome is not None else 0)
             try:
                 with tracer().start_as_current_span("specserve.draft.block") as span:
                     span.set_attributes({"specserve.session_id": sid, "specserve.k": k,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specserve.algorithm.sampling import SamplingParams
-from specserve.drafters.base import Drafter, DraftProposal
+from specserve.drafters.base import SURE, Drafter, DraftProposal
 from specserve.errors import InvalidRequest, SessionNotFound
 from specserve.params import check_k
 from specserve.services.draft.link import Link
@@ -145,10 +145,34 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.metrics.call_latency.labels("propose").observe(elapsed)
         self.metrics.dropped_on_reconcile.inc(proposal.dropped_on_reconcile)
         branches = min(request.predraft_branches, self.max_predraft_branches)
-        if branches and proposal.tokens:
-            seq.extra.task = asyncio.create_task(self._draft_ahead(request.session_id, seq, ids, proposal, k,
+        first, parents = proposal, None  # (drafting ahead follows the chain's likely outcomes)
+        if request.tree_width > 1 and sampling.greedy and grammar is None and prepared is None:
+            proposal, parents, more_s = await self._tree(seq, ids, first, k, sampling, seed)
+            elapsed += more_s
+        if branches and first.tokens:
+            seq.extra.task = asyncio.create_task(self._draft_ahead(request.session_id, seq, ids, first, k,
                                                                    sampling, seed, branches, push, grammar))
-        return self._response(proposal, elapsed, prepared is not None, ahead_s)
+        response = self._response(proposal, elapsed, prepared is not None, ahead_s)
+        if parents is not None:
+            response.parents.extend(parents)
+        return response
+
+    async def _tree(self, seq: WorkerSession, ids: list[int], first: DraftProposal, k: int,
+                    sampling: SamplingParams, seed: int) -> tuple[DraftProposal, list[int] | None, float]:
+        """A token tree of two first candidates (ADR 0020) where the draft is unsure of the
+        first token (its probability under SURE): the chain, then the draft's runner-up there
+        with its own greedy chain to depth k, drafted as a second block; the chain alone
+        elsewhere. (proposal, parents or None, the second block's cost in seconds.)"""
+        if not first.tokens or not first.runner_up or first.runner_up[0] is None or not first.confidence \
+                or first.confidence[0][0] >= SURE or first.runner_up[0] == first.tokens[0]:
+            return first, None, 0.0
+        second = int(first.runner_up[0])
+        rest, cost_s = (await self._draft(seq, [*ids, second], k - 1, sampling, seed)) if k > 1 else \
+            (DraftProposal([], None), 0.0)
+        a = len(first.tokens)
+        tokens = [*first.tokens, second, *rest.tokens]
+        parents = [*range(-1, a - 1), -1, *range(a, a + len(rest.tokens))]
+        return DraftProposal(tokens, None, first.dropped_on_reconcile, first.runner_up, first.confidence), parents, cost_s
 
     def _response(self, proposal: DraftProposal, elapsed_s: float, predrafted: bool,
                   ahead_s: float) -> draft_pb2.ProposeResponse:
