@@ -86,6 +86,9 @@ class DraftSettings(WorkerSettings):
     metrics_port: int = Field(9090, ge=-1)  # Prometheus; 0 = a free port, -1 = off
     metrics_port_file: str = ""
     max_sessions: int = Field(256, ge=1)  # LRU of per-session KV caches
+    # draft capacity (ADR 0021): a replica whose queue holds this many work items is saturated:
+    # it refuses new sessions, and sheds those its drafts help least, to plain; 0 = unbounded
+    max_queue: int = Field(128, ge=0)
     torch_threads: int = Field(1, ge=1)
     # q on the wire: the draft samples from its most likely tokens covering q_mass, at most
     # q_max_entries per position, and sends that q sparse (exact; ADR 0010). The in-process

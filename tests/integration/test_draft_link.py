@@ -38,10 +38,11 @@ def _stops(p):
     return StopChecker(frozenset(), p.stop, lambda ids: "")
 
 
-async def _draft_server(draft_model, simulated_token_ms: float = 0.0) -> tuple[grpc.aio.Server, str]:
+async def _draft_server(draft_model, simulated_token_ms: float = 0.0, **kw) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     servicer = DraftServicer(HFDrafter(draft_model), 8, batching=Batching(kv_budget_mb=8, max_sessions=8),
-                             simulated_token_ms=simulated_token_ms)
+                             simulated_token_ms=simulated_token_ms, **kw)
+    server.servicer = servicer  # (the tests read its metrics)
     draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -134,6 +135,36 @@ def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(mode
     trees = [r for r in rounds if r.tree_size]
     assert trees and all(r.k <= 3 < r.tree_size <= 6 for r in trees), [(r.k, r.tree_size) for r in trees]
     assert sum(r.accepted for r in trees) > 0
+
+
+def test_a_saturated_replica_refuses_sessions_to_plain_and_nothing_changes_in_the_output(models, run):
+    """Draft capacity (ADR 0021): one replica whose queue bound is 1 work item, its device
+    slow (20 ms a draft step). Sessions opened while it is busy are refused at once: they
+    decode plain from their first round (never waiting for a block), the refusals are counted,
+    the sessions it took still speculate, and every output is the target's alone."""
+    target_model, draft_model = models
+    reference = _plain_reference(target_model, 24)
+
+    async def go():
+        server, address = await _draft_server(draft_model, simulated_token_ms=20.0, max_queue=1)
+        pool = RemoteDrafts([address], asyncio.get_running_loop(), VOCAB, predraft_branches=0).start()
+        await _until(lambda: all(r.up for r in pool.replicas))
+        engine, stop, thread = _engine(target_model, {"small": pool})
+        for i, p in enumerate(PROMPTS):
+            engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=24, num_draft_tokens=3, seed=1),
+                                              pool="small"))
+        await _finish([(server, address)], pool, engine, stop, thread, len(PROMPTS))
+        return engine, server.servicer.metrics
+
+    engine, metrics = run(go())
+    assert [engine.ended[f"s{i}"].generated for i in range(len(PROMPTS))] == reference
+    sessions = [engine.ended[f"s{i}"] for i in range(len(PROMPTS))]
+    # refused: every round plain at once for want of a replica (none waited for a block)
+    refused = [s for s in sessions if all(not r.k and r.fallback_reason in ("draft_unavailable", "")
+                                          for r in s.rounds)]
+    assert 1 <= len(refused) < len(sessions)
+    assert metrics.shed.labels("admission")._value.get() == len(refused)
+    assert any(r.k for s in sessions for r in s.rounds)  # the sessions it took were drafted for
 
 
 def test_replicas_dying_mid_generation_move_sessions_then_fail_closed_to_plain(models, run):

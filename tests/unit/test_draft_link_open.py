@@ -15,11 +15,21 @@ from specserve.v1 import draft_pb2
 
 
 class _Servicer:
-    def __init__(self, fail: bool) -> None:
+    def __init__(self, fail: bool = False, busy: bool = False) -> None:
         self.fail = fail
+        self.busy = busy  # saturated: its queue at the bound (ADR 0021)
         self.compiled_on: list[str] = []
         self.drafted_under: list[object] = []
-        self.sessions = SimpleNamespace(release=lambda sid: None)
+        self.released: list[str] = []
+        self.sessions = SimpleNamespace(release=self.released.append)
+        self.shed: dict[str, int] = {}
+        self.metrics = SimpleNamespace(shed=SimpleNamespace(labels=lambda reason: SimpleNamespace(
+            inc=lambda: self.shed.__setitem__(reason, self.shed.get(reason, 0) + 1))))
+        self.max_queue = 1
+        self.core = SimpleNamespace(scheduler=SimpleNamespace(depth=lambda: 1 if self.busy else 0))
+
+    def saturated(self) -> bool:
+        return self.busy
 
     def grammar(self, kind: str, value: str, prompt_len: int):
         self.compiled_on.append(threading.current_thread().name)
@@ -62,3 +72,42 @@ def test_a_constraint_that_does_not_compile_hands_the_session_back_to_the_target
     servicer, link, reply, _ = asyncio.run(_first_reply(True, "json_object"))
     assert reply.failed_session == "s" and "cannot compile" in reply.error
     assert "s" not in link.sessions and servicer.drafted_under == []
+
+
+def test_a_saturated_replica_refuses_new_sessions_and_sheds_those_its_drafts_help_least():
+    """Draft capacity (ADR 0021). Saturated, a replica refuses a new session at its open
+    (RESOURCE_EXHAUSTED: the target runs it plain), and at a running session's next outcome
+    sheds it if its blocks' accepted drafts are below the stream's mean; a session above the
+    mean keeps its drafts. Not saturated, nothing is refused."""
+    import grpc
+
+    async def go():
+        servicer = _Servicer()
+        link = Link(servicer)
+        for sid in ("good", "poor"):
+            link._receive(_open(sid))
+            await asyncio.wait_for(link.out.get(), 10)  # its first block: tokens [1, 2]
+        # "good": the target accepted both drafts; "poor": none
+        for sid, emitted in (("good", [1, 2, 9]), ("poor", [4])):
+            link._receive(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(
+                session_id=sid, committed_len=3 + len(emitted), emitted=emitted, k=2)))
+            await asyncio.wait_for(link.out.get(), 10)
+        servicer.busy = True
+        link._receive(_open("late"))
+        refused = await asyncio.wait_for(link.out.get(), 10)
+        for sid, emitted in (("good", [1, 2, 9]), ("poor", [4])):
+            n = 3 + 3 + len(emitted) if sid == "good" else 3 + 1 + len(emitted)
+            link._receive(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(
+                session_id=sid, committed_len=n, emitted=emitted, k=2)))
+        replies = [await asyncio.wait_for(link.out.get(), 10) for _ in range(2)]
+        return servicer, link, refused, replies
+
+    servicer, link, refused, replies = asyncio.run(go())
+    assert refused.failed_session == "late" and refused.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "saturated" in refused.error
+    shed = [r for r in replies if r.failed_session]
+    assert [r.failed_session for r in shed] == ["poor"] and "below the stream's mean" in shed[0].error
+    assert any(r.block.session_id == "good" for r in replies)  # the helpful one keeps its drafts
+    assert set(link.sessions) == {"good"} and servicer.released == ["poor"]
+    assert servicer.shed == {"admission": 1, "saturated": 1}
+

@@ -137,6 +137,14 @@ class WorkerMetrics:
                                "New sessions answered RESOURCE_EXHAUSTED: no KV room.", registry=r)
         self.predrafts = Counter(f"specserve_{service}_predrafts", "Blocks drafted ahead while the target verified.",
                                  registry=r)
+        # draft capacity (ADR 0021): sessions a saturated replica refused at their open, or shed
+        # later, to plain decoding
+        self.shed = Counter(f"specserve_{service}_shed_sessions",
+                            "Sessions a saturated worker sent to plain decoding: refused at their open (admission) "
+                            "or shed while running (saturated), those its drafts helped least first.",
+                            ("reason",), registry=r)
+        for reason in ("admission", "saturated"):
+            self.shed.labels(reason)
         # the device step (ADR 0019): how its short-row steps ran
         self.device_steps = Counter(
             f"specserve_{service}_device_steps",

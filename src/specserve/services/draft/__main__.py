@@ -92,7 +92,7 @@ async def main(settings: DraftSettings) -> None:
                              max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                              max_batched_tokens=settings.max_batched_tokens,
                              evict_idle_s=settings.kv_evict_idle_s, tokenizer=_tokenizer(settings),
-                             model_thread=model_thread)
+                             model_thread=model_thread, max_queue=settings.max_queue)
 
     servicer = await asyncio.wrap_future(model_thread.submit(build))
     server = GrpcServer(

@@ -21,12 +21,14 @@ from typing import Any
 
 import grpc
 
-from specserve.errors import NeedsFullPrefix, SessionNotFound, SpecserveError
+from specserve.errors import NeedsFullPrefix, ResourceExhausted, SessionNotFound, SpecserveError
 from specserve.serving.server import status_for
 from specserve.serving.telemetry import attach_carrier, tracer
 from specserve.serving.wire import prefix_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, draft_pb2
+
+GAIN_PRIOR = 1.0  # a new session's accepted drafts a block, until its outcomes tell
 
 
 @dataclass
@@ -46,6 +48,10 @@ class _Linked:
     # a block asked for before the features it drafts from were here (K, trace): drafted when they come
     deferred: tuple[int, dict] | None = None
     features_through: int = 0  # the open's: the target's features of positions before it follow the open
+    # what this replica's drafts are worth to the session (ADR 0021): its last block, and the
+    # drafts the target accepted a block (smoothed); a saturated replica sheds the lowest first
+    last_block: tuple[int, ...] = ()
+    gain: float = GAIN_PRIOR
 
 
 class Link:
@@ -103,6 +109,12 @@ class Link:
             return
         if kind == "open":
             o = msg.open
+            if self.servicer.saturated():  # admission (ADR 0021): the target runs it plain at once
+                self.servicer.metrics.shed.labels("admission").inc()
+                self._fail(o.session_id, ResourceExhausted(
+                    f"draft replica saturated: {self.servicer.core.scheduler.depth()} work items queued "
+                    f"(max_queue {self.servicer.max_queue}); session {o.session_id} decodes without drafts"))
+                return
             linked = self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
                                                            o.predraft_branches, latest=len(o.committed),
                                                            carrier=dict(msg.trace_context),
@@ -134,6 +146,9 @@ class Link:
         async with linked.lock:
             if outcome is not None:
                 linked.deferred = None  # a newer round: its own block is what is wanted now
+                linked.gain += 0.3 * (_accepted(linked.last_block, outcome.emitted) - linked.gain)
+                if self._shed(sid, linked):
+                    return
                 linked.prefix.crop(outcome.committed_len - len(outcome.emitted))
                 linked.prefix.extend(outcome.emitted)
                 if outcome.committed_len < linked.latest:
@@ -163,6 +178,7 @@ class Link:
                 self._fail(sid, exc)
                 return
             linked.held = n
+            linked.last_block = tuple(block.tokens) if not block.parents else ()
             self._send(sid, n, linked.prefix.hash_at(n), k, block)
 
     async def _compiled(self, sid: str, linked: _Linked) -> bool:
@@ -177,6 +193,23 @@ class Link:
             self._fail(sid, exc)
             return False
         linked.compiling = None
+        return True
+
+    def _shed(self, sid: str, linked: _Linked) -> bool:
+        """Saturated (ADR 0021): shed this session to plain if its drafts help it less than
+        this stream's sessions' on average (accepted drafts a block), so the ones that gain most
+        keep the capacity. True when it was shed."""
+        if not self.servicer.saturated() or len(self.sessions) < 2:
+            return False
+        mean = sum(s.gain for s in self.sessions.values()) / len(self.sessions)
+        if linked.gain >= mean:
+            return False
+        self.sessions.pop(sid, None)
+        self.servicer.sessions.release(sid)
+        self.servicer.metrics.shed.labels("saturated").inc()
+        self._fail(sid, ResourceExhausted(
+            f"draft replica saturated: session {sid} shed to plain decoding (its blocks' accepted drafts "
+            f"{linked.gain:.2f} a block, below the stream's mean {mean:.2f})"))
         return True
 
     def _fail(self, sid: str, exc: SpecserveError) -> None:
@@ -202,3 +235,15 @@ class Link:
         """A block drafted ahead (propose's push): on the stream as it is."""
         if block.session_id in self.sessions:
             self.out.put_nowait(draft_pb2.LinkOut(block=block))
+
+
+def _accepted(block: tuple[int, ...], emitted) -> int:
+    """Drafts of `block` the round accepted: its leading tokens the target emitted, the
+    round's last emitted token (recovered or bonus) aside."""
+    n = 0
+    for d, e in zip(block, list(emitted)[:-1], strict=False):  # (a block may be longer than what was accepted)
+        if d != e:
+            break
+        n += 1
+    return n
+

@@ -60,8 +60,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                  simulated_token_ms: float = 0.0, max_predraft_branches: int = 4, batching: Batching | None = None,
                  max_batch: int = 32, max_wait_ms: float = 0.0, evict_idle_s: float = 1.0,
                  max_batched_tokens: int = 2048, tokenizer: ModelInfo | None = None,
-                 model_thread: Executor | None = None) -> None:
+                 model_thread: Executor | None = None, max_queue: int = 0) -> None:
         self.simulated_token_ms = simulated_token_ms
+        self.max_queue = max_queue  # draft capacity (ADR 0021): saturated at this queue depth; 0 = never
         self.tokenizer = tokenizer  # the pair's tokenizer: constraints compiled for draft-side masks (ADR 0017)
         self.drafter = drafter
         self.max_predraft_branches = max_predraft_branches
@@ -73,6 +74,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                executor=model_thread)
         self.sessions = self.core.sessions
         self.links: set[Link] = set()  # the targets' open streams (ended as the replica drains)
+
+    def saturated(self) -> bool:
+        """The replica's queue holds `max_queue` work items or more: it takes no new session
+        and sheds those its drafts help least (services/draft/link.py; ADR 0021)."""
+        return bool(self.max_queue) and self.core.scheduler.depth() >= self.max_queue
 
     def _simulated_s(self, batch: list[Work]) -> float:
         """A slower draft device: simulated_token_ms per draft step of the batch."""
