@@ -384,6 +384,7 @@ def test_unauthenticated_and_unauthorised_changes_are_refused(routers):
     (dict(k=0), "k must be"), (dict(draft_pool="huge"), "unknown draft_pool"), (dict(mode=0), "mode"),
     (dict(adaptive_k=True, k_min=4, k_max=2), "adaptive"), (dict(probe_fraction=0.9), "probe_fraction"),
     (dict(safety_margin=float("nan")), "finite"), (dict(workload_class="Bad Name"), "class name"),
+    (dict(mode=policy_pb2.POLICY_MODE_SLICE), "slice_percent"), (dict(slice_percent=5.0), "mode slice only"),
 ])
 def test_invalid_policies_are_refused(routers, fields, needle):
     _, admin = routers[0]
@@ -449,6 +450,19 @@ def test_policy_cli(pstack, tmp_path):
     assert denied.returncode == 2 and "PERMISSION_DENIED" in denied.stderr
     hist = cli("history", cls).stdout
     assert "safety_margin: 0.1 -> 0.3" in hist and "via cli" in hist
+    # a rollout through its stages (ADR 0022): shadow, a 10 % slice, enabled; each in the audit log
+    assert cli("set", cls, "--mode", "shadow", "--comment", "rollout").returncode == 0
+    sliced = cli("set", cls, "--slice", "10", "--comment", "rollout")
+    assert sliced.returncode == 0, sliced.stderr
+    got = json.loads(cli("get", cls).stdout)
+    assert got["mode"] == "POLICY_MODE_SLICE" and got["slice_percent"] == 10
+    assert cli("set", cls, "--mode", "enabled", "--comment", "rollout").returncode == 0
+    got = json.loads(cli("get", cls).stdout)
+    assert got["mode"] == "POLICY_MODE_ENABLED" and not got.get("slice_percent")
+    bad_slice = cli("set", cls, "--slice", "150")
+    assert bad_slice.returncode == 2 and "slice_percent" in bad_slice.stderr
+    hist = cli("history", cls).stdout
+    assert "POLICY_MODE_SHADOW -> POLICY_MODE_SLICE" in hist and "POLICY_MODE_SLICE -> POLICY_MODE_ENABLED" in hist
     assert cli("delete", cls).stdout.strip() == "deleted"
 
 

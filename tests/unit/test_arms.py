@@ -18,6 +18,7 @@ from specserve.control.arms import (
 )
 from specserve.control.controller import Batch, Estimate, estimate
 from specserve.control.policy import Policy
+from specserve.errors import InvalidRequest
 
 MIN_ROUNDS = 8
 PLAIN = {"n:0": 50.0, "v:0": 50 * 10.0, "o:0": 50 * 2.0}  # a plain step costs 12 ms
@@ -294,3 +295,34 @@ def test_an_adaptive_class_weighs_the_rounds_the_engine_held_plain_on_each_pool(
     a = assess(adaptive, {"slow": slow, "fair": fair}, MIN_ROUNDS)
     assert a.pool == "fair" and "held plain 90%" in a.reason
     assert assess(Policy("c", k=4, **pools), {"slow": slow, "fair": fair}, MIN_ROUNDS).pool == "slow"
+
+
+def test_a_rollout_slice_holds_its_share_and_a_retried_request_keeps_its_arm():
+    """Rollout stage `slice` at 10 % (ADR 0022): over 400 request ids the share that speculates
+    is 10 % within 3.5 binomial standard deviations (sd = sqrt(400 x 0.1 x 0.9) = 6: 19..61);
+    the same id gives the same arm on every retry, whatever the random draws; outside the
+    slice the reason says so; another class's slice is another set of requests."""
+    from specserve.control.arms import in_slice
+
+    policy = replace(P, mode="slice", slice_percent=10.0).validate()
+    arms = {}
+    for i in range(400):
+        facts = replace(FACTS, request_id=f"req-{i}")
+        first, _ = choose_arm(facts, policy, {"a"}, {"a": est(GOOD)}, random.Random(i), MIN_ROUNDS)
+        for retry in range(3):  # other routers, other random states
+            again, _ = choose_arm(facts, policy, {"a"}, {"a": est(GOOD)}, random.Random(1000 + retry), MIN_ROUNDS)
+            assert again.pool == first.pool
+        arms[f"req-{i}"] = first
+    speculating = sum(c.pool is not None for c in arms.values())
+    assert 19 <= speculating <= 61, speculating
+    outside = [c for c in arms.values() if c.pool is None]
+    assert all(c.decision is Decision.SLICE and c.reason is Fallback.ROLLOUT for c in outside)
+    other = replace(policy, workload_class="d")
+    moved = sum(in_slice(other, rid, random.Random(0)) != (arms[rid].pool is not None) for rid in arms)
+    assert moved > 20  # not the same requests for every class
+    # the stage's bounds
+    for bad in (0.0, 100.0, -5.0, float("nan")):
+        with pytest.raises(InvalidRequest, match="slice_percent"):
+            replace(P, mode="slice", slice_percent=bad).validate()
+    with pytest.raises(InvalidRequest, match="mode slice only"):
+        replace(P, slice_percent=10.0).validate()

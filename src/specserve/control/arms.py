@@ -9,6 +9,8 @@ some K, or shadow (DESIGN §4, ADR 0006). Pure functions over facts, torch- and 
     1. the request opts out (`draft_pool="none"` or K = 0)            -> plain, speculation_off
     2. the policy is off                                              -> plain, policy_off
     3. temperature above the ceiling / prompt above the limit         -> plain
+    3b. rollout stage `slice`, the request outside the slice (ADR 0022) -> plain, rollout_outside_slice
+        (as policy off does, it beats a pinned pool: a class being rolled out speculates in its slice only)
     4. no allowed pool exists on this router                          -> plain, pool_unknown
     5. shadow                                                         -> plain served, pool beside it
     6. a pool or K pinned by the request                              -> that pool / K
@@ -17,6 +19,7 @@ some K, or shadow (DESIGN §4, ADR 0006). Pure functions over facts, torch- and 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +38,7 @@ class Decision(StrEnum):
     SPECULATE = "speculate"
     LEARN = "learn"  # too few statistics: both arms are tried
     SHADOW = "shadow"
+    SLICE = "slice"  # a rollout slice's policy, and the request is outside the slice
 
 
 class Fallback(StrEnum):
@@ -49,6 +53,7 @@ class Fallback(StrEnum):
     CONTROLLER_PLAIN = "controller_plain"
     CONTROLLER_PROBE = "controller_probe"
     SHADOW = "shadow"
+    ROLLOUT = "rollout_outside_slice"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class RequestFacts:
     pinned_pool: str | None = None  # the request's draft_pool (NO_SPECULATION = opt out)
     pinned_k: int | None = None  # the request's num_draft_tokens
     seeded: bool = False  # the request names a seed
+    request_id: str | None = None  # the client's id: a rollout slice keeps its retries in their arm
 
     @property
     def reproducible(self) -> bool:
@@ -196,6 +202,8 @@ def choose_arm(facts: RequestFacts, policy: Policy, pools_here: Collection[str],
         return _plain(Decision.PLAIN, Fallback.TEMPERATURE), None
     if policy.max_prompt_tokens and facts.prompt_tokens > policy.max_prompt_tokens:
         return _plain(Decision.PLAIN, Fallback.PROMPT), None
+    if policy.mode == "slice" and not in_slice(policy, facts.request_id, rng):
+        return _plain(Decision.SLICE, Fallback.ROLLOUT), None
     pools = [facts.pinned_pool] if facts.pinned_pool else [p for p in policy.pools if p in pools_here]
     if not pools or pools[0] not in pools_here:
         return _plain(Decision.PLAIN, Fallback.POOL_UNKNOWN), None
@@ -262,3 +270,14 @@ def _by_assessment(a: Assessment, policy: Policy, pools: list[str], rng: random.
         return pool_arm(rng.choice([p for p in (unready or pools) if p != a.pool] or pools), Decision.SPECULATE,
                         True)
     return _plain(Decision.SPECULATE, Fallback.CONTROLLER_PROBE, probe=True)
+
+
+def in_slice(policy: Policy, request_id: str | None, rng: random.Random) -> bool:
+    """Whether a request of a class in rollout stage `slice` speculates: a stable hash of its
+    class and request id below `slice_percent` (of 10,000 buckets), so a retried request (the
+    same id) lands in the same arm on any router; a request without an id draws at random."""
+    if not request_id:
+        return rng.random() * 100.0 < policy.slice_percent
+    digest = hashlib.sha256(f"{policy.workload_class}\0{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 10_000 < policy.slice_percent * 100.0
+

@@ -36,7 +36,7 @@ from specserve.params import MAX_K, check_k
 
 log = logging.getLogger("specserve.control.policy")
 
-MODES = ("enabled", "shadow", "off")
+MODES = ("enabled", "shadow", "off", "slice")  # slice: a rollout stage between shadow and enabled (ADR 0022)
 DEFAULT_CLASS = "default"
 CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 AUDIT_MAXLEN = 10_000
@@ -70,6 +70,9 @@ class Policy:
     probe_fraction: float = 0.05
     # what the class's requests produce when they name no constraint (ADR 0017)
     output_format: str = "text"
+    # mode "slice": the share of the class's requests that speculate, in (0, 100), by a stable
+    # hash of the request id (control/arms.py: in_slice)
+    slice_percent: float = 0.0
     version: int = 0
     updated_by: str = ""
     updated_at: float = 0.0
@@ -107,6 +110,10 @@ class Policy:
             raise bad(f"safety_margin must be in [0, {MAX_MARGIN}], got {self.safety_margin}")
         if not (0 <= self.probe_fraction <= MAX_PROBE):
             raise bad(f"probe_fraction must be in [0, {MAX_PROBE}], got {self.probe_fraction}")
+        if self.mode == "slice" and not (0 < self.slice_percent < 100 and math.isfinite(self.slice_percent)):
+            raise bad(f"mode slice needs slice_percent in (0, 100), got {self.slice_percent}")
+        if self.mode != "slice" and self.slice_percent:
+            raise bad(f"slice_percent is for mode slice only (mode is {self.mode}); set it to 0")
         if self.output_format not in OUTPUT_FORMATS:
             raise bad(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.output_format!r}")
         return self

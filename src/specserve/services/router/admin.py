@@ -27,7 +27,7 @@ from specserve.services.router.planner import Planner
 from specserve.v1 import policy_pb2, policy_pb2_grpc
 
 MODE_TO_PB = {"enabled": policy_pb2.POLICY_MODE_ENABLED, "shadow": policy_pb2.POLICY_MODE_SHADOW,
-              "off": policy_pb2.POLICY_MODE_OFF}
+              "off": policy_pb2.POLICY_MODE_OFF, "slice": policy_pb2.POLICY_MODE_SLICE}
 PB_TO_MODE = {v: k for k, v in MODE_TO_PB.items()}
 
 
@@ -37,7 +37,7 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
         draft_pools=list(p.draft_pools), k=p.k,
         adaptive_k=p.adaptive_k, k_min=p.k_min, k_max=p.k_max, max_prompt_tokens=p.max_prompt_tokens,
         safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, output_format=p.output_format,
-        version=p.version,
+        slice_percent=p.slice_percent, version=p.version,
         updated_by=p.updated_by, updated_at=p.updated_at)
     if p.temperature_ceiling is not None:
         msg.temperature_ceiling = p.temperature_ceiling
@@ -47,7 +47,7 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
 def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
     if msg.mode not in PB_TO_MODE:
         raise InvalidRequest(f"policy mode is required: one of {', '.join(MODE_TO_PB)}")
-    for name in ("safety_margin", "probe_fraction", "temperature_ceiling"):
+    for name in ("safety_margin", "probe_fraction", "temperature_ceiling", "slice_percent"):
         value = getattr(msg, name)
         if not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number")
@@ -56,7 +56,8 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
                   k=msg.k, adaptive_k=msg.adaptive_k, k_min=msg.k_min, k_max=msg.k_max,
                   temperature_ceiling=msg.temperature_ceiling if msg.HasField("temperature_ceiling") else None,
                   max_prompt_tokens=msg.max_prompt_tokens, safety_margin=msg.safety_margin,
-                  probe_fraction=msg.probe_fraction, output_format=msg.output_format or "text")
+                  probe_fraction=msg.probe_fraction, output_format=msg.output_format or "text",
+                  slice_percent=msg.slice_percent)
 
 
 def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:

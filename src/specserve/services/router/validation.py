@@ -35,7 +35,7 @@ class ValidRequest:
     def facts(self) -> RequestFacts:
         """What the arm choice needs to know of the request."""
         return RequestFacts(self.params.sampling.temperature, len(self.prompt_ids), self.pinned_pool, self.pinned_k,
-                            seeded=self.params.seed is not None)
+                            seeded=self.params.seed is not None, request_id=self.request_id)
 
 
 def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str], classifier: Classifier,

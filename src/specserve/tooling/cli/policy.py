@@ -83,7 +83,7 @@ def policy_get(workload_class: str = typer.Argument(..., help="Class name."),
 @policy_app.command("set")
 def policy_set(
     workload_class: str = typer.Argument(..., help="Class name (`default` covers classes without a policy)."),
-    mode: str | None = typer.Option(None, help="enabled | shadow | off"),
+    mode: str | None = typer.Option(None, help="enabled | slice | shadow | off (slice: with --slice)"),
     pool: str | None = typer.Option(None, "--pool", help="Draft pool (the preferred one)."),
     also_pools: list[str] | None = typer.Option(
         None, "--also-pool", help="Another pool the controller may move the class to (repeat; '' clears)."),
@@ -94,6 +94,8 @@ def policy_set(
     max_prompt_tokens: int | None = typer.Option(None, help="Longer prompts run plain (0: no limit)."),
     margin: float | None = typer.Option(None, "--margin", help="Safety margin: speculate while S >= 1 + margin."),
     probe: float | None = typer.Option(None, "--probe", help="Probe fraction."),
+    slice_percent: float | None = typer.Option(
+        None, "--slice", help="Rollout stage slice: this percent of the class's requests speculate (sets --mode slice)."),
     output_format: str | None = typer.Option(
         None, "--output-format", help="text | json_object: the class's output when a request names no constraint."),
     from_file: Path | None = typer.Option(None, "--file", help="A JSON policy (fields as in `policy get`)."),
@@ -118,9 +120,13 @@ def policy_set(
         except Exception as exc:
             raise typer.BadParameter(f"{from_file}: {exc}") from exc
     policy.workload_class = workload_class
+    if slice_percent is not None:  # a rollout slice (ADR 0022); another mode clears it
+        mode = mode or "slice"
+    elif mode is not None and mode != "slice":
+        slice_percent = 0.0
     _apply_options(policy, mode, pool, also_pools, k, temperature_ceiling, output_format,
                    {"k_min": k_min, "k_max": k_max, "max_prompt_tokens": max_prompt_tokens,
-                    "safety_margin": margin, "probe_fraction": probe})
+                    "safety_margin": margin, "probe_fraction": probe, "slice_percent": slice_percent})
     req = policy_pb2.SetPolicyRequest(policy=policy, comment=comment,
                                       expected_version=version if expected_version is None else expected_version)
     _echo_json(_policy_json(_call(stub.SetPolicy, req, md)))
@@ -160,7 +166,7 @@ def _apply_options(policy, mode: str | None, pool: str | None, also_pools: list[
 
     if mode is not None:
         modes = {"enabled": policy_pb2.POLICY_MODE_ENABLED, "shadow": policy_pb2.POLICY_MODE_SHADOW,
-                 "off": policy_pb2.POLICY_MODE_OFF}
+                 "off": policy_pb2.POLICY_MODE_OFF, "slice": policy_pb2.POLICY_MODE_SLICE}
         if mode not in modes:
             raise typer.BadParameter(f"--mode must be one of {', '.join(modes)}")
         policy.mode = modes[mode]
