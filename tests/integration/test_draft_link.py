@@ -133,7 +133,9 @@ def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(mode
     assert [engine.ended[f"s{i}"].generated for i in range(len(PROMPTS))] == reference
     rounds = [r for i in range(len(PROMPTS)) for r in engine.ended[f"s{i}"].rounds]
     trees = [r for r in rounds if r.tree_size]
-    assert trees and all(r.k <= 3 < r.tree_size <= 6 for r in trees), [(r.k, r.tree_size) for r in trees]
+    # (a late tree is verified below the token a plain round committed: a smaller tree, or a branch)
+    assert all(r.k <= 3 and r.tree_size <= 6 for r in trees), [(r.k, r.tree_size) for r in trees]
+    assert any(r.k < r.tree_size for r in trees)  # trees that branch
     assert sum(r.accepted for r in trees) > 0
 
 

@@ -210,6 +210,55 @@ def test_a_poor_draft_pool_is_switched_to_plain_and_throughput_recovers(routers,
     assert ratio >= 0.90
 
 
+def _router_metric(pstack, name: str) -> float:
+    """The sum of a counter's samples over both routers' /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for router, address in pstack.info.metrics.items():
+        if router.startswith("router"):
+            text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+            total += sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                         if s.name == name)
+    return total
+
+
+def test_a_rollout_slice_on_a_pool_that_hurts_goes_back_to_shadow_by_itself(pstack, routers, readable_code_prompts,
+                                                                            extraction_prompts):
+    """Rollout guards (ADR 0022): a class at a 50 % slice on the untrained pool goes back to
+    shadow by itself once its slice has enough rounds (S under 1), as one write by `controller`
+    in the audit log with the guard's reason, counted; its requests then run plain. A class at
+    the same slice on the distilled pool, over as many requests, stays in its slice (the
+    false-positive control)."""
+    (gen0, admin0), (gen1, _) = routers
+    poor, good = _cls("slice-poor"), _cls("slice-good")
+    _set(admin0, poor, mode=policy_pb2.POLICY_MODE_SLICE, slice_percent=50.0, draft_pool="poor", k=4)
+    _set(admin0, good, mode=policy_pb2.POLICY_MODE_SLICE, slice_percent=50.0, draft_pool="small", k=4)
+    before = _router_metric(pstack, "specserve_rollout_rollbacks_total")
+    sent = 0
+    for i in range(40):
+        _gen((gen0, gen1)[i % 2], readable_code_prompts[i % 4], poor, max_tokens=24, request_id=f"{poor}-{i}")
+        sent += 1
+        got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=poor), metadata=AUTH, timeout=10)
+        if got.mode == SHADOW:
+            break
+    assert got.mode == SHADOW and got.slice_percent == 0, f"still {got.mode} after {sent} requests"
+    audit = admin0.ListAudit(policy_pb2.ListAuditRequest(workload_class=poor), metadata=AUTH, timeout=10).entries
+    assert [(e.action, e.who) for e in audit][:1] == [("rollback", "controller")]
+    assert "guard speedup" in audit[0].comment and audit[0].old.mode == policy_pb2.POLICY_MODE_SLICE
+    assert sum(e.action == "rollback" for e in audit) == 1  # one router wrote it
+    assert _router_metric(pstack, "specserve_rollout_rollbacks_total") == before + 1
+    served = _gen(gen0, readable_code_prompts[0], poor, max_tokens=8, request_id=f"{poor}-after")
+    assert served.stats.decision == "shadow"  # its requests now serve plain output
+    for i in range(sent):  # the control: as many requests on a pool that pays
+        _gen((gen0, gen1)[i % 2], extraction_prompts[i % 4], good, max_tokens=24, request_id=f"{good}-{i}")
+    got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=good), metadata=AUTH, timeout=10)
+    assert got.mode == policy_pb2.POLICY_MODE_SLICE and got.version == 1
+    print(f"rollout guard: the poor slice went back to shadow after {sent} requests; the good one stayed")
+
+
 def test_a_class_with_two_pools_ends_on_the_good_one_and_leaves_it_when_it_degrades(pstack, routers,
                                                                                   extraction_prompts):
     """The policy prefers `poor` but allows `spare` (the distilled draft): the controller

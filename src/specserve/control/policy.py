@@ -73,6 +73,11 @@ class Policy:
     # mode "slice": the share of the class's requests that speculate, in (0, 100), by a stable
     # hash of the request id (control/arms.py: in_slice)
     slice_percent: float = 0.0
+    # rollout guards (ADR 0022, control/guards.py), in stage slice: back to shadow by itself when
+    # the slice's S falls below guard_min_speedup, or its accepted drafts a round below
+    # guard_min_accepted; 0 = that guard off
+    guard_min_speedup: float = 1.0
+    guard_min_accepted: float = 0.0
     version: int = 0
     updated_by: str = ""
     updated_at: float = 0.0
@@ -114,6 +119,10 @@ class Policy:
             raise bad(f"mode slice needs slice_percent in (0, 100), got {self.slice_percent}")
         if self.mode != "slice" and self.slice_percent:
             raise bad(f"slice_percent is for mode slice only (mode is {self.mode}); set it to 0")
+        if not (0 <= self.guard_min_speedup <= MAX_MARGIN + 1 and math.isfinite(self.guard_min_speedup)):
+            raise bad(f"guard_min_speedup must be in [0, {MAX_MARGIN + 1}] (0 = off), got {self.guard_min_speedup}")
+        if not (0 <= self.guard_min_accepted <= MAX_K and math.isfinite(self.guard_min_accepted)):
+            raise bad(f"guard_min_accepted must be in [0, {MAX_K}] (0 = off), got {self.guard_min_accepted}")
         if self.output_format not in OUTPUT_FORMATS:
             raise bad(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.output_format!r}")
         return self

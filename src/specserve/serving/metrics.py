@@ -44,6 +44,11 @@ class RouterMetrics:
                               registry=r)
         self.policy_version = Gauge("specserve_policy_version", "Version of the policy this router applies.",
                                     ("workload_class",), registry=r)
+        # rollout guards (ADR 0022): a class in stage slice moved back to shadow by this router
+        self.rollbacks = Counter("specserve_rollout_rollbacks",
+                                 "Classes a rollout guard moved back from slice to shadow, by guard (speedup, "
+                                 "acceptance); each is a policy write by `controller` in the audit log.",
+                                 ("workload_class", "guard"), registry=r)
 
 
 class RoundMetrics:

@@ -37,7 +37,8 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
         draft_pools=list(p.draft_pools), k=p.k,
         adaptive_k=p.adaptive_k, k_min=p.k_min, k_max=p.k_max, max_prompt_tokens=p.max_prompt_tokens,
         safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, output_format=p.output_format,
-        slice_percent=p.slice_percent, version=p.version,
+        slice_percent=p.slice_percent, guard_min_speedup=p.guard_min_speedup,
+        guard_min_accepted=p.guard_min_accepted, version=p.version,
         updated_by=p.updated_by, updated_at=p.updated_at)
     if p.temperature_ceiling is not None:
         msg.temperature_ceiling = p.temperature_ceiling
@@ -47,7 +48,8 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
 def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
     if msg.mode not in PB_TO_MODE:
         raise InvalidRequest(f"policy mode is required: one of {', '.join(MODE_TO_PB)}")
-    for name in ("safety_margin", "probe_fraction", "temperature_ceiling", "slice_percent"):
+    for name in ("safety_margin", "probe_fraction", "temperature_ceiling", "slice_percent", "guard_min_speedup",
+                 "guard_min_accepted"):
         value = getattr(msg, name)
         if not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number")
@@ -57,7 +59,9 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
                   temperature_ceiling=msg.temperature_ceiling if msg.HasField("temperature_ceiling") else None,
                   max_prompt_tokens=msg.max_prompt_tokens, safety_margin=msg.safety_margin,
                   probe_fraction=msg.probe_fraction, output_format=msg.output_format or "text",
-                  slice_percent=msg.slice_percent)
+                  slice_percent=msg.slice_percent,
+                  guard_min_speedup=msg.guard_min_speedup if msg.HasField("guard_min_speedup") else 1.0,
+                  guard_min_accepted=msg.guard_min_accepted)
 
 
 def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:

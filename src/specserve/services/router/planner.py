@@ -3,6 +3,7 @@ every pool the policy allows, and the pure arm choice of `specserve.control.arms
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Collection
@@ -19,7 +20,8 @@ from specserve.control.arms import (
     request_reason,
 )
 from specserve.control.controller import Controller
-from specserve.control.policy import Policy, PolicyCache
+from specserve.control.guards import Tripped, check_guards
+from specserve.control.policy import Policy, PolicyCache, PolicyConflict
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL, drafts_from_prediction
 from specserve.services.router.classifier import CLASSES
 from specserve.services.router.plan import SessionPlan
@@ -39,6 +41,8 @@ class Planner:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self._warned: set[str] = set()
+        self._rolling_back: set[str] = set()  # classes whose guard's rollback is being written
+        self._tasks: set[asyncio.Task] = set()
 
     def stats_class(self, workload_class: str) -> str:
         """Statistics and metrics labels per known class; unknown ones share `other`, so a
@@ -68,6 +72,8 @@ class Planner:
                         policy.workload_class, ", ".join(policy.pools))
         if assessment is not None:
             self._gauges(stats_class, assessment)
+            if source == "class" and (tripped := check_guards(policy, assessment, self.controller.min_rounds)):
+                self._roll_back(policy, stats_class, tripped)
         seed = req.params.seed if req.params.seed is not None else fresh_seed()
         params = replace(req.params, num_draft_tokens=choice.k, seed=seed)
         self.metrics.classified.labels(stats_class, req.class_reason.split(":")[0]).inc()
@@ -91,6 +97,33 @@ class Planner:
         await self.controller.refresh({(stats_class, p) for p in pools})
         estimates = self.controller.estimates(stats_class, pools, policy.k_range[1], policy.adaptive_k)
         return policy, source, stats_class, assess(policy, estimates, self.controller.min_rounds, pools)
+
+    def _roll_back(self, policy: Policy, stats_class: str, tripped: Tripped) -> None:
+        """A rollout guard tripped (ADR 0022): the class goes back from slice to shadow, by a
+        compare-and-set write as `controller` (of several routers that see it, one writes it; a
+        change an operator made meanwhile wins), in the audit log with the guard's reason."""
+        if policy.workload_class in self._rolling_back:
+            return
+        self._rolling_back.add(policy.workload_class)
+
+        async def write() -> None:
+            try:
+                back = replace(policy, mode="shadow", slice_percent=0.0)
+                await self.policies.store.set(back, "controller", expected_version=policy.version,
+                                              comment=tripped.reason, action="rollback")
+                self.metrics.rollbacks.labels(stats_class, tripped.guard).inc()
+                log.warning("policy %r rolled back from slice to shadow: %s", policy.workload_class, tripped.reason)
+                await self.policies.reload()  # this router applies it at once (the others by pub/sub)
+            except PolicyConflict:
+                pass  # another router wrote it, or an operator changed the policy: theirs stands
+            except Exception:  # noqa: BLE001 (Redis away: the next request of the class tries again)
+                log.exception("rollout guard of %r: the rollback could not be written", policy.workload_class)
+            finally:
+                self._rolling_back.discard(policy.workload_class)
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _gauges(self, stats_class: str, a: Assessment) -> None:
         m = self.metrics
