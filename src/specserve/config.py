@@ -144,8 +144,9 @@ class TargetSettings(WorkerSettings):
     gather_rows: bool = True
     # token trees (ADR 0020): a greedy session's block may have up to this many first
     # candidates, each with its chain, where the engine's cost model says the wider verify pays
-    # (low load on a memory-bound device); pools that draft trees: local small, ngram, eagle
-    tree_width: int = Field(2, ge=1, le=8)
+    # (low load on a memory-bound device); 1 = chains (the default until trees are measured on a
+    # GPU: on a CPU they rarely pay, and the engine's exploration of them costs draft work)
+    tree_width: int = Field(1, ge=1, le=8)
     max_batched_tokens: int = Field(2048, ge=1)  # tokens fed per engine step (verify rows + prefill chunks)
     redis_outage_s: float = Field(30.0, ge=0)  # commits ride a Redis outage this long
     # commit back-pressure: a session with this many rounds not yet committed (Redis slow or
