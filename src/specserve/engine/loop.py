@@ -59,6 +59,15 @@ from specserve.worker.cost import CostModel
 if TYPE_CHECKING:  # (an annotation only)
     from specserve.algorithm.rejection import Verdict
 
+# The engine's measured averages: each is an exponential moving average, and these are the
+# weights a new sample gets (`ema`). Short memories, because load and acceptance move within
+# seconds: about the last 5 samples at 0.2, 3 at 0.3, 10 at 0.1.
+STEP_WEIGHT = 0.2  # the recent forward time: prices a late block's wait and the gather-hold
+EMITTED_WEIGHT = 0.3  # a session's tokens a verified round: what waiting for its next block is worth
+AHEAD_WEIGHT = 0.1  # per pool, the share of blocks drafted ahead (there when the round starts)
+LATENCY_WEIGHT = 0.2  # per pool, drafting time per position, from the ask to the block's arrival
+HOLD_SLACK = 0.2  # a gather-hold lasts this share of a step past the last block it waits for
+
 NOT_PAYING = "speculation_not_paying"  # the engine's K choice held the session plain at this load
 TREE_MARGIN = 0.05  # a tree replaces the chain only if it emits this much more per second
 TREE_PROBE_EVERY = 8  # while the engine cannot price trees yet: one block in this many is one
@@ -241,7 +250,7 @@ class EngineLoop:
             time.sleep(max(self.simulated_step_ms(step, out) / 1e3 - (time.perf_counter() - t1), 0.0))
         t2 = time.perf_counter()
         forward_ms = (t2 - t1) * 1e3
-        self.step_ms += 0.2 * (forward_ms - self.step_ms)
+        self.step_ms = ema(self.step_ms, forward_ms, STEP_WEIGHT)
         commits: list[CommitRecord] = []
         self._k_this_step = {}  # K choices made in this step, per (class, pool, K bound)
         rounds = [self._settle(r, res, forward_ms, commits) for r, res in zip(plan.rows, results, strict=True)]
@@ -316,7 +325,7 @@ class EngineLoop:
                            horizon_s=step(len(rows)))
         if hold <= 0.0:
             return []
-        until = now + hold + 0.2 * step(len(rows))
+        until = now + hold + HOLD_SLACK * step(len(rows))
         self._wake_at = until if self._wake_at is None else min(self._wake_at, until)
         return [s for d, s in due if d <= hold]
 
@@ -428,7 +437,7 @@ class EngineLoop:
         else:
             k = min(len(block.tokens) - row.offset, k_asked) if block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
-            s.expected_emitted += 0.3 * (verdict.num_accepted + 1 - s.expected_emitted)
+            s.expected_emitted = ema(s.expected_emitted, verdict.num_accepted + 1, EMITTED_WEIGHT)
             self._acceptance(s).observe(k, self._observe_tree(s, *row.tree, verdict)
                                         if row.tree is not None else verdict.num_accepted)
         elif k_asked and row.fallback == DRAFT_LATE and not s.probing:
@@ -439,7 +448,7 @@ class EngineLoop:
             # at least PRIOR_EMITTED (a constant alone held a good pool's sessions under its
             # latency for good: bench_engine_loop's h100 profile, α 0.7, K 4 trees)
             prior = max(PRIOR_EMITTED, expected_emitted(self._acceptance(s).alphas(), k_asked))
-            s.expected_emitted += 0.3 * (prior - s.expected_emitted)
+            s.expected_emitted = ema(s.expected_emitted, prior, EMITTED_WEIGHT)
         stats = RoundStats(
             k=k, accepted=verdict.num_accepted, emitted=len(settled.tokens),
             rejected_position=verdict.rejected_position, draft_ms=block.draft_ms if block else 0.0,
@@ -460,7 +469,7 @@ class EngineLoop:
         elif (source := self.sources.get(s.plan.pool or "")) is not None and (k_next > 0 or s.plan.adaptive):
             if k_next > 0 and not s.probing:  # its next round waits for nothing when its block came ahead
                 pool = s.plan.pool or ""
-                self.ahead_share[pool] = self.ahead_share.get(pool, 0.0) * 0.9 + (0.1 if s.block is not None else 0.0)
+                self.ahead_share[pool] = ema(self.ahead_share.get(pool, 0.0), float(s.block is not None), AHEAD_WEIGHT)
             self._ask(s)
             source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, self._width(s, k_next)))
         return s, stats
@@ -522,7 +531,7 @@ class EngineLoop:
         pool = s.plan.pool or ""
         positions = tree_depth(block.parents) if block.parents is not None else len(block.tokens)
         per_token = max(arrived - asked, 0.0) / max(positions, 1)
-        self.draft_latency[pool] = self.draft_latency.get(pool, per_token) * 0.8 + per_token * 0.2
+        self.draft_latency[pool] = ema(self.draft_latency.get(pool, per_token), per_token, LATENCY_WEIGHT)
 
     def _acceptance(self, s: EngineSession) -> Acceptance:
         return self.acceptance.setdefault((s.plan.workload_class, s.plan.pool or ""), Acceptance())
@@ -625,4 +634,9 @@ class EngineLoop:
             self.ended[s.id] = s
         while len(self.ended) > self.keep_ended:
             self.ended.pop(next(iter(self.ended)))
+
+
+def ema(average: float, sample: float, weight: float) -> float:
+    """An exponential moving average's next value: `weight` of the new sample."""
+    return average + weight * (sample - average)
 
