@@ -85,6 +85,14 @@ async def _finish(servers, pool, engine, stop, thread, sessions: int) -> None:
         await server.stop(0)
 
 
+async def _serve_prompts(servers, pool, engine, stop, thread, max_tokens: int) -> None:
+    """Every prompt a greedy session on pool `small` (K 3) until all ended; then the teardown."""
+    for i, p in enumerate(PROMPTS):
+        engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=max_tokens, num_draft_tokens=3, seed=1),
+                                          pool="small"))
+    await _finish(servers, pool, engine, stop, thread, len(PROMPTS))
+
+
 def test_greedy_through_the_link_is_the_target_alone_and_pushed_blocks_are_used(models, run):
     target_model, draft_model = models
     reference = _plain_reference(target_model, 32)
@@ -97,10 +105,7 @@ def test_greedy_through_the_link_is_the_target_alone_and_pushed_blocks_are_used(
         # ample for drafting ahead (80 ms was not, once, on a 2-core AVX2 CI machine: no
         # round used a pushed block)
         engine, stop, thread = _engine(target_model, {"small": pool}, step_ms=160.0)
-        for i, p in enumerate(PROMPTS):
-            engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=32, num_draft_tokens=3, seed=1),
-                                              pool="small"))
-        await _finish(servers, pool, engine, stop, thread, len(PROMPTS))
+        await _serve_prompts(servers, pool, engine, stop, thread, 32)
         return engine
 
     engine = run(go())
@@ -123,10 +128,7 @@ def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(mode
         pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB).start()
         await _until(lambda: all(r.up for r in pool.replicas))
         engine, stop, thread = _engine(target_model, {"small": pool}, tree_width=2, tree_always=True)
-        for i, p in enumerate(PROMPTS):
-            engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=24, num_draft_tokens=3, seed=1),
-                                              pool="small"))
-        await _finish(servers, pool, engine, stop, thread, len(PROMPTS))
+        await _serve_prompts(servers, pool, engine, stop, thread, 24)
         return engine
 
     engine = run(go())
@@ -152,10 +154,7 @@ def test_a_saturated_replica_refuses_sessions_to_plain_and_nothing_changes_in_th
         pool = RemoteDrafts([address], asyncio.get_running_loop(), VOCAB, predraft_branches=0).start()
         await _until(lambda: all(r.up for r in pool.replicas))
         engine, stop, thread = _engine(target_model, {"small": pool})
-        for i, p in enumerate(PROMPTS):
-            engine.add(f"s{i}", p, EnginePlan(GenerationParams(max_tokens=24, num_draft_tokens=3, seed=1),
-                                              pool="small"))
-        await _finish([(server, address)], pool, engine, stop, thread, len(PROMPTS))
+        await _serve_prompts([(server, address)], pool, engine, stop, thread, 24)
         return engine, server.servicer.metrics
 
     engine, metrics = run(go())
