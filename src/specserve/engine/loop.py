@@ -301,8 +301,10 @@ class EngineLoop:
         (`block_wait_s`). A verify row is worth the session's recent tokens per round, any
         other row one token. The hold lasts until those blocks are in, or a fifth of a step
         past the last one's due time (drafting times vary: a hold until the mean arrival
-        would catch half of them)."""
-        if not self.gather:
+        would catch half of them). Never while a plain request's row is ready: draft capacity
+        is speculation's to wait for, and a request that does not speculate must not pay for
+        it (ADR 0021; bench_overload measured plain TPOT p90 1.45x no-draft's with such holds)."""
+        if not self.gather or any(not r.session.plan.pool for r in rows):
             return []
         due: list[tuple[float, EngineSession]] = []
         for s in waiting:
