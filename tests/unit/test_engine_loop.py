@@ -247,6 +247,30 @@ def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather
     assert report is not None and report.rows == 2 and report.tokens == 2 * (len(PROMPTS[1]) + 2)
 
 
+def test_a_step_is_never_held_for_blocks_while_a_plain_requests_row_is_ready(pair):
+    """The same step as above (holding it 3 ms for b's block would emit more per second), but
+    a plain request (no pool) has its row ready too: the step runs now. Draft capacity is
+    speculation's to wait for (ADR 0021); on the old code the plain row waited with the
+    others (bench_overload: plain TPOT p90 1.45x no-draft's at overload)."""
+    now = [0.0]
+    held = SilentDrafts(pair[1])
+    loop = _loop(pair, {"small": held}, clock=lambda: now[0], block_wait_max_s=0.05, gather=True)
+    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=2, seed=1), pool="small")
+    for sid in ("a", "b"):
+        loop.add(sid, PROMPTS[1], plan)
+    loop.add("p", PROMPTS[1], EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=0, seed=1)))
+    loop._drain()
+    a, b = loop.sessions["a"], loop.sessions["b"]
+    n = len(a.committed)
+    held.deliver(DraftBlock("a", n, a.committed.hash_at(n), (1, 2)))
+    loop._drain()
+    loop.draft_latency["small"], loop.step_ms = 0.002, 7.0
+    a.expected_emitted = b.expected_emitted = 2.5
+    now[0] = 0.001
+    report = loop.step()
+    assert report is not None and report.rows == 2 and loop._held_for == []  # a and the plain request, now
+
+
 @pytest.mark.parametrize("gather", [False, True])
 def test_the_k_choice_prices_a_rounds_wait_as_the_schedule_runs_it(pair, gather):
     """Among other sessions a row joins at a step boundary: without gathering, drafts that
