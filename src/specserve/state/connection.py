@@ -19,6 +19,42 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 OUTAGE_BACKOFF_S, OUTAGE_BACKOFF_MAX_S = 0.05, 1.0
 
 
+SENTINEL_SCHEME = "redis+sentinel://"
+
+
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, str, int]:
+    """`redis+sentinel://[:password@]h1:p1,h2:p2/master[/db]` -> (sentinels, master, password,
+    db); ValueError naming what is missing."""
+    rest = url[len(SENTINEL_SCHEME):]
+    password = ""
+    if "@" in rest:
+        auth, rest = rest.rsplit("@", 1)
+        password = auth.split(":", 1)[1] if ":" in auth else auth
+    hosts, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p]
+    if not hosts or not parts:
+        raise ValueError(f"a Sentinel URL needs sentinels and a master name: {SENTINEL_SCHEME}"
+                         f"[:password@]host:port[,host:port]/master[/db], got {url!r}")
+    sentinels = []
+    for h in hosts.split(","):
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel address {h!r} in {url!r} is not host:port")
+        sentinels.append((host, int(port)))
+    return sentinels, parts[0], password, int(parts[1]) if len(parts) > 1 else 0
+
+
+def _sentinel(url: str) -> Redis:
+    from redis.asyncio.sentinel import Sentinel
+
+    sentinels, master, password, db = parse_sentinel_url(url)
+    # the sentinels themselves take no password here (`requirepass` on the data nodes only)
+    s = Sentinel(sentinels, socket_connect_timeout=2.0, socket_timeout=5.0)
+    return s.master_for(master, password=password or None, db=db, socket_connect_timeout=2.0,
+                        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3), retry_on_error=list(REDIS_DOWN),
+                        health_check_interval=10, max_connections=MAX_CONNECTIONS)
+
+
 # Every stream reader holds a connection for its blocking XREAD, so a router's connections
 # grow with its streams (64 streams moved onto one router by a kill took more than redis-py's
 # default 100, and the pool's "Too many connections" read as Redis being down). A command
@@ -32,7 +68,13 @@ def connect(url: str) -> Redis:
     a pooled socket that a Redis restart closed costs nothing; longer outages are ridden
     out by the callers (`ride_out`, `read_chunks(outage_s=...)`). The retry class must be
     redis.asyncio's: the sync one hands the coroutine back unawaited, so nothing retries.
-    The pool blocks when full (MAX_CONNECTIONS) rather than raising."""
+    The pool blocks when full (MAX_CONNECTIONS) rather than raising.
+
+    `redis+sentinel://[:password@]host:port[,host:port...]/master[/db]` (ADR 0023): the
+    primary Sentinel names for `master`, found again after a failover (a command that meets
+    the old primary's closed socket or a demoted replica's READONLY asks the sentinels anew)."""
+    if url.startswith(SENTINEL_SCHEME):
+        return _sentinel(url)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3), retry_on_error=list(REDIS_DOWN),

@@ -119,13 +119,13 @@ def start_redis(
     raise RedisServerError(last_error)
 
 
-def _spawn(exe: str, dir: Path, port: int, password: str, durable: bool) -> LocalRedis:
+def _spawn(exe: str, dir: Path, port: int, password: str, durable: bool, extra: tuple[str, ...] = ()) -> LocalRedis:
     log_path = dir / f"redis-{port}.log"
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(dir),
             "--daemonize", "no", "--appendonly", "yes" if durable else "no", "--appendfsync", "everysec",
-            "--appendfilename", f"specserve-{port}.aof", "--appenddirname", f"aof-{port}"]
+            "--appendfilename", f"specserve-{port}.aof", "--appenddirname", f"aof-{port}", *extra]
     if password:
-        args += ["--requirepass", password]
+        args += ["--requirepass", password, "--masterauth", password]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             args,
@@ -212,3 +212,84 @@ def write_pidfile(path: Path, server: LocalRedis) -> None:
         "password": server.password,
     }
     write_private(path, json.dumps(record) + "\n")  # it holds the password
+
+
+MASTER = "specserve"  # the master name the local sentinels monitor
+
+
+@dataclass
+class LocalRedisHA:
+    """A primary, its replica and three sentinels on loopback (ADR 0023): what `--redis-ha`
+    starts for tests and demos. `url` is the services' `redis+sentinel://` address."""
+
+    primary: LocalRedis
+    replica: LocalRedis
+    sentinels: list[LocalRedis]
+    password: str
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+sentinel://{auth}{hosts}/{MASTER}/0"
+
+    def stop(self) -> None:
+        for server in (*self.sentinels, self.replica, self.primary):
+            server.stop(grace_s=2.0)
+
+
+def start_redis_ha(dir: Path, *, down_after_ms: int = 1000, failover_timeout_ms: int = 5000,
+                   timeout_s: float = 20.0) -> LocalRedisHA:
+    """A primary and one replica (AOF each, one password), and three sentinels that promote
+    the replica `down_after_ms` after the primary stops answering (quorum 2)."""
+    dir = Path(dir)
+    password = secrets.token_urlsafe(18)
+    primary = start_redis(dir / "primary", password=password, timeout_s=timeout_s)
+    replica = _start_with(dir / "replica", password, ("--replicaof", "127.0.0.1", str(primary.port)), timeout_s)
+    _wait_synced(replica, timeout_s)  # (a failover before the first sync would promote an empty replica)
+    sentinels = []
+    for i in range(3):
+        sdir = dir / f"sentinel-{i}"
+        sdir.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        conf = sdir / "sentinel.conf"  # a sentinel rewrites its own config: one file each
+        conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {sdir}\n"
+                        f"sentinel monitor {MASTER} 127.0.0.1 {primary.port} 2\n"
+                        f"sentinel auth-pass {MASTER} {password}\n"
+                        f"sentinel down-after-milliseconds {MASTER} {down_after_ms}\n"
+                        f"sentinel failover-timeout {MASTER} {failover_timeout_ms}\n"
+                        f"sentinel parallel-syncs {MASTER} 1\n")
+        exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+        log_path = sdir / "sentinel.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([exe, str(conf), "--sentinel"], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        sentinels.append(LocalRedis(port=port, pid=proc.pid, dir=sdir, log_path=log_path, process=proc))
+    for s in sentinels:
+        _wait_for_ping(s, timeout_s)
+    return LocalRedisHA(primary, replica, sentinels, password)
+
+
+def _wait_synced(replica: LocalRedis, timeout_s: float) -> None:
+    import redis
+
+    client = redis.Redis(port=replica.port, password=replica.password or None, socket_timeout=1.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if client.info("replication").get("master_link_status") == "up":
+                return
+            time.sleep(0.05)
+    finally:
+        client.close()
+    raise RedisServerError(f"replica on port {replica.port} did not sync within {timeout_s} s; "
+                           f"log tail:\n{_log_tail(replica.log_path)}")
+
+
+def _start_with(dir: Path, password: str, extra: tuple[str, ...], timeout_s: float) -> LocalRedis:
+    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    dir.mkdir(parents=True, exist_ok=True)
+    server = _spawn(exe, dir, _free_port(), password, True, extra)
+    _wait_for_ping(server, timeout_s)
+    return server
+

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,6 +50,9 @@ class StackSpec:
     run_dir: str
     pools: dict[str, PoolSpec] = field(default_factory=dict)
     redis_url: str = ""  # empty: start a local redis-server
+    # with no redis_url: a primary, a replica and three sentinels instead (ADR 0023); the
+    # services get its redis+sentinel:// address
+    redis_ha: bool = False
     key_prefix: str = "specserve"
     target_threads: int = field(default_factory=local_target_threads)
     routers: int = 1  # router replicas (same Redis, same pools)
@@ -118,6 +122,7 @@ class Stack:
         self.info = StackInfo()
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis: LocalRedis | None = None  # the LocalRedis started here (fault tests kill and restart it)
+        self.redis_ha: Any = None  # the LocalRedisHA started here (redis_ha)
         self.launched: dict[str, tuple[str, dict[str, str]]] = {}  # name -> (module, env), for restart
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
@@ -172,6 +177,15 @@ class Stack:
     def _start_redis(self) -> None:
         if self.spec.redis_url:
             self.info.redis_url = self.spec.redis_url
+        elif self.spec.redis_ha:
+            from specserve.tooling.redis_server import start_redis_ha
+
+            ha = self.redis_ha = start_redis_ha(self.run_dir / "redis-ha")
+            self.info.redis_url = ha.url
+            for name, server in (("redis", ha.primary), ("redis-replica", ha.replica),
+                                 *((f"redis-sentinel-{i}", s) for i, s in enumerate(ha.sentinels))):
+                self.info.pids[name] = server.pid
+            self._save()
         else:
             from specserve.tooling.redis_server import start_redis
 
@@ -275,7 +289,7 @@ def stop(pids: dict[str, int], grace_s: float = 15.0) -> list[str]:
     for name, pid in order:
         if _alive(pid):
             with _quiet():
-                os.killpg(pid, signal.SIGTERM) if name != "redis" else os.kill(pid, signal.SIGTERM)
+                os.killpg(pid, signal.SIGTERM) if not name.startswith("redis") else os.kill(pid, signal.SIGTERM)
             stopped.append(name)
     deadline = time.monotonic() + grace_s
     for _name, pid in order:

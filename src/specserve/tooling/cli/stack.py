@@ -48,15 +48,18 @@ def up(
     tls: bool = typer.Option(False, "--tls", help="TLS on every hop (mTLS to workers), with a local CA in run/tls."),
     http_port: int = typer.Option(8000, "--http-port", help="The router's OpenAI-compatible HTTP API port "
                                   "(0 = a free one)."),
+    redis_ha: bool = typer.Option(False, "--redis-ha", help="A Redis primary, a replica and three sentinels "
+                                  "(ADR 0023) instead of one Redis; the services use its redis+sentinel:// address."),
 ) -> None:
-    """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, two draft pools
-    (small: 2 replicas, ngram: 1) and the router (gRPC, and the OpenAI HTTP API), all on
-    loopback."""
+    """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, the draft pools
+    (small: 2 replicas, ngram and eagle-local inside the target) and the router (gRPC, and the
+    OpenAI HTTP API), all on loopback."""
     from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import Stack, StackError, down_from
 
     down_from(str(run_dir))  # a stale stack from an earlier `up` is stopped first
     spec = _stack_spec(models, run_dir, http_port)
+    spec.redis_ha = redis_ha
     (run_dir / "router.tls").unlink(missing_ok=True)
     if tls:
         spec.tls_dir = str(make_local_ca(run_dir.resolve() / "tls"))
