@@ -214,19 +214,24 @@ def test_a_blocks_drafting_time_is_taken_at_its_arrival_late_blocks_included(pai
     assert s.asks == {}
 
 
-@pytest.mark.parametrize("gather", [False, True])
-def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather):
+@pytest.mark.parametrize("gather,plain_request", [(False, False), (True, False), (True, True)])
+def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather, plain_request):
     """On a memory-bound device a step of 2 rows costs what a step of 1 does. Session a's
     block is in, b's is due in 4 ms (asked at 0, 2 ms a draft token, K = 2), a step takes
     7 ms, a round is worth 2.5 tokens: running a alone now (2.5 / 7 ms) emits less per
     second than holding 3 ms (5 / 10 ms) and verifying both in one step. Without gathering
-    the step runs a alone (b's block lands mid-step and b waits for the next one)."""
+    the step runs a alone (b's block lands mid-step and b waits for the next one). With a
+    plain request's row ready too the step runs now: draft capacity is speculation's to wait
+    for (ADR 0021; on the old code the plain row waited with the others, and bench_overload
+    measured plain TPOT p90 1.45x no-draft's at overload)."""
     now = [0.0]
     held = SilentDrafts(pair[1])
     loop = _loop(pair, {"small": held}, clock=lambda: now[0], block_wait_max_s=0.05, gather=gather)
     plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=2, seed=1), pool="small")
     for sid in ("a", "b"):
         loop.add(sid, PROMPTS[1], plan)
+    if plain_request:
+        loop.add("p", PROMPTS[1], EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=0, seed=1)))
     loop._drain()
     a, b = loop.sessions["a"], loop.sessions["b"]
     n = len(a.committed)
@@ -236,6 +241,9 @@ def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather
     a.expected_emitted = b.expected_emitted = 2.5  # a block is worth waiting 1.5 steps for
     now[0] = 0.001
     report = loop.step()
+    if plain_request:
+        assert report is not None and report.rows == 2 and loop._held_for == []  # a and the plain request, now
+        return
     if not gather:
         assert report is not None and report.rows == 1
         return
@@ -245,30 +253,6 @@ def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather
     now[0] = 0.004
     report = loop.step()
     assert report is not None and report.rows == 2 and report.tokens == 2 * (len(PROMPTS[1]) + 2)
-
-
-def test_a_step_is_never_held_for_blocks_while_a_plain_requests_row_is_ready(pair):
-    """The same step as above (holding it 3 ms for b's block would emit more per second), but
-    a plain request (no pool) has its row ready too: the step runs now. Draft capacity is
-    speculation's to wait for (ADR 0021); on the old code the plain row waited with the
-    others (bench_overload: plain TPOT p90 1.45x no-draft's at overload)."""
-    now = [0.0]
-    held = SilentDrafts(pair[1])
-    loop = _loop(pair, {"small": held}, clock=lambda: now[0], block_wait_max_s=0.05, gather=True)
-    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=2, seed=1), pool="small")
-    for sid in ("a", "b"):
-        loop.add(sid, PROMPTS[1], plan)
-    loop.add("p", PROMPTS[1], EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=0, seed=1)))
-    loop._drain()
-    a, b = loop.sessions["a"], loop.sessions["b"]
-    n = len(a.committed)
-    held.deliver(DraftBlock("a", n, a.committed.hash_at(n), (1, 2)))
-    loop._drain()
-    loop.draft_latency["small"], loop.step_ms = 0.002, 7.0
-    a.expected_emitted = b.expected_emitted = 2.5
-    now[0] = 0.001
-    report = loop.step()
-    assert report is not None and report.rows == 2 and loop._held_for == []  # a and the plain request, now
 
 
 @pytest.mark.parametrize("gather", [False, True])
