@@ -257,6 +257,18 @@ def test_a_rollout_slice_on_a_pool_that_hurts_goes_back_to_shadow_by_itself(psta
     got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=good), metadata=AUTH, timeout=10)
     assert got.mode == policy_pb2.POLICY_MODE_SLICE and got.version == 1
     print(f"rollout guard: the poor slice went back to shadow after {sent} requests; the good one stayed")
+    # and one whose policy promotes it after a clean window of 2 s goes to enabled by itself
+    promo = _cls("slice-promo")
+    _set(admin0, promo, mode=policy_pb2.POLICY_MODE_SLICE, slice_percent=50.0, draft_pool="small", k=4,
+         promote_after_s=2.0)
+    for i in range(40):
+        _gen((gen0, gen1)[i % 2], extraction_prompts[i % 4], promo, max_tokens=24, request_id=f"{promo}-{i}")
+        got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=promo), metadata=AUTH, timeout=10)
+        if got.mode == ENABLED:
+            break
+    assert got.mode == ENABLED and got.updated_by == "controller"
+    audit = admin0.ListAudit(policy_pb2.ListAuditRequest(workload_class=promo), metadata=AUTH, timeout=10).entries
+    assert audit[0].action == "promote" and "clean for" in audit[0].comment
 
 
 def test_a_class_with_two_pools_ends_on_the_good_one_and_leaves_it_when_it_degrades(pstack, routers,

@@ -11,7 +11,7 @@ import pytest
 from specserve.control.arms import Decision
 from specserve.control.arms import assess as assess_class
 from specserve.control.controller import estimate
-from specserve.control.guards import check_guards
+from specserve.control.guards import check_guards, promotion_due
 from specserve.control.policy import Policy
 from specserve.errors import InvalidRequest
 
@@ -71,3 +71,19 @@ def test_the_acceptance_guard_trips_under_its_floor():
 def test_guards_out_of_range_are_refused(fields, needle):
     with pytest.raises(InvalidRequest, match=needle):
         replace(SLICE, **fields).validate()
+
+
+def test_a_clean_slice_is_promoted_once_its_window_has_run_and_only_if_its_policy_asks():
+    promo = replace(SLICE, promote_after_s=600.0, updated_at=1000.0)
+    clean = _assess(promo, GOOD)
+    assert promotion_due(promo, clean, MIN_ROUNDS, now=1000.0 + 599) is None  # the window has not run
+    why = promotion_due(promo, clean, MIN_ROUNDS, now=1000.0 + 601)
+    assert why is not None and "clean for 601 s" in why and "S=2.57" in why
+    assert promotion_due(promo, _assess(promo, POOR), MIN_ROUNDS, now=5000.0) is None  # a guard trips
+    few = _stats([0.9, 0.8, 0.7, 0.6], 2.0, 12.0, n=4.0)
+    assert promotion_due(promo, _assess(promo, few), MIN_ROUNDS, now=5000.0) is None  # not yet measured
+    explicit = replace(promo, promote_after_s=0.0)
+    assert promotion_due(explicit, clean, MIN_ROUNDS, now=5000.0) is None  # promotion is the operator's
+    with pytest.raises(InvalidRequest, match="promote_after_s"):
+        replace(promo, promote_after_s=-1.0).validate()
+

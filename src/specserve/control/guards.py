@@ -1,4 +1,5 @@
-"""Rollout guards (ADR 0022): what moves a class in stage `slice` back to `shadow` by itself.
+"""Rollout guards (ADR 0022): what moves a class in stage `slice` back to `shadow` by itself,
+and what promotes it to `enabled` after a clean window when its policy asks for that.
 
 A pure function of the class's policy and the controller's assessment, evaluated by every
 router as it plans the class's requests (services/router/planner.py); the rollback itself is a
@@ -44,3 +45,21 @@ def check_guards(policy: Policy, a: Assessment, min_rounds: float) -> Tripped | 
         return Tripped("acceptance", f"guard acceptance: {accepted:.2f} drafts accepted a round at K={k} on "
                                      f"{a.pool}, below {policy.guard_min_accepted:.2f}")
     return None
+
+
+def promotion_due(policy: Policy, a: Assessment, min_rounds: float, now: float) -> str | None:
+    """A class in stage `slice` whose policy promotes it after a clean window
+    (`promote_after_s`): the reason to promote it to `enabled` now, or None. Clean: its slice
+    speculated on at least `min_rounds` rounds of its pool and no guard trips (check_guards),
+    and the window has run since the policy was last written (a rollback or any change
+    starts it again)."""
+    if policy.mode != "slice" or not policy.promote_after_s or not a.pool:
+        return None
+    if a.estimate.spec_rounds < min_rounds or check_guards(policy, a, min_rounds) is not None:
+        return None
+    clean_s = now - policy.updated_at
+    if clean_s < policy.promote_after_s:
+        return None
+    return (f"promoted: slice clean for {clean_s:.0f} s (>= {policy.promote_after_s:.0f} s) on {a.pool}, "
+            f"S={a.speedup:.2f} at K={a.k} over {a.estimate.spec_rounds:.0f} rounds")
+

@@ -78,6 +78,9 @@ class Policy:
     # guard_min_accepted; 0 = that guard off
     guard_min_speedup: float = 1.0
     guard_min_accepted: float = 0.0
+    # stage slice: promoted to enabled by itself once it has been clean this long since the
+    # policy was last written (its guards measured and none tripped); 0 = promotion is explicit
+    promote_after_s: float = 0.0
     version: int = 0
     updated_by: str = ""
     updated_at: float = 0.0
@@ -121,6 +124,8 @@ class Policy:
             raise bad(f"slice_percent is for mode slice only (mode is {self.mode}); set it to 0")
         if not (0 <= self.guard_min_speedup <= MAX_MARGIN + 1 and math.isfinite(self.guard_min_speedup)):
             raise bad(f"guard_min_speedup must be in [0, {MAX_MARGIN + 1}] (0 = off), got {self.guard_min_speedup}")
+        if not (0 <= self.promote_after_s <= 7 * 86400 and math.isfinite(self.promote_after_s)):
+            raise bad(f"promote_after_s must be in [0, 604800] (0 = promotion is explicit), got {self.promote_after_s}")
         if not (0 <= self.guard_min_accepted <= MAX_K and math.isfinite(self.guard_min_accepted)):
             raise bad(f"guard_min_accepted must be in [0, {MAX_K}] (0 = off), got {self.guard_min_accepted}")
         if self.output_format not in OUTPUT_FORMATS:

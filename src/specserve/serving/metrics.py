@@ -49,6 +49,10 @@ class RouterMetrics:
                                  "Classes a rollout guard moved back from slice to shadow, by guard (speedup, "
                                  "acceptance); each is a policy write by `controller` in the audit log.",
                                  ("workload_class", "guard"), registry=r)
+        self.promotions = Counter("specserve_rollout_promotions",
+                                  "Classes promoted from slice to enabled by this router after a clean window "
+                                  "(the policy's promote_after_s); each is a policy write by `controller`.",
+                                  ("workload_class",), registry=r)
 
 
 class RoundMetrics:

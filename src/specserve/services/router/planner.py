@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Collection
 from dataclasses import replace
 
@@ -20,7 +21,7 @@ from specserve.control.arms import (
     request_reason,
 )
 from specserve.control.controller import Controller
-from specserve.control.guards import Tripped, check_guards
+from specserve.control.guards import Tripped, check_guards, promotion_due
 from specserve.control.policy import Policy, PolicyCache, PolicyConflict
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL, drafts_from_prediction
 from specserve.services.router.classifier import CLASSES
@@ -74,6 +75,9 @@ class Planner:
             self._gauges(stats_class, assessment)
             if source == "class" and (tripped := check_guards(policy, assessment, self.controller.min_rounds)):
                 self._roll_back(policy, stats_class, tripped)
+            elif source == "class" and (why := promotion_due(policy, assessment, self.controller.min_rounds,
+                                                             time.time())):
+                self._promote(policy, stats_class, why)
         seed = req.params.seed if req.params.seed is not None else fresh_seed()
         params = replace(req.params, num_draft_tokens=choice.k, seed=seed)
         self.metrics.classified.labels(stats_class, req.class_reason.split(":")[0]).inc()
@@ -99,25 +103,39 @@ class Planner:
         return policy, source, stats_class, assess(policy, estimates, self.controller.min_rounds, pools)
 
     def _roll_back(self, policy: Policy, stats_class: str, tripped: Tripped) -> None:
-        """A rollout guard tripped (ADR 0022): the class goes back from slice to shadow, by a
-        compare-and-set write as `controller` (of several routers that see it, one writes it; a
-        change an operator made meanwhile wins), in the audit log with the guard's reason."""
+        """A rollout guard tripped (ADR 0022): the class goes back from slice to shadow."""
+        def done() -> None:
+            self.metrics.rollbacks.labels(stats_class, tripped.guard).inc()
+            log.warning("policy %r rolled back from slice to shadow: %s", policy.workload_class, tripped.reason)
+
+        self._move(policy, replace(policy, mode="shadow", slice_percent=0.0), "rollback", tripped.reason, done)
+
+    def _promote(self, policy: Policy, stats_class: str, why: str) -> None:
+        """A slice clean for its policy's window (ADR 0022): the class is promoted to enabled."""
+        def done() -> None:
+            self.metrics.promotions.labels(stats_class).inc()
+            log.info("policy %r promoted from slice to enabled: %s", policy.workload_class, why)
+
+        self._move(policy, replace(policy, mode="enabled", slice_percent=0.0), "promote", why, done)
+
+    def _move(self, policy: Policy, to: Policy, action: str, reason: str, done) -> None:
+        """The controller's stage change: a compare-and-set write as `controller` (of several
+        routers that see it, one writes it; a change an operator made meanwhile wins), in the
+        audit log with its reason; this router applies it at once (the others by pub/sub)."""
         if policy.workload_class in self._rolling_back:
             return
         self._rolling_back.add(policy.workload_class)
 
         async def write() -> None:
             try:
-                back = replace(policy, mode="shadow", slice_percent=0.0)
-                await self.policies.store.set(back, "controller", expected_version=policy.version,
-                                              comment=tripped.reason, action="rollback")
-                self.metrics.rollbacks.labels(stats_class, tripped.guard).inc()
-                log.warning("policy %r rolled back from slice to shadow: %s", policy.workload_class, tripped.reason)
-                await self.policies.reload()  # this router applies it at once (the others by pub/sub)
+                await self.policies.store.set(to, "controller", expected_version=policy.version, comment=reason,
+                                              action=action)
+                done()
+                await self.policies.reload()
             except PolicyConflict:
                 pass  # another router wrote it, or an operator changed the policy: theirs stands
             except Exception:  # noqa: BLE001 (Redis away: the next request of the class tries again)
-                log.exception("rollout guard of %r: the rollback could not be written", policy.workload_class)
+                log.exception("the %s of policy %r could not be written", action, policy.workload_class)
             finally:
                 self._rolling_back.discard(policy.workload_class)
 

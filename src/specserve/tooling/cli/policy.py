@@ -96,6 +96,9 @@ def policy_set(
     probe: float | None = typer.Option(None, "--probe", help="Probe fraction."),
     slice_percent: float | None = typer.Option(
         None, "--slice", help="Rollout stage slice: this percent of the class's requests speculate (sets --mode slice)."),
+    promote_after: float | None = typer.Option(
+        None, "--promote-after", help="Stage slice: promoted to enabled by itself after this many clean seconds "
+        "(0: promotion is explicit)."),
     output_format: str | None = typer.Option(
         None, "--output-format", help="text | json_object: the class's output when a request names no constraint."),
     from_file: Path | None = typer.Option(None, "--file", help="A JSON policy (fields as in `policy get`)."),
@@ -126,7 +129,8 @@ def policy_set(
         slice_percent = 0.0
     _apply_options(policy, mode, pool, also_pools, k, temperature_ceiling, output_format,
                    {"k_min": k_min, "k_max": k_max, "max_prompt_tokens": max_prompt_tokens,
-                    "safety_margin": margin, "probe_fraction": probe, "slice_percent": slice_percent})
+                    "safety_margin": margin, "probe_fraction": probe, "slice_percent": slice_percent,
+                    "promote_after_s": promote_after})
     req = policy_pb2.SetPolicyRequest(policy=policy, comment=comment,
                                       expected_version=version if expected_version is None else expected_version)
     _echo_json(_policy_json(_call(stub.SetPolicy, req, md)))
