@@ -275,6 +275,7 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     return {"arm": arm, "streams": len(prompts), "tok_s": len(prompts) * tokens / wall, "wall_s": wall,
             "tpot_ms_p50": statistics.median(tpot), "device_busy": sum(busy) / 1e3 / wall, "busy_metric": busy_metric,
             "forward_ms_p50": statistics.median(busy) if real else None,
+            "forward_ms_min": min(busy) if real else None,
             "bookkeeping_ms_p50": statistics.median(book), "bookkeeping_ms_p99": sorted(book)[int(0.99 * (len(book) - 1))],
             "steps": len(book), "pushed_share": sum(r.predraft == "pushed" for r in rounds) / max(len(rounds), 1),
             "late_share": sum(r.fallback_reason == "draft_late" for r in rounds) / max(len(rounds), 1),

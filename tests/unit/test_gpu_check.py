@@ -62,5 +62,6 @@ def test_the_engine_loops_real_device_mode_runs_unpadded_on_the_cpu(tmp_path):
     assert [r["arm"] for r in real] == ["plain", "K=2"]
     assert all(r["forward_ms_p50"] > 0 and 0 < r["device_busy"] <= 1.0 for r in real)
     assert all(r["forward_ms_p50"] is None for r in simulated)
-    # the stand-in's real forward is far below the profile's 6.4 ms floor a pass
-    assert real[0]["forward_ms_p50"] < 6.4
+    # the stand-in's real forward is far below the profile's 6.4 ms floor a pass: unpadded
+    # (its fastest step; a median on a loaded machine has passed 6.4 ms, 7.2 once in CI)
+    assert real[0]["forward_ms_min"] < 6.4

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from specserve.errors import SessionClosed, SessionNotFound, SpecserveError
@@ -50,6 +51,10 @@ class Sessions:
         self.ownership = ownership
         self.tasks: set[asyncio.Task] = set()
         self.replacing: dict[str, asyncio.Task] = {}  # session -> the follow hook's re-placing
+        # session -> when a reader on this router last waited on it: its re-placing is that
+        # reader's (under the request's span, so the new run joins the request's trace); the
+        # reaper leaves it alone while the reader is there
+        self.followed: dict[str, float] = {}
 
     async def open(self, request_id: str | None, prompt_ids: list[int], plan: SessionPlan) -> Opened:
         """Create the session and start it on a target, or join the one `request_id` names
@@ -84,6 +89,7 @@ class Sessions:
         driver went silent, in the background (placing may wait for a target to come back,
         and the reader must go on reading: its reads keep the session from being taken for
         abandoned)."""
+        self.followed[session_id] = time.monotonic()
         if session_id in self.replacing:
             return
 
@@ -105,8 +111,13 @@ class Sessions:
         client follows them."""
         while True:
             await asyncio.sleep(self.ownership.reap_s)
+            now = time.monotonic()
+            recent = now - 2 * self.ownership.reap_s
+            self.followed = {sid: t for sid, t in self.followed.items() if t >= recent}
             try:
                 for session_id in await self.store.orphans():
+                    if session_id in self.followed:  # a reader here re-places it, in its request's trace
+                        continue
                     with contextlib.suppress(SpecserveError):
                         await self.replace(session_id)
             except REDIS_DOWN:
