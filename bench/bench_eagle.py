@@ -109,12 +109,12 @@ def main() -> None:
                 parts_out = [cell(model, pair, head, parts, arm, g, a.max_tokens, a.k) for g in groups]
                 tok = sum(r["tokens"] for r in parts_out)
                 wall = sum(r["wall_s"] for r in parts_out)
-                spec_rounds = [r for r in parts_out]
+                n_parts = len(parts_out)
                 results[arm] = {
                     "tok_s": tok / wall,
-                    "accepted_per_round": sum(r["accepted_per_round"] for r in spec_rounds) / len(spec_rounds),
-                    "tokens_per_pass": sum(r["tokens_per_pass"] for r in spec_rounds) / len(spec_rounds),
-                    "tree_drafts_per_round": sum(r["tree_drafts_per_round"] for r in spec_rounds) / len(spec_rounds),
+                    "accepted_per_round": sum(r["accepted_per_round"] for r in parts_out) / n_parts,
+                    "tokens_per_pass": sum(r["tokens_per_pass"] for r in parts_out) / n_parts,
+                    "tree_drafts_per_round": sum(r["tree_drafts_per_round"] for r in parts_out) / n_parts,
                     "outputs": [o for r in parts_out for o in r["outputs"]],
                 }
             plain = results["plain"]

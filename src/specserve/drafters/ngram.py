@@ -35,10 +35,12 @@ class NgramSession:
         return DraftProposal(until_banned(tokens, set(sampling.banned_token_ids)), None)
 
     def propose_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
-                     width: int) -> tuple[list[int], list[int]] | None:
+                     width: int, grammar: object = None) -> tuple[list[int], list[int]] | None:
         """A token tree (ADR 0020) where the longest suffix match has several continuations:
         the `width` latest matches with distinct next tokens, each continued for k tokens, as
-        branches (depth-first); None where one continuation (or none) is found."""
+        branches (depth-first); None where one continuation (or none) is found. Under a
+        constraint (`grammar`) the branches are not masked here: the target prunes what the
+        constraint forbids."""
         branches = lookup_branches(token_ids, k, self.drafter.min_n, self.drafter.max_n, width)
         banned = set(sampling.banned_token_ids)
         branches = [b for b in (until_banned(b, banned) for b in branches) if b]

@@ -12,7 +12,6 @@ stream (`Draft.Link`) is the remote source.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -121,9 +120,7 @@ class LocalDrafts:
         tree = getattr(local.draft, "propose_tree", None)
         if width > 1 and tree is not None:  # a token tree where it pays (ADR 0020)
             # (a draft model masks its branches to the constraint; the target prunes what it forbids)
-            masked = {"grammar": local.grammar} \
-                if local.grammar is not None and "grammar" in inspect.signature(tree).parameters else {}
-            proposed = tree(local.prefix.ids, k, local.sampling, local.seed, width, **masked)
+            proposed = tree(local.prefix.ids, k, local.sampling, local.seed, width, grammar=local.grammar)
             if proposed is not None:
                 tokens, parents = proposed
                 self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(tokens), None,

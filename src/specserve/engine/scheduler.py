@@ -102,7 +102,8 @@ def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[Engin
         return Row(s, None, feed)
     if s.block is not None and (offset := s.usable(s.block)) is not None:
         if s.block.parents is not None:  # a tree verifies all its nodes below the committed path
-            view = subtree(s.block.tokens, s.block.parents, s.committed.ids[s.block.base_len:])
+            view = subtree(s.block.tokens, s.block.parents, s.committed.ids[s.block.base_len:]) if offset else \
+                (list(s.block.tokens), list(s.block.parents))
             return Row(s, s.block, feed + len(view[0]), offset=offset, tree=view)  # type: ignore[index]
         return Row(s, s.block, feed + min(len(s.block.tokens) - offset, k), offset=offset)
     if s.waiting_since is None:

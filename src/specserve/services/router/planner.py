@@ -42,7 +42,7 @@ class Planner:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self._warned: set[str] = set()
-        self._rolling_back: set[str] = set()  # classes whose guard's rollback is being written
+        self._moving: set[str] = set()  # classes whose stage change (rollback, promotion) is being written
         self._tasks: set[asyncio.Task] = set()
 
     def stats_class(self, workload_class: str) -> str:
@@ -122,9 +122,9 @@ class Planner:
         """The controller's stage change: a compare-and-set write as `controller` (of several
         routers that see it, one writes it; a change an operator made meanwhile wins), in the
         audit log with its reason; this router applies it at once (the others by pub/sub)."""
-        if policy.workload_class in self._rolling_back:
+        if policy.workload_class in self._moving:
             return
-        self._rolling_back.add(policy.workload_class)
+        self._moving.add(policy.workload_class)
 
         async def write() -> None:
             try:
@@ -137,7 +137,7 @@ class Planner:
             except Exception:  # noqa: BLE001 (Redis away: the next request of the class tries again)
                 log.exception("the %s of policy %r could not be written", action, policy.workload_class)
             finally:
-                self._rolling_back.discard(policy.workload_class)
+                self._moving.discard(policy.workload_class)
 
         task = asyncio.get_running_loop().create_task(write())
         self._tasks.add(task)
