@@ -34,6 +34,11 @@ class SessionLost(SpecserveError):
     """Another router took the session over, or it expired (gRPC ABORTED): Resume it."""
 
 
+class ServedTokensChanged(SpecserveError):
+    """A client was served tokens that the store lost (a Redis failover without replica
+    acknowledgement, ADR 0023) and that were then generated differently (gRPC DATA_LOSS)."""
+
+
 class SessionClosed(SpecserveError):
     """The session has ended (finished, cancelled or failed): nothing more to drive (gRPC
     FAILED_PRECONDITION)."""

@@ -20,6 +20,10 @@ class RouterMetrics:
         self.takeovers = Counter("specserve_session_takeovers",
                                  "Sessions this router re-placed on a target after their driver's lease lapsed (ADR 0014).",
                                  registry=r)
+        self.unreplicated = Counter(
+            "specserve_unreplicated_reads",
+            "Stream reads served although no replica acknowledged them within redis_replica_wait_s (ADR 0023): "
+            "a failover then could take those tokens back.", registry=r)
         self.serving = Gauge("specserve_router_serving", "1 while the router's health is SERVING (Redis answers).",
                              registry=r)
         self.pool_healthy = Gauge("specserve_draft_pool_healthy_replicas",

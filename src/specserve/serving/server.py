@@ -24,6 +24,7 @@ from specserve.errors import (
     NeedsFullPrefix,
     ResourceExhausted,
     SessionClosed,
+    ServedTokensChanged,
     SessionLost,
     SessionNotFound,
     SpecserveError,
@@ -43,6 +44,7 @@ _CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (SessionLost, grpc.StatusCode.ABORTED),
+    (ServedTokensChanged, grpc.StatusCode.DATA_LOSS),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 

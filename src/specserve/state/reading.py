@@ -1,20 +1,31 @@
 """Reading a session's committed chunks from its `:out` stream: catch up, then follow live
-commits, riding out Redis restarts (the readers of DESIGN §5: GenerateStream, Resume)."""
+commits, riding out Redis restarts and failovers (the readers of DESIGN §5: GenerateStream,
+Resume).
+
+Under a replicated Redis (ADR 0023) a reader serves only what a replica holds: each read is
+one pipeline on one connection, `[read, a write of the session's read_at, WAIT n]`. The
+replication stream is ordered, so a replica that acknowledged the write holds every commit
+the read returned; Sentinel promotes the most advanced replica, so a failover never takes
+back a served token. A read that is not acknowledged is not served: it is repeated (on the
+new primary, after a failover) until it is, or for `replica_wait_s`, after which it is
+served unreplicated and counted (the store's `unreplicated_reads`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from specserve.errors import InvalidRequest, SessionNotFound
+from specserve.errors import InvalidRequest, ServedTokensChanged, SessionNotFound
 from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN
 from specserve.state.records import Chunk, SessionStatus, as_str
 
 if TYPE_CHECKING:
     from specserve.state.store import SessionStore
 
+log = logging.getLogger("specserve.state")
 _PAGE = 256  # stream entries per XRANGE while a reader catches up
 
 
@@ -41,10 +52,12 @@ async def read_chunks(
     if from_offset > length:
         raise InvalidRequest(f"offset {from_offset} is past the {length} committed tokens")
     pos, down_since, backoff = from_offset, None, OUTAGE_BACKOFF_S
+    served: list[int] = []  # what this reader sent, from from_offset: a redone chunk must match it
     while True:  # ride_out's policy, inlined: this is a generator
         try:
-            async for chunk in _follow(store, session_id, pos, block_ms, on_wait):
+            async for chunk in _follow(store, session_id, pos, block_ms, on_wait, served, from_offset):
                 yield chunk
+                served.extend(chunk.tokens)
                 pos, down_since, backoff = chunk.offset + len(chunk.tokens), None, OUTAGE_BACKOFF_S
                 if chunk.finish_reason:
                     return
@@ -60,22 +73,24 @@ async def read_chunks(
             backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_S)
 
 async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
-                  on_wait: Callable[[], Awaitable[None]] | None) -> AsyncIterator[Chunk]:
+                  on_wait: Callable[[], Awaitable[None]] | None, served: list[int],
+                  from_offset: int) -> AsyncIterator[Chunk]:
     hash_key, _, out_key, _ = store._keys(session_id)
     # The chunk holding pos is the last one that starts at or before it.
     before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1)
     start, last_id, catching_up = (as_str(before[0][0]) if before else "-"), "0-0", True
     marked = 0.0
+    confirmed = store.replica_acks > 0
     while True:
         closed = False
-        if time.monotonic() - marked >= 1.0:  # someone reads it: not abandoned
-            await store.mark_read(session_id)
+        if not confirmed and time.monotonic() - marked >= 1.0:  # someone reads it: not abandoned
+            await store.mark_read(session_id)  # (a confirmed read marks it with every read)
             marked = time.monotonic()
         if catching_up:  # page through what is already committed
-            entries = await store._r.xrange(out_key, min=start, max="+", count=_PAGE)
+            entries = await _read(store, hash_key, lambda r: r.xrange(out_key, min=start, max="+", count=_PAGE))
             catching_up = len(entries) == _PAGE
         else:  # follow live commits
-            reply = await store._r.xread({out_key: last_id}, block=block_ms)
+            reply = await _read(store, hash_key, lambda r: r.xread({out_key: last_id}, block=block_ms))
             entries = _xread_entries(reply)
             if not entries:
                 status = await store._r.hget(hash_key, "status")
@@ -86,12 +101,13 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                         await on_wait()
                     continue
                 # Closed: its final chunk was written with the status, so one read gets it.
-                entries = await store._r.xrange(out_key, min=f"({last_id}", max="+")
+                entries = await _read(store, hash_key, lambda r: r.xrange(out_key, min=f"({last_id}", max="+"))
                 closed = True
         for entry_id, fields in entries:
             last_id = as_str(entry_id)
             if _offset(fields) > pos:
                 raise _Reseek  # commits were lost and redone: find pos's chunk again
+            _check_redone(session_id, fields, pos, served, from_offset)
             chunk = _chunk(fields, pos)
             if chunk is not None:
                 yield chunk
@@ -105,6 +121,60 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
 
 class _Reseek(Exception):
     pass
+
+
+async def _read(store: SessionStore, hash_key: str, command: Callable[[Any], Any]) -> Any:
+    """`command(client)`'s reply; under `replica_acks`, only once a replica acknowledged a
+    write issued after it on the same connection (the module's docstring). A primary left
+    without replicas (its only one failed over to it, or died) would stall every read: after
+    one read waited `replica_wait_s`, reads are served unconfirmed (counted) and a read a
+    second probes whether replicas answer again."""
+    if store.replica_acks <= 0:
+        return await command(store._r)
+    since = time.monotonic()
+    while True:
+        probing = store.unreplicated_since is not None
+        if probing and time.monotonic() < store.probe_at:
+            store.count_unreplicated()
+            return await command(store._r)
+        wait_ms = _PROBE_MS if probing else store.replica_wait_ms
+        async with store._r.pipeline(transaction=False) as pipe:
+            command(pipe)
+            await store._mark_read(keys=[hash_key], client=pipe)
+            pipe.execute_command("WAIT", store.replica_acks, wait_ms)
+            reply, _, acked = await pipe.execute()
+        now = time.monotonic()
+        if int(acked) >= store.replica_acks:
+            store.unreplicated_since = None
+            return reply
+        if probing or now - since >= store.replica_wait_s:
+            if store.unreplicated_since is None:
+                store.unreplicated_since = now
+                log.warning("no Redis replica acknowledged reads for %.1f s: serving unreplicated (a failover "
+                            "now could take tokens back)", now - since)
+            store.probe_at = now + _PROBE_EVERY_S
+            store.count_unreplicated()
+            return reply  # no replica for that long: serve (availability), counted
+
+
+_PROBE_MS, _PROBE_EVERY_S = 20, 1.0
+
+
+def _check_redone(session_id: str, fields: dict, pos: int, served: list[int], from_offset: int) -> None:
+    """A chunk that starts before `pos` was served in part already (commits lost with a Redis
+    restart or an unreplicated failover, then driven again): its served part must be what the
+    reader sent. Raised otherwise: the client saw tokens the store no longer holds."""
+    offset = _offset(fields)
+    if offset >= pos or offset < from_offset:
+        return
+    f = {as_str(k): as_str(v) for k, v in fields.items()}
+    tokens = [int(t) for t in f["tokens"].split(",")] if f["tokens"] else []
+    redone = tokens[: pos - offset]
+    sent = served[offset - from_offset : offset - from_offset + len(redone)]
+    if redone != sent:
+        raise ServedTokensChanged(
+            f"session {session_id}: tokens {offset}..{offset + len(redone)} were served as {sent} and are now "
+            f"committed as {redone} (a Redis failover lost served commits; see ADR 0023)")
 
 
 def _xread_entries(reply: Any) -> list:

@@ -58,14 +58,26 @@ _SESSION_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else could al
 _MAX_REQUEST_ID = 256
 
 class SessionStore:
-    def __init__(self, redis: Redis, prefix: str = "specserve", ttl_s: int = 3600, lease_s: float = 5.0) -> None:
+    def __init__(self, redis: Redis, prefix: str = "specserve", ttl_s: int = 3600, lease_s: float = 5.0,
+                 replica_acks: int = 0, replica_wait_s: float = 2.0) -> None:
         if not prefix or any(c.isspace() for c in prefix):
             raise InvalidRequest(f"store prefix must be non-empty without spaces, got {prefix!r}")
         if not isinstance(ttl_s, int) or ttl_s <= 0:
             raise InvalidRequest(f"store ttl_s must be a positive int of seconds, got {ttl_s!r}")
         if not lease_s > 0:
             raise InvalidRequest(f"store lease_s must be positive, got {lease_s!r}")
+        if not isinstance(replica_acks, int) or replica_acks < 0:
+            raise InvalidRequest(f"store replica_acks must be an int >= 0, got {replica_acks!r}")
         self.lease_s = lease_s
+        # readers serve what this many replicas acknowledged (state/reading.py; ADR 0023): 0 =
+        # at once (one Redis); after replica_wait_s without them, unreplicated (counted)
+        self.replica_acks = replica_acks
+        self.replica_wait_s = replica_wait_s
+        self.replica_wait_ms = max(1, min(500, int(replica_wait_s * 1000)))  # one WAIT's timeout
+        self.unreplicated_reads = 0
+        self.on_unreplicated: Callable[[], None] | None = None  # (the router's counter)
+        self.unreplicated_since: float | None = None  # no replica answered: reads unconfirmed
+        self.probe_at = 0.0
         # redis-py types its commands as sync | async unions; the client here is always async.
         self._r: Any = redis
         self.prefix = prefix
@@ -80,6 +92,11 @@ class SessionStore:
         self._stats: Any = redis.register_script(scripts.STATS)
         self._claim: Any = redis.register_script(scripts.CLAIM)
         self.running_key = f"{prefix}:running"
+
+    def count_unreplicated(self) -> None:
+        self.unreplicated_reads += 1
+        if self.on_unreplicated is not None:
+            self.on_unreplicated()
 
     @property
     def client(self) -> Any:

@@ -237,6 +237,23 @@ class LocalRedisHA:
         for server in (*self.sentinels, self.replica, self.primary):
             server.stop(grace_s=2.0)
 
+    def cut_replication(self) -> None:
+        """Fault injection (tests, the soak): stop the replica (SIGSTOP) and cut its link on the
+        primary (CLIENT KILL TYPE replica), so that nothing the primary writes from now on
+        reaches it, until `resume_replica`. Killing the primary in between makes the sentinels
+        promote a replica that lacks those writes: real replication lag, made certain."""
+        import redis
+
+        os.kill(self.replica.pid, signal.SIGSTOP)
+        client = redis.Redis(port=self.primary.port, password=self.password or None, socket_timeout=5)
+        try:
+            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        finally:
+            client.close()
+
+    def resume_replica(self) -> None:
+        os.kill(self.replica.pid, signal.SIGCONT)
+
 
 def start_redis_ha(dir: Path, *, down_after_ms: int = 1000, failover_timeout_ms: int = 5000,
                    timeout_s: float = 20.0) -> LocalRedisHA:

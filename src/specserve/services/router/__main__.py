@@ -110,12 +110,14 @@ class Router:
         self.settings = settings
         self.redis = redis = connect(settings.redis_url)
         store = SessionStore(redis, prefix=settings.key_prefix, ttl_s=settings.session_ttl_s,
-                             lease_s=settings.lease_s)
+                             lease_s=settings.lease_s, replica_acks=settings.replica_acks,
+                             replica_wait_s=settings.redis_replica_wait_s)
         self.tls = tls = load_tls(settings.tls_dir, settings.tls_server_name)
         self.pools = {name: DraftPool(name, addrs, tls=tls) for name, addrs in settings.draft_pools.items()}
         self.targets = TargetDirectory(redis, settings.key_prefix, settings.target_wait_s, settings.admission_wait_s,
                                        tls=tls)
         self.metrics = metrics = RouterMetrics()
+        store.on_unreplicated = metrics.unreplicated.inc
         self.policy_store = PolicyStore(redis, settings.key_prefix)
         self.policies = PolicyCache(self.policy_store, builtin_policy(settings), settings.policy_reload_s)
         self.controller = Controller(redis, settings.key_prefix, settings.controller_half_life_s,

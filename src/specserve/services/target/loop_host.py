@@ -50,7 +50,7 @@ from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
 from specserve.params import GenerationParams
 from specserve.serving.metrics import RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
-from specserve.state.store import REDIS_DOWN, SessionStatus, SessionStore
+from specserve.state.store import REDIS_DOWN, CommitStatus, SessionStatus, SessionStore, ride_out
 from specserve.structured.constraint import Constraint
 from specserve.worker import threads
 
@@ -416,6 +416,8 @@ class LoopHost:
         # adopt_mine, which finds it no longer running).
         if session.status in (Status.FINISHED, Status.FAILED) and not plan.shadow:
             asyncio.ensure_future(self._unindex(session.id))
+        if session.finish_reason == CommitStatus.STALE_LEN.value and not plan.shadow:
+            asyncio.ensure_future(self._redrive(session.id))
         served_id = d.shadow_of or session.id
         twin_id = served_id + SHADOW_SUFFIX
         served, twin = self.driving.get(served_id), self.driving.get(twin_id)
@@ -439,6 +441,19 @@ class LoopHost:
                 m.tpot.labels(*labels).observe((d.ended_at - d.first_round) / (n - 1))
         if n:
             m.passes_per_token.labels(*labels).observe(len(s.rounds) / n)
+
+    async def _redrive(self, session_id: str) -> None:
+        """Redis came back shorter than this driver's commits (a restart's lost second, or a
+        failover's unreplicated tail): still this driver's (a commit refused as STALE_LEN passed
+        the epoch fence), so it takes the session again at once and drives on from what Redis
+        holds (ADR 0011, 0023), rather than leaving it to a reaper once its lease lapses."""
+        try:
+            await ride_out(lambda: self.start(session_id), self.committer.outage_s)
+            log.info("session %s driven again from the commits Redis holds", session_id)
+        except (SessionNotFound, SessionClosed):
+            pass
+        except Exception:
+            log.exception("driving session %s again after a shorter Redis", session_id)
 
     async def _fail(self, session_id: str, epoch: int, error: str) -> None:
         with contextlib.suppress(*REDIS_DOWN):
