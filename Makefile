@@ -96,6 +96,7 @@ bench: setup
 	$(PY) bench/bench_eagle.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_rollout.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_overload.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_failover.py --models $(MODELS_DIR) --out bench/results
 	cd bench && ../$(PY) bench_engine_loop.py --out results
 
 lint: setup

@@ -63,8 +63,8 @@ async def _drive(store: SessionStore, sid: str, epoch: int, sampled: bool, redri
     while n < TOTAL:
         toks = [_token(sid, i, epoch if sampled else 0) for i in range(n, n + 2)]
         finish = "length" if n + 2 >= TOTAL else None
-        res = await ride_out(lambda: store.commit(sid, n, epoch, f"{epoch}-{n}", toks, " ".join(map(str, toks)),
-                                                  finish), 30.0)
+        res = await ride_out(lambda n=n, epoch=epoch, toks=toks, finish=finish: store.commit(
+            sid, n, epoch, f"{epoch}-{n}", toks, " ".join(map(str, toks)), finish), 30.0)
         if res.status is CommitStatus.STALE_LEN:
             epoch = await ride_out(lambda: store.take_over(sid, "driver"), 30.0)
             n = len(await store.committed_tokens(sid))

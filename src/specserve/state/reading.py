@@ -87,10 +87,10 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
             await store.mark_read(session_id)  # (a confirmed read marks it with every read)
             marked = time.monotonic()
         if catching_up:  # page through what is already committed
-            entries = await _read(store, hash_key, lambda r: r.xrange(out_key, min=start, max="+", count=_PAGE))
+            entries = await _read(store, hash_key, lambda r, start=start: r.xrange(out_key, min=start, max="+", count=_PAGE))
             catching_up = len(entries) == _PAGE
         else:  # follow live commits
-            reply = await _read(store, hash_key, lambda r: r.xread({out_key: last_id}, block=block_ms))
+            reply = await _read(store, hash_key, lambda r, last=last_id: r.xread({out_key: last}, block=block_ms))
             entries = _xread_entries(reply)
             if not entries:
                 status = await store._r.hget(hash_key, "status")
@@ -101,7 +101,7 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                         await on_wait()
                     continue
                 # Closed: its final chunk was written with the status, so one read gets it.
-                entries = await _read(store, hash_key, lambda r: r.xrange(out_key, min=f"({last_id}", max="+"))
+                entries = await _read(store, hash_key, lambda r, last=last_id: r.xrange(out_key, min=f"({last}", max="+"))
                 closed = True
         for entry_id, fields in entries:
             last_id = as_str(entry_id)
