@@ -13,6 +13,11 @@ session follows it (what a router streams to a client).
   longest gap between deliveries around the kill (p50/p99), and every stream checked against
   its session's committed tokens (nothing repeated, skipped or changed).
 
+- throughput: what a Redis Cluster buys. One writer sends what the engine sends, one
+  `commit_batch` per step with a round for each of --sessions sessions, as fast as Redis
+  answers, for --seconds: steps and tokens a second on one Redis against a local Cluster of
+  three masters (a replica each). On this machine every server shares the same cores.
+
 Writes <out>/failover/failover.json and failover.png.
 
     python bench/bench_failover.py [--sessions 8 64] [--seconds 4]
@@ -31,7 +36,7 @@ from common import parser, warn_if_busy
 
 from specserve.state.connection import connect, ride_out
 from specserve.state.store import CommitStatus, SessionStore
-from specserve.tooling.redis_server import start_redis_ha
+from specserve.tooling.redis_server import start_redis, start_redis_cluster, start_redis_ha
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -98,6 +103,28 @@ async def _arm(url: str, sessions: int, acks: int, seconds: float, round_tokens:
     return out
 
 
+class _Round:
+    def __init__(self, sid: str, n: int, tokens: list[int]) -> None:
+        self.session_id, self.epoch, self.expected_len, self.round_id = sid, 1, n, f"r{n}"
+        self.tokens, self.text, self.finish_reason, self.stats = tokens, "", None, ""
+
+
+async def _throughput(url: str, sessions: int, seconds: float, round_tokens: int) -> dict:
+    client = connect(url)
+    store = SessionStore(client)
+    sids = [(await store.create_or_join(None, {}, [1], "bench")).session_id for _ in range(sessions)]
+    n, steps, t0 = 0, 0, time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        results = await store.commit_batch([_Round(s, n, list(range(n, n + round_tokens))) for s in sids])
+        assert all(r.applied for r in results), results[:3]
+        n += round_tokens
+        steps += 1
+    dt = time.monotonic() - t0
+    await client.aclose()
+    return {"sessions": sessions, "steps_per_s": steps / dt, "tokens_per_s": steps * sessions * round_tokens / dt,
+            "step_ms": 1e3 * dt / steps}
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--sessions", type=int, nargs="+", default=[8, 64])
@@ -124,6 +151,14 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
             finally:
                 ha.stop()
+        for kind, start in (("one Redis", start_redis), ("Cluster 3x2", start_redis_cluster)):
+            servers = start(Path(tmp) / kind.replace(" ", "-"))
+            try:
+                rows.append({"kind": "throughput", "redis": kind, **asyncio.run(_throughput(
+                    servers.url, max(a.sessions), a.seconds, a.round_tokens))})
+                print(json.dumps(rows[-1]), flush=True)
+            finally:
+                servers.stop()
     out = Path(a.out) / "failover"
     out.mkdir(parents=True, exist_ok=True)
     summary = {"load_before": load, "round_tokens": a.round_tokens, "round_ms": a.round_ms, "rows": rows}
@@ -134,6 +169,9 @@ def main() -> None:
             print(f"{r['sessions']:3d} sessions, replica_acks {r['replica_acks']}: delivery p50 "
                   f"{r['delivery_ms_p50']:.1f} ms p99 {r['delivery_ms_p99']:.1f} ms, "
                   f"{r['redis_calls_per_token']:.2f} Redis calls a token, wrong streams {r['wrong_streams']}")
+        elif r["kind"] == "throughput":
+            print(f"{r['sessions']:3d} sessions, {r['redis']}: {r['steps_per_s']:.0f} commit steps/s "
+                  f"({r['step_ms']:.2f} ms each), {r['tokens_per_s']:.0f} tokens/s")
         else:
             print(f"{r['sessions']:3d} sessions, failover: pause p50 {r['pause_s_p50']:.2f} s p99 "
                   f"{r['pause_s_p99']:.2f} s, wrong streams {r['wrong_streams']}")
@@ -145,7 +183,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
     cost = [r for r in rows if r["kind"] == "cost"]
     labels = [f"{r['sessions']} s., acks {r['replica_acks']}" for r in cost]
     ax1.bar(labels, [r["delivery_ms_p50"] for r in cost], label="p50")
@@ -161,6 +199,10 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax2.set_ylabel("longest gap in a stream (s)")
     ax2.set_title("primary killed (replica_acks 1)")
     ax2.legend()
+    tp = [r for r in rows if r["kind"] == "throughput"]
+    ax3.bar([r["redis"] for r in tp], [r["tokens_per_s"] for r in tp])
+    ax3.set_ylabel("committed tokens/s")
+    ax3.set_title(f"engine-style commit steps, {tp[0]['sessions'] if tp else 0} sessions")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

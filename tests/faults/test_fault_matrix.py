@@ -31,6 +31,7 @@ from faultkit import DETACHED_IDLE_S, PASS_MS, FlakyProxy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.serving.tls import channel
+from specserve.state.store import session_key
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_TOKENS = 32
@@ -162,7 +163,7 @@ def _started(stubs, pick, reference, column: str, i: int):
 
 def _mid_generation(r, session_id: str, want: list[int]) -> None:
     """The proof that a fault lands mid-generation: running, with tokens still to come."""
-    status, committed = r.hmget(f"specserve:sess:{session_id}", "status", "committed")
+    status, committed = r.hmget(session_key(session_id), "status", "committed")
     assert status == b"running" and int(committed) < len(want), (status, committed)
 
 
@@ -289,7 +290,7 @@ def test_cancel_mid_round(stubs, r, pick, reference, column):
     tokens = _tokens(chunks)
     assert tokens == want[: len(tokens)] and len(tokens) < len(want)
     time.sleep(1.0)  # a round in flight at the Cancel must not land afterwards
-    assert [int(t) for t in r.lrange(f"specserve:sess:{sid}:tok", 0, -1)] == tokens
+    assert [int(t) for t in r.lrange(session_key(sid) + ":tok", 0, -1)] == tokens
 
 
 # -- client disconnect + Resume (finding 2) --------------------------------------------------
@@ -348,7 +349,7 @@ def test_an_unread_session_runs_on_then_is_cancelled(stubs, r, pick):
                                      timeout=60)
     first = next(stream)
     stream.cancel()  # the client goes away at once
-    key = f"specserve:sess:{first.session_id}"
+    key = session_key(first.session_id)
     at_disconnect = int(r.hget(key, "committed"))
     time.sleep(DETACHED_IDLE_S / 2)
     assert r.hget(key, "status") == b"running" and int(r.hget(key, "committed")) > at_disconnect  # driven on
@@ -453,11 +454,11 @@ def test_kill_router_replica_then_retry_elsewhere(stack, stubs, r, pick, referen
         _mid_generation(r, sids[c], wants[c])
     t0 = time.monotonic()
     os.killpg(stack.info.pids["router-1"], signal.SIGKILL)
-    at_kill = {c: int(r.hget(f"specserve:sess:{sids[c]}", "committed")) for c in COLUMNS}
+    at_kill = {c: int(r.hget(session_key(sids[c]), "committed")) for c in COLUMNS}
     time.sleep(6 * PASS_MS / 1e3)  # a few target passes
-    moved = {c: int(r.hget(f"specserve:sess:{sids[c]}", "committed")) for c in COLUMNS}
+    moved = {c: int(r.hget(session_key(sids[c]), "committed")) for c in COLUMNS}
     for c in COLUMNS:  # no pause: the rounds went on while nobody could read them
-        assert moved[c] > at_kill[c] or r.hget(f"specserve:sess:{sids[c]}", "status") != b"running", c
+        assert moved[c] > at_kill[c] or r.hget(session_key(sids[c]), "status") != b"running", c
     for s in streams.values():
         with pytest.raises(grpc.RpcError):
             list(s)
@@ -468,7 +469,7 @@ def test_kill_router_replica_then_retry_elsewhere(stack, stubs, r, pick, referen
     for c in COLUMNS:
         assert retried[c][0].session_id == sids[c]
         _check(retried[c], wants[c])
-        assert int(r.hget(f"specserve:sess:{sids[c]}", "epoch")) == 2  # created 1, started 2: never re-placed
+        assert int(r.hget(session_key(sids[c]), "epoch")) == 2  # created 1, started 2: never re-placed
 
 
 # -- a draft replica killed (-9): the pool fails over, then falls back to plain steps ---------

@@ -28,6 +28,7 @@ import redis
 from faultkit import LEASE_S
 
 from specserve.serving.tls import channel
+from specserve.state.store import session_key
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_TOKENS = 96
@@ -113,7 +114,7 @@ class _Stream:
 def _lengths(port: int, password: str, sids: list[str]) -> dict[str, int]:
     c = redis.Redis(port=port, password=password, socket_timeout=5)
     try:
-        return {s: c.llen(f"specserve:sess:{s}:tok") for s in sids}
+        return {s: c.llen(session_key(s) + ":tok") for s in sids}
     finally:
         c.close()
 

@@ -1,5 +1,7 @@
 """Integration fixtures: a private redis-server (never the machine's own 6379), an asyncio
-runner per test, and a store on a key prefix of its own.
+runner per test, and a store on a key prefix of its own. The store's tests (sessions,
+commits, readers, ownership, policies: whatever takes `redis_client`) run twice: on one Redis
+and on a local Redis Cluster of three masters with a replica each (ADR 0023).
 
 Tests are plain functions that call `run(coro)`: one event loop per test, shared by the
 fixtures and the test body, because a redis.asyncio connection belongs to the loop that
@@ -17,7 +19,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from specserve.state.store import SessionStore
-from specserve.tooling.redis_server import LocalRedis, start_redis
+from specserve.state.connection import parse_cluster_url
+from specserve.tooling.redis_server import LocalRedis, LocalRedisCluster, start_redis, start_redis_cluster
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 
@@ -37,9 +40,25 @@ def run() -> Iterator[Run]:
         yield runner.run
 
 
-@pytest.fixture
-def redis_client(redis_server: LocalRedis, run: Run) -> Iterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    cluster = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_client(request, redis_server: LocalRedis, run: Run) -> Iterator[aioredis.Redis]:
+    if request.param == "redis":
+        client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    else:  # the services' cluster client, as `connect` makes it, decoding as the one above
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        nodes, password = parse_cluster_url(request.getfixturevalue("redis_cluster").url)
+        client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], password=password,
+                              decode_responses=True)
     run(client.flushdb())
     yield client
     run(client.aclose())

@@ -35,7 +35,7 @@ import redis
 
 from specserve.errors import ServedTokensChanged
 from specserve.state.connection import connect, ride_out
-from specserve.state.store import CommitStatus, SessionStore
+from specserve.state.store import CommitStatus, SessionStore, session_key
 from specserve.tooling.redis_server import start_redis_ha
 
 SESSIONS = 8
@@ -90,7 +90,7 @@ async def _read(store: SessionStore, sid: str, got: list[int], times: list[float
 def _lengths(port: int, password: str, sids: list[str]) -> dict[str, int]:
     c = redis.Redis(port=port, password=password, socket_timeout=5)
     try:
-        return {s: c.llen(f"specserve:sess:{s}:tok") for s in sids}
+        return {s: c.llen(session_key(s) + ":tok") for s in sids}
     finally:
         c.close()
 

@@ -51,10 +51,14 @@ def test_running_index_forgets_closed_sessions(short, redis_client, run):
     async def body():
         a = await short.create_or_join(None, PARAMS, PROMPT, owner="a")
         b = await short.create_or_join(None, PARAMS, PROMPT, owner="a")
-        assert await redis_client.smembers(short.running_key) == {a.session_id, b.session_id}
+        running = set()
+        for key in {short._keys(a.session_id)[4], short._keys(b.session_id)[4]}:
+            running |= await redis_client.smembers(key)
+        assert running == {a.session_id, b.session_id}
         await short.commit(a.session_id, 0, a.epoch, rid(), [1], "x", "eos")
         assert await short.cancel(b.session_id)
-        assert await redis_client.smembers(short.running_key) == set()
+        for key in short.running_keys:
+            assert await redis_client.smembers(key) == set()
         await asyncio.sleep(0.4)
         assert await short.orphans() == [] and await short.adopt(a.session_id, "b") is None
 
@@ -89,7 +93,7 @@ def test_a_reader_trims_commits_redone_from_a_shorter_prefix(short, redis_client
         seen = [await anext(reader), await anext(reader)]
         assert [c.offset for c in seen] == [0, 2]
         # Redis "loses" the second commit: what a restart inside the window leaves
-        base = f"{short.prefix}:sess:{sid}"
+        base = short.session_key(sid)
         first = (await redis_client.xrange(f"{base}:out", "0-1", "0-1"))[0][1]
         await redis_client.delete(f"{base}:out")  # (XDEL would keep the stream's last id)
         await redis_client.xadd(f"{base}:out", first, id="0-1")

@@ -15,7 +15,7 @@ import grpc
 import redis
 import redis.asyncio as aioredis
 
-from specserve.state.store import SessionStore
+from specserve.state.store import SessionStore, session_key
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -53,7 +53,7 @@ def test_a_commit_refused_while_the_next_round_is_in_flight_ends_the_run(stack, 
         chunks = [next(stream)]
         session_id = chunks[0].session_id
         r = redis.Redis.from_url(stack.info.redis_url, decode_responses=True)
-        key = f"specserve:sess:{session_id}"
+        key = session_key(session_id)
         _take_over(stack.info.redis_url, session_id)  # as a router taking the session over would
         assert 0 < int(r.hget(key, "committed")) < 200, "the fault did not hit mid-generation"
         chunks.extend(stream)  # the usurper went silent: adopted after its lease, finished

@@ -22,6 +22,7 @@ import grpc
 import pytest
 import redis
 
+from specserve.state.store import session_key
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 TOKEN = "test-admin-token"
@@ -391,7 +392,7 @@ def test_adaptive_k_settles_within_one_step_of_the_sweeps_best(routers, extracti
 def _shadow_record(rdb, session_id: str, timeout_s: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        raw = rdb.hget(f"specserve:sess:{session_id}", "shadow")
+        raw = rdb.hget(session_key(session_id), "shadow")
         if raw:
             return json.loads(raw)
         time.sleep(0.1)

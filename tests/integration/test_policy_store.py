@@ -76,3 +76,25 @@ def test_policy_store_cas_audit_and_cache(redis_client, run):
     assert after[1] == "builtin"
     assert [(e.action, e.who) for e in audit] == [("delete", "carol"), ("set", "bob"), ("set", "alice")]
     assert audit[1].old == v1 and audit[1].new is not None and audit[1].new.k == 2
+
+
+def test_policies_in_the_key_layout_before_adr_0023_are_copied_once(redis_client, run):
+    store = PolicyStore(redis_client, prefix="t5")
+
+    async def go():
+        # what an earlier router wrote: `{p}:policies`, `{p}:policy:{class}`, `{p}:policy-audit`
+        old = Policy("code", draft_pool="small", k=6)
+        await redis_client.sadd("t5:policies", "code")
+        await redis_client.hset("t5:policy:code", mapping={"body": old.body(), "version": 3, "updated_by": "alice",
+                                                           "updated_at": 1.0})
+        await redis_client.xadd("t5:policy-audit", {"at": "1.0", "who": "alice", "peer": "", "action": "set",
+                                                    "class": "code", "old_body": "", "old_version": 0,
+                                                    "new_body": old.body(), "new_version": 3, "comment": ""})
+        moved = await store.migrate_layout()
+        again = await store.migrate_layout()  # today's index exists now: nothing more
+        return moved, again, await store.list(), await store.audit("code")
+
+    moved, again, policies, audit = run(go())
+    assert (moved, again) == (1, 0)
+    assert [(p.workload_class, p.k, p.version, p.updated_by) for p in policies] == [("code", 6, 3, "alice")]
+    assert [(a.who, a.new.k) for a in audit] == [("alice", 6)]

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specserve.config import LOCAL_NGRAM
 from specserve.drafters import NgramDrafter
 from specserve.models.reference import GenerationParams, ReferenceDecoder
+from specserve.state.store import session_key
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 MAX_TOKENS = 24
@@ -110,21 +111,21 @@ def test_concurrent_requests_are_correct_and_committed(stub, stack, reference, e
     r = redis.Redis.from_url(stack.info.redis_url)
     for it, resp in zip(items, responses, strict=True):
         assert list(resp.token_ids) == reference(it["prompt"])[: len(resp.token_ids)]
-        stored = [int(t) for t in r.lrange(f"specserve:sess:{resp.session_id}:tok", 0, -1)]
+        stored = [int(t) for t in r.lrange(session_key(resp.session_id) + ":tok", 0, -1)]
         assert stored == list(resp.token_ids)
-        assert r.hget(f"specserve:sess:{resp.session_id}", "status") == b"finished"
+        assert r.hget(session_key(resp.session_id), "status") == b"finished"
 
 
 def test_retried_request_id_joins_without_generating_twice(stub, stack, eval_prompts):
     req = _req(eval_prompts[2]["prompt"], request_id="retry-me-1", temperature=0.9)
     first = stub.Generate(req, timeout=120)
     r = redis.Redis.from_url(stack.info.redis_url)
-    rounds_before = r.scard(f"specserve:sess:{first.session_id}:rounds")
+    rounds_before = r.scard(session_key(first.session_id) + ":rounds")
     second = stub.Generate(req, timeout=120)
     assert second.session_id == first.session_id and second.stats.joined
     assert list(second.token_ids) == list(first.token_ids) and second.text == first.text
-    assert r.scard(f"specserve:sess:{first.session_id}:rounds") == rounds_before  # no new rounds
-    assert r.xlen(f"specserve:sess:{first.session_id}:out") == rounds_before
+    assert r.scard(session_key(first.session_id) + ":rounds") == rounds_before  # no new rounds
+    assert r.xlen(session_key(first.session_id) + ":out") == rounds_before
 
 
 def test_resume_from_offset_returns_exactly_the_rest(stub, eval_prompts):
@@ -209,7 +210,7 @@ def test_kill_a_draft_replica_mid_request(stub, stack, reference, eval_prompts):
     stream = stub.GenerateStream(_req(prompt, max_tokens=60, draft_pool="small"), timeout=180)
     first = next(stream)
     r = redis.Redis.from_url(stack.info.redis_url)
-    assert r.hget(f"specserve:sess:{first.session_id}", "status") == b"running"  # mid-generation
+    assert r.hget(session_key(first.session_id), "status") == b"running"  # mid-generation
     replica = replica_for(first.session_id, stack.info.pools["small"])  # the session's replica
     name = f"draft-small-{stack.info.pools['small'].index(replica)}"
     os.kill(stack.info.pids[name], signal.SIGKILL)
@@ -235,7 +236,7 @@ def test_kill_the_target_actor_process(stub, stack, reference, eval_prompts):
     want = reference(prompt, 60)
     stream = stub.GenerateStream(_req(prompt, max_tokens=60, draft_pool="ngram"), timeout=300)
     first = next(stream)
-    assert r.hget(f"specserve:sess:{first.session_id}", "status") == b"running"  # mid-generation
+    assert r.hget(session_key(first.session_id), "status") == b"running"  # mid-generation
     os.kill(before["pid"], signal.SIGKILL)
     chunks = [first, *stream]
     _contiguous(chunks)

@@ -32,9 +32,9 @@ async def collect(store: SessionStore, session_id: str, offset: int = 0) -> list
 
 
 async def _request_session(redis, store: SessionStore, request_id: str) -> str | None:
-    """The session a request id names, read from the store's layout (`<prefix>:req:<id>`)."""
-    value = await redis.get(f"{store.prefix}:req:{request_id}")
-    return None if value is None else value.decode() if isinstance(value, bytes) else value
+    """The session a request id names, if it exists (its id is a keyed hash of the request id)."""
+    sid = store._session_id_for(request_id)
+    return sid if await redis.exists(store.session_key(sid)) else None
 
 
 def test_retried_request_joins_its_session(store, redis_client, run):
@@ -65,7 +65,7 @@ def test_concurrent_create_or_join_creates_exactly_one(store, redis_client, run)
         assert sum(h.created for h in handles) == 1
         assert len({h.session_id for h in handles}) == 1
         hashes = [k async for k in redis_client.scan_iter(f"{store.prefix}:sess:*")]
-        assert hashes == [f"{store.prefix}:sess:{handles[0].session_id}"]
+        assert hashes == [store.session_key(handles[0].session_id)]
 
     run(body())
 
@@ -78,7 +78,7 @@ def test_commit_appends_tokens_and_one_stream_entry_per_chunk(store, redis_clien
         assert (r1.status, r1.committed_len, r2.status, r2.committed_len) == ("ok", 3, "ok", 5)
         assert await store.committed_tokens(sid) == [10, 11, 12, 13, 14]
         assert (await store.get(sid)).committed == 5
-        entries = await redis_client.xrange(f"{store.prefix}:sess:{sid}:out")
+        entries = await redis_client.xrange(store.session_key(sid) + ":out")
         assert [fields for _, fields in entries] == [
             {"offset": "0", "tokens": "10,11,12", "text": "abc", "finish_reason": ""},
             {"offset": "3", "tokens": "13,14", "text": "de", "finish_reason": ""},
@@ -96,7 +96,7 @@ def test_stale_expected_len_is_refused_and_writes_nothing(store, redis_client, r
         assert (stale.status, stale.committed_len) == (CommitStatus.STALE_LEN, 3)
         assert not stale.applied
         assert await store.committed_tokens(sid) == [10, 11, 12]
-        assert await redis_client.xlen(f"{store.prefix}:sess:{sid}:out") == 1
+        assert await redis_client.xlen(store.session_key(sid) + ":out") == 1
         # The refused round was not recorded, so the same round at the right length applies.
         retry = await store.commit(sid, 3, epoch, round_id, [99], "z", None)
         assert (retry.status, retry.committed_len) == (CommitStatus.OK, 4)
@@ -135,7 +135,7 @@ def test_duplicate_round_id_is_a_no_op(store, redis_client, run):
         late = await store.commit(sid, 0, epoch, round_id, [10, 11], "ab", None)
         assert (late.status, late.committed_len) == (CommitStatus.DUPLICATE, 3)
         assert await store.committed_tokens(sid) == [10, 11, 12]
-        assert await redis_client.xlen(f"{store.prefix}:sess:{sid}:out") == 2
+        assert await redis_client.xlen(store.session_key(sid) + ":out") == 2
 
     run(body())
 
@@ -157,7 +157,7 @@ def test_commit_after_finish_or_cancel_is_closed(store, redis_client, run):
         assert (result.status, result.committed_len) == (CommitStatus.CLOSED, 2)
         info = await store.get(cancelled)
         assert (info.status, info.finish_reason) == (SessionStatus.CANCELLED, "cancelled")
-        last = await redis_client.xrevrange(f"{store.prefix}:sess:{cancelled}:out", count=1)
+        last = await redis_client.xrevrange(store.session_key(cancelled) + ":out", count=1)
         assert last[0][1]["finish_reason"] == "cancelled" and last[0][1]["offset"] == "2"
         assert await store.cancel(uuid.uuid4().hex) is False  # unknown session
 
@@ -246,9 +246,8 @@ def test_every_key_is_prefixed_and_has_a_refreshed_ttl(store, redis_client, run)
         handle = await store.create_or_join("req-ttl", PARAMS, PROMPT, owner="router-a")
         sid = handle.session_id
         await store.commit(sid, 0, handle.epoch, rid(), [1, 2], "ab", None)
-        base = f"{store.prefix}:sess:{sid}"
-        req_key = f"{store.prefix}:req:req-ttl"
-        expected = {base, f"{base}:tok", f"{base}:out", f"{base}:rounds", req_key, store.running_key}
+        base = store.session_key(sid)
+        expected = {base, f"{base}:tok", f"{base}:out", f"{base}:rounds", store._keys(sid)[4]}
         assert {k async for k in redis_client.scan_iter("*")} == expected
         for key in expected:
             assert 0 < await redis_client.ttl(key) <= store.ttl_s, key
@@ -347,5 +346,20 @@ def test_the_services_client_waits_for_a_pooled_connection_rather_than_failing(r
             assert got == [[] for _ in range(readers)]  # every read ran its block out, empty
         finally:
             await client.aclose()
+
+    run(body())
+
+
+def test_a_request_ids_session_made_again_after_its_hash_expired_starts_empty(store, redis_client, run):
+    """A request id names its session (ADR 0023), so a request sent again after its session's
+    hash expired gets the same id: what the old session's other keys still held is cleared."""
+    async def body():
+        first = await store.create_or_join("req-again", PARAMS, PROMPT, owner="router-a")
+        await store.commit(first.session_id, 0, first.epoch, rid(), [1, 2], "ab", None)
+        await redis_client.delete(store.session_key(first.session_id))  # the hash expired first
+        again = await store.create_or_join("req-again", PARAMS, [7], owner="router-b")
+        assert again.created and again.session_id == first.session_id
+        assert await store.committed_tokens(again.session_id) == []
+        assert await redis_client.xlen(store.session_key(again.session_id) + ":out") == 0
 
     run(body())

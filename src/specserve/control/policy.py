@@ -216,13 +216,32 @@ class PolicyStore:
     def __init__(self, redis: Redis, prefix: str = "specserve") -> None:
         self.redis = redis
         self.prefix = prefix
-        self.channel = f"{prefix}:policy-updates"
-        self.audit_key = f"{prefix}:policy-audit"
-        self.index_key = f"{prefix}:policies"
+        self.channel = f"{prefix}:policy-updates"  # (a pub/sub channel, not a key)
+        # one hash tag for every policy key: the write script's three keys share a Redis
+        # Cluster slot (ADR 0023)
+        self.index_key = f"{prefix}:{{policies}}"
+        self.audit_key = f"{prefix}:{{policies}}:audit"
         self._write: Any = redis.register_script(_WRITE)
 
     def key(self, workload_class: str) -> str:
-        return f"{self.prefix}:policy:{workload_class}"
+        return f"{self.prefix}:{{policies}}:class:{workload_class}"
+
+    async def migrate_layout(self) -> int:
+        """Policies stored under the keys before ADR 0023 (`{p}:policies`, `{p}:policy:{class}`,
+        `{p}:policy-audit`) copied to today's, once (only while today's index is empty): an
+        upgraded router keeps the policies set at run time. Returns how many were copied."""
+        old_index = f"{self.prefix}:policies"
+        if await self.redis.exists(self.index_key) or not await self.redis.exists(old_index):
+            return 0
+        classes = sorted(_s(c) for c in await self.redis.smembers(old_index))
+        for c in classes:
+            raw = await self.redis.hgetall(f"{self.prefix}:policy:{c}")
+            if raw:
+                await self.redis.hset(self.key(c), mapping=raw)
+                await self.redis.sadd(self.index_key, c)
+        for _entry_id, fields in await self.redis.xrange(f"{self.prefix}:policy-audit", count=AUDIT_MAXLEN):
+            await self.redis.xadd(self.audit_key, fields)
+        return len(classes)
 
     async def get(self, workload_class: str) -> Policy | None:
         raw = await self.redis.hgetall(self.key(workload_class))

@@ -59,9 +59,11 @@ def status_for(exc: Exception) -> grpc.StatusCode:
 
 
 def _redis_down(exc: Exception) -> bool:
-    from redis.exceptions import ConnectionError, TimeoutError  # the workers may run without redis
-
-    return isinstance(exc, (ConnectionError, TimeoutError))
+    try:
+        from specserve.state.connection import REDIS_DOWN  # the workers may run without redis
+    except ImportError:
+        return False
+    return isinstance(exc, REDIS_DOWN)
 
 
 def message_for(exc: Exception) -> str:

@@ -11,36 +11,61 @@ from typing import Any
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ClusterDownError, ReadOnlyError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-# Redis is down, restarting or still loading its AOF (BusyLoadingError is a ConnectionError).
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+# Redis is down, restarting or still loading its AOF (BusyLoadingError is a ConnectionError);
+# a Cluster is re-electing a master (CLUSTERDOWN, TRYAGAIN, a slot no node serves yet); a
+# Sentinel's old primary answers READONLY once demoted (ADR 0023).
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError, SlotNotCoveredError,
+              ReadOnlyError)
 OUTAGE_BACKOFF_S, OUTAGE_BACKOFF_MAX_S = 0.05, 1.0
 
 
 SENTINEL_SCHEME = "redis+sentinel://"
+CLUSTER_SCHEME = "redis+cluster://"
+
+
+def _hosts(hosts: str, url: str, what: str) -> list[tuple[str, int]]:
+    out = []
+    for h in hosts.split(","):
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{what} address {h!r} in {url!r} is not host:port")
+        out.append((host, int(port)))
+    return out
+
+
+def _auth(rest: str) -> tuple[str, str]:
+    """(password, the rest) of `[:password@]rest`."""
+    if "@" not in rest:
+        return "", rest
+    auth, rest = rest.rsplit("@", 1)
+    return (auth.split(":", 1)[1] if ":" in auth else auth), rest
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], str]:
+    """`redis+cluster://[:password@]h1:p1[,h2:p2...]` -> (startup nodes, password)."""
+    password, rest = _auth(url[len(CLUSTER_SCHEME):])
+    hosts, _, path = rest.partition("/")
+    if not hosts:
+        raise ValueError(f"a Cluster URL needs nodes: {CLUSTER_SCHEME}[:password@]host:port[,host:port], got {url!r}")
+    if path.strip("/") not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has only database 0, got {url!r}")
+    return _hosts(hosts, url, "cluster node"), password
 
 
 def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, str, int]:
     """`redis+sentinel://[:password@]h1:p1,h2:p2/master[/db]` -> (sentinels, master, password,
     db); ValueError naming what is missing."""
-    rest = url[len(SENTINEL_SCHEME):]
-    password = ""
-    if "@" in rest:
-        auth, rest = rest.rsplit("@", 1)
-        password = auth.split(":", 1)[1] if ":" in auth else auth
+    password, rest = _auth(url[len(SENTINEL_SCHEME):])
     hosts, _, path = rest.partition("/")
     parts = [p for p in path.split("/") if p]
     if not hosts or not parts:
         raise ValueError(f"a Sentinel URL needs sentinels and a master name: {SENTINEL_SCHEME}"
                          f"[:password@]host:port[,host:port]/master[/db], got {url!r}")
-    sentinels = []
-    for h in hosts.split(","):
-        host, _, port = h.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"sentinel address {h!r} in {url!r} is not host:port")
-        sentinels.append((host, int(port)))
+    sentinels = _hosts(hosts, url, "sentinel")
     return sentinels, parts[0], password, int(parts[1]) if len(parts) > 1 else 0
 
 
@@ -53,6 +78,18 @@ def _sentinel(url: str) -> Redis:
     return s.master_for(master, password=password or None, db=db, socket_connect_timeout=2.0,
                         retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3), retry_on_error=list(REDIS_DOWN),
                         health_check_interval=10, max_connections=MAX_CONNECTIONS)
+
+
+def _cluster(url: str) -> Redis:
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    nodes, password = parse_cluster_url(url)
+    # (a RedisCluster, not a Redis: the store uses only what both have; typed as the store's)
+    client: Any = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], password=password or None,
+                               socket_connect_timeout=2.0, max_connections=MAX_CONNECTIONS,
+                               retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3),
+                               retry_on_error=list(REDIS_DOWN))
+    return client
 
 
 # Every stream reader holds a connection for its blocking XREAD, so a router's connections
@@ -72,9 +109,13 @@ def connect(url: str) -> Redis:
 
     `redis+sentinel://[:password@]host:port[,host:port...]/master[/db]` (ADR 0023): the
     primary Sentinel names for `master`, found again after a failover (a command that meets
-    the old primary's closed socket or a demoted replica's READONLY asks the sentinels anew)."""
+    the old primary's closed socket or a demoted replica's READONLY asks the sentinels anew).
+    `redis+cluster://[:password@]host:port[,host:port...]`: a Redis Cluster (ADR 0023); the
+    client follows the slots' owners (MOVED, ASK) and a promoted replica."""
     if url.startswith(SENTINEL_SCHEME):
         return _sentinel(url)
+    if url.startswith(CLUSTER_SCHEME):
+        return _cluster(url)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), 3), retry_on_error=list(REDIS_DOWN),

@@ -42,7 +42,7 @@ async def read_chunks(
     restart that lost the last commits, the session is driven again from a shorter
     prefix, and the chunks that come are trimmed to that offset, so nothing is repeated
     or skipped. Redis errors are retried with backoff for `outage_s` (then raised)."""
-    hash_key, tok_key, _, _ = store._keys(session_id)
+    hash_key, tok_key = store._keys(session_id)[:2]
     if from_offset < 0 or block_ms < 1:
         raise InvalidRequest("read_chunks needs from_offset >= 0 and block_ms >= 1")
     async with store._r.pipeline(transaction=True) as pipe:
@@ -75,7 +75,7 @@ async def read_chunks(
 async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                   on_wait: Callable[[], Awaitable[None]] | None, served: list[int],
                   from_offset: int) -> AsyncIterator[Chunk]:
-    hash_key, _, out_key, _ = store._keys(session_id)
+    hash_key, _, out_key = store._keys(session_id)[:3]
     # The chunk holding pos is the last one that starts at or before it.
     before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1)
     start, last_id, catching_up = (as_str(before[0][0]) if before else "-"), "0-0", True

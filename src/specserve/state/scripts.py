@@ -1,5 +1,9 @@
 """The store's Lua scripts: each one atomic on the Redis node, and fenced where it writes a
-session (expected length, epoch, round id; state/store.py says what each key holds)."""
+session (expected length, epoch, round id; state/store.py says what each key holds).
+
+Cluster-safe (ADR 0023): a script touches only the keys it is given in KEYS, and those all
+carry the session's hash tag, so they live in one slot (`tests/unit/test_store_keys.py`
+checks both for every script)."""
 
 _LUA_HELPERS = """
 local function now()
@@ -10,51 +14,48 @@ local function later(seconds)
   local t = redis.call('TIME')
   return string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(seconds))
 end
-local function touch(request_id)
+local function touch()
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[2]) end
-  redis.call('EXPIRE', ARGV[1] .. ':running', ARGV[2])
-  if request_id and request_id ~= '' then
-    redis.call('EXPIRE', ARGV[1] .. ':req:' .. request_id, ARGV[2])
-  end
+end
+local function session_id()
+  return string.match(KEYS[1], '(%x+)$')
 end
 """
 
-# KEYS: hash [, req]. ARGV[3..8]: session_id, params, prompt_ids, owner, request_id, lease_s.
-# GET-then-SET inside one script is SET NX made atomic with the hash write, so a joiner never
-# sees a request mapped to a session whose hash does not exist yet.
+# KEYS: hash, tok, out, rounds, running. ARGV[3..8]: session_id, params, prompt_ids, owner,
+# request_id, lease_s. A request id names its session (the store derives the id from it), so
+# a retry finds the hash: it joins it (or conflicts, with another prompt). Atomic, so two at
+# once make one. A new session clears what an expired one of the same id may have left.
 CREATE = (
     _LUA_HELPERS
     + """
-if KEYS[2] then
-  local existing = redis.call('GET', KEYS[2])
-  if existing then
-    local h = redis.call('HMGET', ARGV[1] .. ':sess:' .. existing, 'prompt_ids', 'epoch')
-    if h[1] then
-      if h[1] ~= ARGV[5] then return {'conflict', existing, 0} end
-      return {'joined', existing, tonumber(h[2])}
-    end
+if ARGV[7] ~= '' then
+  local h = redis.call('HMGET', KEYS[1], 'prompt_ids', 'epoch')
+  if h[1] then
+    if h[1] ~= ARGV[5] then return {'conflict', ARGV[3], 0} end
+    return {'joined', ARGV[3], tonumber(h[2])}
   end
-  redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[2])
 end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 local t = now()
 redis.call('HSET', KEYS[1], 'status', 'running', 'params', ARGV[4], 'prompt_ids', ARGV[5],
   'epoch', 1, 'owner', ARGV[6], 'created', t, 'updated', t, 'finish_reason', '',
   'committed', 0, 'request_id', ARGV[7], 'error', '', 'lease_until', later(ARGV[8]), 'read_at', t)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('SADD', ARGV[1] .. ':running', ARGV[3])
-redis.call('EXPIRE', ARGV[1] .. ':running', ARGV[2])
+redis.call('SADD', KEYS[5], ARGV[3])
+redis.call('EXPIRE', KEYS[5], ARGV[2])
 return {'created', ARGV[3], 1}
 """
 )
 
-# KEYS: hash, tok, out, rounds. ARGV[3..7]: epoch, expected_len, round_id, text,
+# KEYS: hash, tok, out, rounds, running. ARGV[3..7]: epoch, expected_len, round_id, text,
 # finish_reason ('' = not final); ARGV[8..]: token ids.
 COMMIT = (
     _LUA_HELPERS
     + """
 local len = redis.call('LLEN', KEYS[2])
 if redis.call('SISMEMBER', KEYS[4], ARGV[5]) == 1 then return {'duplicate', len} end
-local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'request_id')
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch')
 if not h[1] then return {'missing', len} end
 if h[1] ~= 'running' then return {'closed', len} end
 if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', len} end
@@ -70,20 +71,20 @@ redis.call('SADD', KEYS[4], ARGV[5])
 redis.call('HSET', KEYS[1], 'committed', n, 'updated', now())
 if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[7])
-  redis.call('SREM', ARGV[1] .. ':running', string.match(KEYS[1], ':sess:(%x+)$'))
+  redis.call('SREM', KEYS[5], session_id())
 end
-touch(h[3])
+touch()
 return {'ok', n}
 """
 )
 
-# Cancel and fail. KEYS: hash, tok, out, rounds. ARGV[3..6]: status, finish_reason, error,
+# Cancel and fail. KEYS: hash, tok, out, rounds, running. ARGV[3..6]: status, finish_reason, error,
 # epoch ('' = any: a client's Cancel is not fenced, a router's fail is).
 CLOSE = (
     _LUA_HELPERS
     + """
 local len = redis.call('LLEN', KEYS[2])
-local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'request_id')
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch')
 if not h[1] then return {'missing', len} end
 if h[1] ~= 'running' then return {'closed', len} end
 if ARGV[6] ~= '' and tonumber(h[2]) ~= tonumber(ARGV[6]) then return {'stale_epoch', len} end
@@ -91,18 +92,18 @@ redis.call('XADD', KEYS[3], len .. '-1', 'offset', len, 'tokens', '', 'text', ''
   'finish_reason', ARGV[4], 'error', ARGV[5])
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'finish_reason', ARGV[4], 'error', ARGV[5],
   'updated', now())
-redis.call('SREM', ARGV[1] .. ':running', string.match(KEYS[1], ':sess:(%x+)$'))
-touch(h[3])
+redis.call('SREM', KEYS[5], session_id())
+touch()
 return {'ok', len}
 """
 )
 
-# KEYS: hash, tok, out, rounds. ARGV[3..5]: owner, lease_s, only_if_lapsed ('1' or '').
+# KEYS: hash, tok, out, rounds, running. ARGV[3..5]: owner, lease_s, only_if_lapsed ('1' or '').
 # Returns the new epoch; 0 if missing, -1 if closed, -2 if the owner's lease still holds.
 TAKE_OVER = (
     _LUA_HELPERS
     + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'lease_until', 'request_id')
+local h = redis.call('HMGET', KEYS[1], 'status', 'lease_until')
 if not h[1] then return 0 end
 if ARGV[5] ~= '' then
   if h[1] ~= 'running' then return -1 end
@@ -110,24 +111,24 @@ if ARGV[5] ~= '' then
 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'updated', now(), 'lease_until', later(ARGV[4]))
-touch(h[3])
+touch()
 return epoch
 """
 )
 
-# The owner's heartbeat. KEYS: hash, tok, out, rounds. ARGV[3..4]: epoch, lease_s.
+# The owner's heartbeat. KEYS: hash, tok, out, rounds, running. ARGV[3..4]: epoch, lease_s.
 # Returns {status, seconds since a client last read it (read_at, set by readers)}.
 HEARTBEAT = (
     _LUA_HELPERS
     + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'read_at', 'request_id')
+local h = redis.call('HMGET', KEYS[1], 'status', 'epoch', 'read_at')
 if not h[1] then return {'missing', '0'} end
 if h[1] ~= 'running' then return {'closed', '0'} end
 if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', '0'} end
 local t = now()
 if not h[3] then h[3] = t; redis.call('HSET', KEYS[1], 'read_at', t) end
 redis.call('HSET', KEYS[1], 'lease_until', later(ARGV[4]))
-touch(h[4])
+touch()
 return {'ok', string.format('%.3f', tonumber(t) - tonumber(h[3]))}
 """
 )

@@ -8,26 +8,34 @@ round id) is a no-op. Readers (`GenerateStream`, `Resume`) follow the `:out` str
 (state/reading.py), so only committed text is ever shown. The scripts are in
 state/scripts.py, the client and its outage ride-out in state/connection.py.
 
-Keys, all under a prefix `p` and all with a TTL that every write refreshes (DESIGN §5):
-  {p}:sess:{id}          hash: status, params, prompt_ids, epoch, owner, created, updated,
-                         finish_reason, committed, request_id, error
-  {p}:sess:{id}:tok      list: committed generated token ids (the prompt is in the hash)
-  {p}:sess:{id}:out      stream: one entry per commit: offset, tokens, text, finish_reason
-  {p}:sess:{id}:rounds   set: applied round ids (idempotency)
-  {p}:req:{request_id}   string: session id, so a retried request joins its session
-  {p}:running            set: ids of running sessions, the index the routers' reapers read
-                         (a session leaves it when it closes; an expired one when a reaper
-                         finds its hash gone); its TTL too is refreshed by every write
+Keys, all under a prefix `p`, all with a TTL that every write refreshes (DESIGN §5), and
+each session's in one Redis Cluster slot: they carry its hash tag `{t}`, the first two hex
+digits of its id (256 tags; ADR 0023):
+  {p}:sess:{t}{id}          hash: status, params, prompt_ids, epoch, owner, created, updated,
+                            finish_reason, committed, request_id, error
+  {p}:sess:{t}{id}:tok      list: committed generated token ids (the prompt is in the hash)
+  {p}:sess:{t}{id}:out      stream: one entry per commit: offset, tokens, text, finish_reason
+  {p}:sess:{t}{id}:rounds   set: applied round ids (idempotency)
+  {p}:running:{t}           set: ids of the running sessions of tag t, the index the routers'
+                            reapers read (one shard per tag; a session leaves it when it
+                            closes, an expired one when a reaper finds its hash gone)
+  {p}:claim:{t}{id}         string: a router's claim to re-place the session (CLAIM)
+A request id names its session: the id is a keyed hash of it, so a retried request finds its
+session's hash and joins it, for as long as the session's keys live (no key maps one to the
+other; a session without a request id gets a random id).
 Ownership (ADR 0011): the owner's lease is the hash's `lease_until` (Redis clock), renewed by
 its heartbeat; `adopt` takes a running session over only once that has passed. `read_at` is
 when a client last read the session: a detached session nobody reads is closed by its owner.
 Stream entry ids are "{offset}-1" rather than timestamps: offsets strictly increase from one
 commit to the next, and a reader resuming at any offset finds its chunk with one XREVRANGE.
-The scripts build the `:req:` key from the prefix, so this store assumes a single Redis node.
+Every script touches only the keys it is given (state/scripts.py), so the store runs on one
+Redis, under Sentinel, or on a Redis Cluster alike.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import re
 import uuid
@@ -56,6 +64,17 @@ __all__ = ["MAX_CONNECTIONS", "REDIS_DOWN", "Chunk", "CommitResult", "CommitStat
 
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")  # uuid4().hex; anything else could alias a sub-key
 _MAX_REQUEST_ID = 256
+TAGS = 256  # session hash tags: the first two hex digits of a session id
+
+
+def tag_of(session_id: str) -> str:
+    return session_id[:2]
+
+
+def session_key(session_id: str, prefix: str = "specserve") -> str:
+    """A session's hash key (its other keys add `:tok`, `:out`, `:rounds`): for tools and tests
+    that read the store's keys directly."""
+    return f"{prefix}:sess:{{{tag_of(session_id)}}}{session_id}"
 
 class SessionStore:
     def __init__(self, redis: Redis, prefix: str = "specserve", ttl_s: int = 3600, lease_s: float = 5.0,
@@ -80,6 +99,11 @@ class SessionStore:
         self.probe_at = 0.0
         # redis-py types its commands as sync | async unions; the client here is always async.
         self._r: Any = redis
+        self._cluster = hasattr(redis, "get_node_from_key")  # a redis-py RedisCluster
+        self._nodes: dict[tuple[str, int], Any] = {}  # a cluster's nodes as plain clients (_scripts)
+        if self._cluster and replica_acks:
+            raise InvalidRequest("replica_acks needs one primary's connection for WAIT; on a Redis Cluster it is "
+                                 "not supported (ADR 0023): set it to 0")
         self.prefix = prefix
         self.ttl_s = ttl_s
         # register_script runs EVALSHA and reloads the script after a NOSCRIPT (Redis restart).
@@ -91,7 +115,7 @@ class SessionStore:
         self._mark_read: Any = redis.register_script(scripts.MARK_READ)
         self._stats: Any = redis.register_script(scripts.STATS)
         self._claim: Any = redis.register_script(scripts.CLAIM)
-        self.running_key = f"{prefix}:running"
+        self.running_keys = [f"{prefix}:running:{{{t:02x}}}" for t in range(TAGS)]
 
     def count_unreplicated(self) -> None:
         self.unreplicated_reads += 1
@@ -104,25 +128,30 @@ class SessionStore:
         return self._r
 
     def _keys(self, session_id: str) -> list[str]:
+        """The session's keys as every script takes them: hash, tok, out, rounds, running."""
         if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
             raise InvalidRequest(f"session_id must be 32 lowercase hex digits, got {session_id!r}")
-        base = f"{self.prefix}:sess:{session_id}"
-        return [base, f"{base}:tok", f"{base}:out", f"{base}:rounds"]
+        base = self.session_key(session_id)
+        return [base, f"{base}:tok", f"{base}:out", f"{base}:rounds", self.running_keys[int(tag_of(session_id), 16)]]
 
-    def _req_key(self, request_id: str) -> str:
+    def session_key(self, session_id: str) -> str:
+        """The session's hash (its other keys add `:tok`, `:out`, `:rounds`)."""
+        return session_key(session_id, self.prefix)
+
+    def _session_id_for(self, request_id: str | None) -> str:
+        if request_id is None:
+            return uuid.uuid4().hex
         if not isinstance(request_id, str) or not 0 < len(request_id) <= _MAX_REQUEST_ID:
             raise InvalidRequest(f"request_id must be 1..{_MAX_REQUEST_ID} characters")
-        return f"{self.prefix}:req:{request_id}"
+        return hashlib.blake2b(request_id.encode(), digest_size=16, key=self.prefix.encode()[:64]).hexdigest()
 
     async def create_or_join(
         self, request_id: str | None, params: dict, prompt_ids: list[int], owner: str
     ) -> SessionHandle:
         """A new running session, or the session an earlier call with `request_id` created
         (its stored params win; a different prompt raises RequestIdConflict)."""
-        session_id = uuid.uuid4().hex
-        keys = self._keys(session_id)[:1]
-        if request_id is not None:
-            keys.append(self._req_key(request_id))
+        session_id = self._session_id_for(request_id)
+        keys = self._keys(session_id)
         params_json = json.dumps(params, sort_keys=True)
         prompt_json = json.dumps([int(t) for t in prompt_ids])
         rid = request_id or ""
@@ -153,7 +182,7 @@ class SessionStore:
     async def claim(self, session_id: str, owner: str, claim_s: float) -> bool:
         """Claim the re-placing of a running session whose driver's lease has lapsed: True
         for one caller per `claim_s` (ADR 0014; the epoch is bumped by the new driver)."""
-        keys = [self._keys(session_id)[0], f"{self.prefix}:claim:{session_id}"]
+        keys = [self._keys(session_id)[0], f"{self.prefix}:claim:{{{tag_of(session_id)}}}{session_id}"]
         return bool(await self._claim(keys=keys, args=[owner, int(claim_s * 1000)]))
 
     async def heartbeat(self, session_id: str, epoch: int) -> tuple[str, float]:
@@ -165,12 +194,56 @@ class SessionStore:
 
     async def heartbeats(self, sessions: Sequence[tuple[str, int]]) -> list[tuple[str, float]]:
         """`heartbeat` for many (session_id, epoch) at once: one pipeline."""
-        async with self._r.pipeline(transaction=False) as pipe:
-            for sid, epoch in sessions:
-                await self._heartbeat(keys=self._keys(sid), args=[self.prefix, self.ttl_s, epoch, self.lease_s],
-                                      client=pipe)
-            replies = await pipe.execute()
+        replies = await self._scripts([(sid, self._heartbeat, self._keys(sid),
+                                        [self.prefix, self.ttl_s, epoch, self.lease_s]) for sid, epoch in sessions])
         return [(as_str(status), float(as_str(unread))) for status, unread in replies]
+
+    async def _scripts(self, calls: Sequence[tuple[str, Any, list[str], list[Any]]]) -> list[Any]:
+        """Script calls (session id, script, keys, args), answered in order: one pipeline on one
+        Redis. On a Cluster, one pipeline per node (redis-py's cluster pipeline refuses
+        scripts): the calls grouped by the node that owns their keys' slot, on a plain client
+        to that node, so a session's calls keep their order. A node's pipeline that fails
+        (its slots moved, the node died) is redone call by call on the cluster client, which
+        follows redirections and rides out an election: safe, as each call is idempotent (a
+        commit by its round id, a heartbeat, the stats)."""
+        if not self._cluster:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for _, script, keys, args in calls:
+                    await script(keys=keys, args=args, client=pipe)
+                return await pipe.execute()
+        by_node: dict[tuple[str, int], list[int]] = {}
+        for i, (_, _, keys, _) in enumerate(calls):
+            node = self._r.get_node_from_key(keys[0])
+            by_node.setdefault((node.host, node.port), []).append(i)
+        out: list[Any] = [None] * len(calls)
+
+        async def on_node(address: tuple[str, int], indices: list[int]) -> None:
+            try:
+                async with self._node(address).pipeline(transaction=False) as pipe:
+                    for i in indices:
+                        _, script, keys, args = calls[i]
+                        await script(keys=keys, args=args, client=pipe)
+                    replies = await pipe.execute()
+                for i, reply in zip(indices, replies, strict=True):
+                    out[i] = reply
+            except Exception:
+                for i in indices:  # one by one on the cluster client (redirections, elections)
+                    _, script, keys, args = calls[i]
+                    out[i] = await script(keys=keys, args=args)
+
+        await asyncio.gather(*(on_node(a, ix) for a, ix in by_node.items()))
+        return out
+
+    def _node(self, address: tuple[str, int]) -> Any:
+        """A plain client to one cluster node (its pool kept), made like the cluster's own."""
+        client = self._nodes.get(address)
+        if client is None:
+            kwargs = dict(self._r.get_nodes()[0].connection_kwargs)
+            kwargs.update(host=address[0], port=address[1])
+            keep = ("host", "port", "password", "username", "decode_responses", "encoding", "socket_timeout",
+                    "socket_connect_timeout", "socket_keepalive", "protocol")
+            client = self._nodes[address] = Redis(**{k: v for k, v in kwargs.items() if k in keep})
+        return client
 
     async def mark_read(self, session_id: str) -> None:
         """A client is reading the session (it is not abandoned)."""
@@ -179,14 +252,18 @@ class SessionStore:
     async def orphans(self, limit: int = 256) -> list[str]:
         """Running sessions whose owner's lease has lapsed, from the `running` index; ids
         whose session expired or closed are dropped from the index on the way."""
-        ids = [as_str(m) for m in await self._r.srandmember(self.running_key, limit)]
+        async with self._r.pipeline(transaction=False) as pipe:
+            for key in self.running_keys:
+                pipe.srandmember(key, limit)
+            shards = await pipe.execute()
+        ids = [as_str(m) for members in shards for m in members][:limit]
         if not ids:
             return []
         now = await self._r.time()
         t = now[0] + now[1] / 1e6
         async with self._r.pipeline(transaction=False) as pipe:
             for sid in ids:
-                pipe.hmget(f"{self.prefix}:sess:{sid}", "status", "lease_until")
+                pipe.hmget(self.session_key(sid), "status", "lease_until")
             rows = await pipe.execute()
         out, gone = [], []
         for sid, (status, lease_until) in zip(ids, rows, strict=True):
@@ -195,7 +272,10 @@ class SessionStore:
             elif lease_until is None or float(as_str(lease_until)) < t:
                 out.append(sid)
         if gone:
-            await self._r.srem(self.running_key, *gone)
+            async with self._r.pipeline(transaction=False) as pipe:
+                for sid in gone:
+                    pipe.srem(self._keys(sid)[4], sid)
+                await pipe.execute()
         return out
 
     async def commit(
@@ -230,13 +310,12 @@ class SessionStore:
         one batch land one after the other."""
         calls = [self._commit_call(r.session_id, r.expected_len, r.epoch, r.round_id, list(r.tokens), r.text,
                                    r.finish_reason) for r in rounds]
-        async with self._r.pipeline(transaction=False) as pipe:
-            for r, call in zip(rounds, calls, strict=True):
-                if getattr(r, "stats", ""):
-                    await self._stats(keys=call["keys"][:1], args=[r.epoch, r.stats], client=pipe)
-                await self._commit(client=pipe, **call)
-            replies = await pipe.execute()
-        replies = [x for x in replies if isinstance(x, list)]  # the stats writes answer an integer
+        queued: list[tuple[str, Any, list[str], list[Any]]] = []
+        for r, call in zip(rounds, calls, strict=True):
+            if getattr(r, "stats", ""):
+                queued.append((r.session_id, self._stats, call["keys"][:1], [r.epoch, r.stats]))
+            queued.append((r.session_id, self._commit, call["keys"], call["args"]))
+        replies = [x for x in await self._scripts(queued) if isinstance(x, list)]  # stats answer an integer
         return [CommitResult(CommitStatus(as_str(status)), int(length)) for status, length in replies]
 
     async def cancel(self, session_id: str) -> bool:
@@ -271,7 +350,7 @@ class SessionStore:
         return True
 
     async def committed_tokens(self, session_id: str) -> list[int]:
-        hash_key, tok_key, _, _ = self._keys(session_id)
+        hash_key, tok_key = self._keys(session_id)[:2]
         async with self._r.pipeline(transaction=True) as pipe:
             exists, tokens = await pipe.exists(hash_key).lrange(tok_key, 0, -1).execute()
         if not exists:

@@ -53,6 +53,7 @@ class StackSpec:
     # with no redis_url: a primary, a replica and three sentinels instead (ADR 0023); the
     # services get its redis+sentinel:// address
     redis_ha: bool = False
+    redis_cluster: bool = False  # or a Redis Cluster: three masters, a replica each (ADR 0023)
     key_prefix: str = "specserve"
     target_threads: int = field(default_factory=local_target_threads)
     routers: int = 1  # router replicas (same Redis, same pools)
@@ -123,6 +124,7 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis: LocalRedis | None = None  # the LocalRedis started here (fault tests kill and restart it)
         self.redis_ha: Any = None  # the LocalRedisHA started here (redis_ha)
+        self.redis_cluster: Any = None  # the LocalRedisCluster started here (redis_cluster)
         self.launched: dict[str, tuple[str, dict[str, str]]] = {}  # name -> (module, env), for restart
 
     def _spawn(self, name: str, module: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
@@ -185,6 +187,14 @@ class Stack:
             for name, server in (("redis", ha.primary), ("redis-replica", ha.replica),
                                  *((f"redis-sentinel-{i}", s) for i, s in enumerate(ha.sentinels))):
                 self.info.pids[name] = server.pid
+            self._save()
+        elif self.spec.redis_cluster:
+            from specserve.tooling.redis_server import start_redis_cluster
+
+            cluster = self.redis_cluster = start_redis_cluster(self.run_dir / "redis-cluster")
+            self.info.redis_url = cluster.url
+            for i, node in enumerate(cluster.nodes):
+                self.info.pids[f"redis-node-{i}"] = node.pid
             self._save()
         else:
             from specserve.tooling.redis_server import start_redis

@@ -89,6 +89,8 @@ def classifier_from(settings: RouterSettings) -> Classifier:
 
 async def seed_policies(store: PolicyStore, settings: RouterSettings) -> None:
     """Create the configured policies whose class has none yet; a stored policy wins."""
+    if moved := await store.migrate_layout():
+        log.info("copied %d policies from the key layout before ADR 0023", moved)
     for cls, fields in settings.policies.items():
         try:
             policy = Policy.from_dict({**fields, "workload_class": cls}).validate(set(settings.draft_pools))

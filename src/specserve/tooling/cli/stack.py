@@ -50,6 +50,8 @@ def up(
                                   "(0 = a free one)."),
     redis_ha: bool = typer.Option(False, "--redis-ha", help="A Redis primary, a replica and three sentinels "
                                   "(ADR 0023) instead of one Redis; the services use its redis+sentinel:// address."),
+    redis_cluster: bool = typer.Option(False, "--redis-cluster", help="A Redis Cluster of three masters with a "
+                                       "replica each (ADR 0023); the services use its redis+cluster:// address."),
 ) -> None:
     """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, the draft pools
     (small: 2 replicas, ngram and eagle-local inside the target) and the router (gRPC, and the
@@ -59,7 +61,10 @@ def up(
 
     down_from(str(run_dir))  # a stale stack from an earlier `up` is stopped first
     spec = _stack_spec(models, run_dir, http_port)
-    spec.redis_ha = redis_ha
+    if redis_ha and redis_cluster:
+        typer.echo("specserve up: --redis-ha and --redis-cluster are exclusive", err=True)
+        raise typer.Exit(2)
+    spec.redis_ha, spec.redis_cluster = redis_ha, redis_cluster
     (run_dir / "router.tls").unlink(missing_ok=True)
     if tls:
         spec.tls_dir = str(make_local_ca(run_dir.resolve() / "tls"))
