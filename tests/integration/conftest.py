@@ -18,9 +18,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from specserve.state.store import SessionStore
 from specserve.state.connection import parse_cluster_url
-from specserve.tooling.redis_server import LocalRedis, LocalRedisCluster, start_redis, start_redis_cluster
+from specserve.state.store import SessionStore
+from specserve.tooling.redis_server import (
+    LocalRedis,
+    LocalRedisCluster,
+    start_redis,
+    start_redis_cluster,
+)
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 

@@ -26,7 +26,7 @@ import math
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # annotations only: the engine (control.arms) imports this module without a Redis client
     from redis.asyncio import Redis
@@ -230,17 +230,17 @@ class PolicyStore:
         """Policies stored under the keys before ADR 0023 (`{p}:policies`, `{p}:policy:{class}`,
         `{p}:policy-audit`) copied to today's, once (only while today's index is empty): an
         upgraded router keeps the policies set at run time. Returns how many were copied."""
-        old_index = f"{self.prefix}:policies"
-        if await self.redis.exists(self.index_key) or not await self.redis.exists(old_index):
+        old_index, r = f"{self.prefix}:policies", cast(Any, self.redis)
+        if await r.exists(self.index_key) or not await r.exists(old_index):
             return 0
-        classes = sorted(_s(c) for c in await self.redis.smembers(old_index))
+        classes = sorted(_s(c) for c in await r.smembers(old_index))
         for c in classes:
-            raw = await self.redis.hgetall(f"{self.prefix}:policy:{c}")
+            raw = await r.hgetall(f"{self.prefix}:policy:{c}")
             if raw:
-                await self.redis.hset(self.key(c), mapping=raw)
-                await self.redis.sadd(self.index_key, c)
-        for _entry_id, fields in await self.redis.xrange(f"{self.prefix}:policy-audit", count=AUDIT_MAXLEN):
-            await self.redis.xadd(self.audit_key, fields)
+                await r.hset(self.key(c), mapping=raw)
+                await r.sadd(self.index_key, c)
+        for _entry_id, fields in await r.xrange(f"{self.prefix}:policy-audit", count=AUDIT_MAXLEN):
+            await r.xadd(self.audit_key, fields)
         return len(classes)
 
     async def get(self, workload_class: str) -> Policy | None:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from specserve.errors import InvalidRequest, ServedTokensChanged, SessionNotFound
@@ -87,10 +88,10 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
             await store.mark_read(session_id)  # (a confirmed read marks it with every read)
             marked = time.monotonic()
         if catching_up:  # page through what is already committed
-            entries = await _read(store, hash_key, lambda r, start=start: r.xrange(out_key, min=start, max="+", count=_PAGE))
+            entries = await _read(store, hash_key, partial(_xrange, out_key, start, _PAGE))
             catching_up = len(entries) == _PAGE
         else:  # follow live commits
-            reply = await _read(store, hash_key, lambda r, last=last_id: r.xread({out_key: last}, block=block_ms))
+            reply = await _read(store, hash_key, partial(_xread, out_key, last_id, block_ms))
             entries = _xread_entries(reply)
             if not entries:
                 status = await store._r.hget(hash_key, "status")
@@ -101,7 +102,7 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                         await on_wait()
                     continue
                 # Closed: its final chunk was written with the status, so one read gets it.
-                entries = await _read(store, hash_key, lambda r, last=last_id: r.xrange(out_key, min=f"({last}", max="+"))
+                entries = await _read(store, hash_key, partial(_xrange, out_key, f"({last_id}", None))
                 closed = True
         for entry_id, fields in entries:
             last_id = as_str(entry_id)
@@ -121,6 +122,14 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
 
 class _Reseek(Exception):
     pass
+
+
+def _xrange(key: str, start: str, count: int | None, client: Any) -> Any:
+    return client.xrange(key, min=start, max="+", count=count)
+
+
+def _xread(key: str, last_id: str, block_ms: int, client: Any) -> Any:
+    return client.xread({key: last_id}, block=block_ms)
 
 
 async def _read(store: SessionStore, hash_key: str, command: Callable[[Any], Any]) -> Any:
