@@ -88,6 +88,7 @@ async def _arm(url: str, sessions: int, acks: int, seconds: float, round_tokens:
     await asyncio.wait_for(asyncio.gather(*tasks), 120)
     info1 = await client.info("commandstats")
     final = {s: await store.committed_tokens(s) for s in sids}
+    await store.aclose()
     await client.aclose()
     wrong = sum(got[s] != final[s] or len(final[s]) != total for s in sids)
     out = {"sessions": sessions, "replica_acks": acks, "tokens": total * sessions, "wrong_streams": wrong,
@@ -109,6 +110,18 @@ class _Round:
         self.tokens, self.text, self.finish_reason, self.stats = tokens, "", None, ""
 
 
+def _server_cpu_s(ports: list[int], password: str) -> float:
+    """CPU seconds the servers on `ports` have used (INFO cpu: user + sys)."""
+    import redis
+
+    total = 0.0
+    for port in ports:
+        with redis.Redis(port=port, password=password or None, socket_timeout=5) as c:
+            cpu = c.info("cpu")
+            total += cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+    return total
+
+
 async def _throughput(url: str, sessions: int, seconds: float, round_tokens: int) -> dict:
     client = connect(url)
     store = SessionStore(client)
@@ -120,6 +133,7 @@ async def _throughput(url: str, sessions: int, seconds: float, round_tokens: int
         n += round_tokens
         steps += 1
     dt = time.monotonic() - t0
+    await store.aclose()
     await client.aclose()
     return {"sessions": sessions, "steps_per_s": steps / dt, "tokens_per_s": steps * sessions * round_tokens / dt,
             "step_ms": 1e3 * dt / steps}
@@ -153,9 +167,19 @@ def main() -> None:
                 ha.stop()
         for kind, start in (("one Redis", start_redis), ("Cluster 3x2", start_redis_cluster)):
             servers = start(Path(tmp) / kind.replace(" ", "-"))
+            ports = [n.port for n in getattr(servers, "nodes", [servers])]
             try:
-                rows.append({"kind": "throughput", "redis": kind, **asyncio.run(_throughput(
-                    servers.url, max(a.sessions), a.seconds, a.round_tokens))})
+                cpu0 = _server_cpu_s(ports, servers.password)
+                row = asyncio.run(_throughput(servers.url, max(a.sessions), a.seconds, a.round_tokens))
+                cpu = _server_cpu_s(ports, servers.password) - cpu0
+                steps = row["steps_per_s"] * a.seconds
+                # the servers' CPU per step: how many steps a second they could take at 100 % of
+                # one core each (the client, on the same 2 cores, is what limits the run here)
+                # (replicas' CPU counted too: the Cluster's figure is conservative)
+                cores = 1 if kind == "one Redis" else len(ports) // 2  # one core per master
+                row.update(redis_cpu_ms_per_step=1e3 * cpu / steps,
+                           steps_per_s_at_full_redis_cpu=cores / max(cpu / steps, 1e-9))
+                rows.append({"kind": "throughput", "redis": kind, **row})
                 print(json.dumps(rows[-1]), flush=True)
             finally:
                 servers.stop()
@@ -171,7 +195,9 @@ def main() -> None:
                   f"{r['redis_calls_per_token']:.2f} Redis calls a token, wrong streams {r['wrong_streams']}")
         elif r["kind"] == "throughput":
             print(f"{r['sessions']:3d} sessions, {r['redis']}: {r['steps_per_s']:.0f} commit steps/s "
-                  f"({r['step_ms']:.2f} ms each), {r['tokens_per_s']:.0f} tokens/s")
+                  f"({r['step_ms']:.2f} ms each), {r['tokens_per_s']:.0f} tokens/s; Redis CPU "
+                  f"{r['redis_cpu_ms_per_step']:.2f} ms a step: {r['steps_per_s_at_full_redis_cpu']:.0f} steps/s "
+                  "with its masters' cores full")
         else:
             print(f"{r['sessions']:3d} sessions, failover: pause p50 {r['pause_s_p50']:.2f} s p99 "
                   f"{r['pause_s_p99']:.2f} s, wrong streams {r['wrong_streams']}")

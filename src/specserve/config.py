@@ -221,7 +221,8 @@ class RouterSettings(BaseSettings):
     # Redis down: commits and readers retry with backoff this long, then UNAVAILABLE
     redis_outage_s: float = Field(30.0, ge=0)
     # readers serve only what this many Redis replicas acknowledged (ADR 0023: a failover then
-    # takes back nothing a client was served); None = 1 for a redis+sentinel:// URL, else 0.
+    # takes back nothing a client was served); None = 1 for a redis+sentinel:// or
+    # redis+cluster:// URL (a replicated Redis), else 0.
     # After redis_replica_wait_s without them a read is served anyway (counted, alerted).
     redis_replica_acks: int | None = Field(None, ge=0)
     redis_replica_wait_s: float = Field(2.0, gt=0)
@@ -230,7 +231,7 @@ class RouterSettings(BaseSettings):
     def replica_acks(self) -> int:
         if self.redis_replica_acks is not None:
             return self.redis_replica_acks
-        return 1 if self.redis_url.startswith("redis+sentinel://") else 0
+        return 1 if self.redis_url.startswith(("redis+sentinel://", "redis+cluster://")) else 0
     # every gRPC server: the largest request accepted, and RPCs in flight before
     # RESOURCE_EXHAUSTED (streams count while open)
     max_message_bytes: int = Field(4 << 20, ge=1024)

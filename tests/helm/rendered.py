@@ -20,6 +20,29 @@ RELEASE = "spec"
 
 Manifest = dict[str, Any]
 
+# The Redis of every rendering below: redis.source x redis.mode, as `--set`s over the default
+# values. An external Redis takes its password from this Secret.
+EXTERNAL_SECRET = "ext-redis"
+EXTERNAL_SENTINELS = ("sentinel-a.cache.example.internal:26379", "sentinel-b.cache.example.internal:26379",
+                      "sentinel-c.cache.example.internal:26379")
+EXTERNAL_MASTER = "cache-primary"
+EXTERNAL_NODES = ("node-a.cache.example.internal:6379", "node-b.cache.example.internal:6379")
+EXTERNAL_URL = "redis://redis.cache.example.internal:6379/0"
+REDIS_MODES: dict[str, tuple[str, ...]] = {
+    "bundled-standalone": (),
+    "bundled-sentinel": ("redis.mode=sentinel",),
+    "bundled-cluster": ("redis.mode=cluster",),
+    "external-standalone": ("redis.source=external", f"redis.external.url={EXTERNAL_URL}",
+                            f"redis.external.existingSecret={EXTERNAL_SECRET}"),
+    "external-sentinel": ("redis.source=external", "redis.mode=sentinel",
+                          f"redis.external.sentinels={{{','.join(EXTERNAL_SENTINELS)}}}",
+                          f"redis.external.masterName={EXTERNAL_MASTER}",
+                          f"redis.external.existingSecret={EXTERNAL_SECRET}"),
+    "external-cluster": ("redis.source=external", "redis.mode=cluster",
+                         f"redis.external.nodes={{{','.join(EXTERNAL_NODES)}}}",
+                         f"redis.external.existingSecret={EXTERNAL_SECRET}"),
+}
+
 
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
@@ -30,15 +53,17 @@ def template_args(*values: Path, sets: tuple[str, ...] = ()) -> list[str]:
             "--kube-version", KUBE_VERSION]
     for v in values:
         args += ["-f", str(v)]
-    for s in sets:
-        args += ["--set", s]
-    return args
+    return args + set_args(sets)
 
 
 def template(helm: Path, *values: Path, sets: tuple[str, ...] = ()) -> list[Manifest]:
     proc = run_helm(helm, *template_args(*values, sets=sets))
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def set_args(sets: tuple[str, ...]) -> list[str]:
+    return [arg for s in sets for arg in ("--set", s)]
 
 
 def pod_specs(manifests: list[Manifest]) -> Iterator[tuple[str, Manifest]]:

@@ -134,7 +134,7 @@ def test_services_accept_their_environment(manifests, monkeypatch):
         assert s.port > 0, f"{where}: a fixed port, never 0 (= pick a free one)"
         if c["name"] == "router":
             assert s.host == "0.0.0.0" and s.default_pool in s.draft_pools
-            assert s.redis_url.startswith(("redis://", "rediss://"))
+            assert s.redis_url.startswith(("redis://", "rediss://", "redis+sentinel://", "redis+cluster://"))
             pools_seen = sorted(s.draft_pools)
             for pool, addresses in s.draft_pools.items():
                 (address,) = addresses  # the pool's Service, listed once
@@ -267,7 +267,7 @@ def allowed(manifests, src: dict[str, str] | None, dst: str, port: int) -> bool:
 
 def _pod_labels(manifests, where: str) -> dict[str, str]:
     for m in manifests:
-        if m["kind"] in ("Deployment", "StatefulSet") and where == f"{m['kind']}/{m['metadata']['name']}":
+        if m["kind"] in ("Deployment", "StatefulSet", "Job") and where == f"{m['kind']}/{m['metadata']['name']}":
             return m["spec"]["template"]["metadata"]["labels"]
         if m["kind"] == "RayCluster" and where.startswith(f"RayCluster/{m['metadata']['name']}/"):
             group = where.rsplit("/", 1)[1]

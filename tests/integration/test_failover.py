@@ -1,6 +1,9 @@
-"""A Redis primary failover under Sentinel, with served tokens at stake (ADR 0023).
+"""A Redis primary failover under Sentinel, and a master's on a Redis Cluster, with served
+tokens at stake (ADR 0023).
 
-Real processes: a primary, one replica and three sentinels on loopback. Eight sessions are
+Real processes: a primary, one replica and three sentinels on loopback; or a Cluster of three
+masters with a replica each (then the fault hits the master of the first session's slot, and
+the sessions in its slots). Eight sessions are
 written by simulated drivers (a round of two tokens every 40 ms, through the store's fenced
 commit, as the engine's committer writes them) and read by the store's own readers (what a
 router streams to its clients). Then replication lag is injected so that the promoted replica
@@ -36,20 +39,13 @@ import redis
 from specserve.errors import ServedTokensChanged
 from specserve.state.connection import connect, ride_out
 from specserve.state.store import CommitStatus, SessionStore, session_key
-from specserve.tooling.redis_server import start_redis_ha
+from specserve.tooling.redis_server import start_redis_cluster, start_redis_ha
 
 SESSIONS = 8
 TOTAL = 200  # tokens per session: 100 rounds of 2, 4 s of writing, still running past the failover
 ROUND_S = 0.04
 SERVED_BEFORE_S = 1.0  # the drivers write this long before the lag is injected
 LAG_S = 0.8  # the primary commits this long with no replica receiving
-
-
-@pytest.fixture()
-def ha(tmp_path):
-    servers = start_redis_ha(tmp_path)
-    yield servers
-    servers.stop()
 
 
 def _token(sid: str, i: int, salt: int) -> int:
@@ -87,17 +83,55 @@ async def _read(store: SessionStore, sid: str, got: list[int], times: list[float
         errors.append(exc)
 
 
-def _lengths(port: int, password: str, sids: list[str]) -> dict[str, int]:
-    c = redis.Redis(port=port, password=password, socket_timeout=5)
+def _lengths(port: int, password: str, sids: list[str], replica: bool = False) -> dict[str, int]:
+    c = redis.Redis(port=port, password=password, socket_timeout=5, single_connection_client=True)
     try:
+        if replica and c.info("cluster").get("cluster_enabled"):
+            c.execute_command("READONLY")  # a Cluster replica answers reads of its master's slots
         return {s: c.llen(session_key(s) + ":tok") for s in sids}
     finally:
         c.close()
 
 
-def _run(ha, replica_acks: int, sampled: bool) -> dict:
+class _Sentinel:
+    """The fault on a primary and replica under Sentinel: every session is hit."""
+
+    def __init__(self, ha) -> None:
+        self.ha, self.url, self.password = ha, ha.url, ha.password
+
+    def aim(self, sids: list[str]) -> list[str]:
+        self.primary, self.replica = self.ha.primary, self.ha.replica
+        return sids
+
+    def cut(self) -> None:
+        self.ha.cut_replication()
+
+    def resume(self) -> None:
+        self.ha.resume_replica()
+
+
+class _Cluster:
+    """The fault on a Cluster: the master that serves the first session's slot (and the
+    sessions in its slots are hit)."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster, self.url, self.password = cluster, cluster.url, cluster.password
+
+    def aim(self, sids: list[str]) -> list[str]:
+        self.primary = self.cluster.master_of(session_key(sids[0]))
+        self.replica = self.cluster.replica_of(self.primary)
+        return [s for s in sids if self.cluster.master_of(session_key(s)).port == self.primary.port]
+
+    def cut(self) -> None:
+        self.cluster.cut_replication(self.primary)
+
+    def resume(self) -> None:
+        self.cluster.resume(self.replica)
+
+
+def _run(topology, replica_acks: int, sampled: bool) -> dict:
     async def go() -> dict:
-        client = connect(ha.url)
+        client = connect(topology.url)
         store = SessionStore(client, replica_acks=replica_acks)
         sids = []
         for _ in range(SESSIONS):
@@ -111,24 +145,26 @@ def _run(ha, replica_acks: int, sampled: bool) -> dict:
         readers = [asyncio.create_task(_read(store, s, got[s], times[s], errors)) for s in sids]
         await asyncio.sleep(SERVED_BEFORE_S)
         assert all(got[s] for s in sids), "tokens were served before the fault"
-        ha.cut_replication()
+        hit = topology.aim(sids)
+        topology.cut()
         try:
             await asyncio.sleep(LAG_S)
-            served = {s: len(got[s]) for s in sids}
-            on_primary = await asyncio.to_thread(_lengths, ha.primary.port, ha.password, sids)
+            served = {s: len(got[s]) for s in hit}
+            on_primary = await asyncio.to_thread(_lengths, topology.primary.port, topology.password, hit)
             kill_at = time.monotonic()
-            ha.primary.kill()
+            topology.primary.kill()
         finally:
-            ha.resume_replica()
+            topology.resume()
         await asyncio.sleep(0.3)  # the replica applies what reached its socket, then finds its primary gone
-        on_replica = await asyncio.to_thread(_lengths, ha.replica.port, ha.password, sids)
+        on_replica = await asyncio.to_thread(_lengths, topology.replica.port, topology.password, hit, True)
         await asyncio.wait_for(asyncio.gather(*drivers), 60)
         await asyncio.wait_for(asyncio.gather(*readers), 60)
         final = {s: await store.committed_tokens(s) for s in sids}
+        await store.aclose()
         await client.aclose()
         pauses = [max((b - a for a, b in zip(times[s], times[s][1:], strict=False) if b > kill_at - 1.0),
                       default=0.0) for s in sids]
-        return dict(sids=sids, got=got, served=served, on_primary=on_primary, on_replica=on_replica,
+        return dict(sids=sids, hit=hit, got=got, served=served, on_primary=on_primary, on_replica=on_replica,
                     final=final, errors=errors, redriven=redriven, pauses=pauses,
                     unreplicated=store.unreplicated_reads)
 
@@ -136,35 +172,47 @@ def _run(ha, replica_acks: int, sampled: bool) -> dict:
 
 
 def _report(name: str, out: dict) -> None:
-    lost = sum(out["on_primary"][s] - out["on_replica"][s] for s in out["sids"])
-    over = sum(max(0, out["served"][s] - out["on_replica"][s]) for s in out["sids"])
+    lost = sum(out["on_primary"][s] - out["on_replica"][s] for s in out["hit"])
+    over = sum(max(0, out["served"][s] - out["on_replica"][s]) for s in out["hit"])
     p = sorted(out["pauses"])
-    print(f"{name}: commits lost with the failover {lost} tokens; served but lost {over}; "
-          f"stream pause p50 {statistics.median(p):.2f} s, max {p[-1]:.2f} s; "
-          f"reads served unreplicated after it {out['unreplicated']}")
+    print(f"{name}: {len(out['hit'])} of {len(out['sids'])} sessions hit; commits lost with the failover "
+          f"{lost} tokens; served but lost {over}; stream pause p50 {statistics.median(p):.2f} s, max "
+          f"{p[-1]:.2f} s; reads served unreplicated after it {out['unreplicated']}")
+
+
+@pytest.fixture(params=["sentinel", "cluster"])
+def topology(request, tmp_path):
+    if request.param == "sentinel":
+        servers = start_redis_ha(tmp_path)
+        yield _Sentinel(servers)
+    else:
+        servers = start_redis_cluster(tmp_path)
+        yield _Cluster(servers)
+    servers.stop()
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_a_failover_takes_back_nothing_a_client_was_served(ha, sampled):
-    out = _run(ha, replica_acks=1, sampled=sampled)
-    _report(f"replica_acks=1 {'sampled' if sampled else 'greedy'}", out)
-    sids = out["sids"]
+def test_a_failover_takes_back_nothing_a_client_was_served(topology, sampled):
+    out = _run(topology, replica_acks=1, sampled=sampled)
+    _report(f"{type(topology).__name__} replica_acks=1 {'sampled' if sampled else 'greedy'}", out)
+    hit = out["hit"]
     # the lag hit: the promoted replica lacks commits the primary had acknowledged
-    assert any(out["on_primary"][s] > out["on_replica"][s] for s in sids), (out["on_primary"], out["on_replica"])
+    assert any(out["on_primary"][s] > out["on_replica"][s] for s in hit), (out["on_primary"], out["on_replica"])
     assert out["redriven"], "no driver met a shorter session"
     # the promise: nothing served was lost; every client received the committed output, once
-    for s in sids:
+    for s in hit:
         assert out["served"][s] <= out["on_replica"][s], (s, out["served"][s], out["on_replica"][s])
+    for s in out["sids"]:
         assert out["got"][s] == out["final"][s] and len(out["final"][s]) == TOTAL
     assert not out["errors"]
 
 
-def test_control_without_replica_acks_clients_see_tokens_taken_back(ha):
-    out = _run(ha, replica_acks=0, sampled=True)
-    _report("replica_acks=0 sampled (control)", out)
-    sids = out["sids"]
+def test_control_without_replica_acks_clients_see_tokens_taken_back(topology):
+    out = _run(topology, replica_acks=0, sampled=True)
+    _report(f"{type(topology).__name__} replica_acks=0 sampled (control)", out)
+    hit = out["hit"]
     # served tokens the promoted replica lacks ...
-    assert any(out["served"][s] > out["on_replica"][s] for s in sids), (out["served"], out["on_replica"])
+    assert any(out["served"][s] > out["on_replica"][s] for s in hit), (out["served"], out["on_replica"])
     # ... and regenerated differently: a client's history is not the session's output
-    broken = [s for s in sids if out["got"][s] != out["final"][s][:len(out["got"][s])]]
+    broken = [s for s in hit if out["got"][s] != out["final"][s][:len(out["got"][s])]]
     assert out["errors"] or broken, "the control should break the promise"

@@ -63,10 +63,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-target" (include "specserve.fullname" .) -}}
 {{- end -}}
 
-{{- define "specserve.redisName" -}}
-{{- printf "%s-redis" (include "specserve.fullname" .) -}}
-{{- end -}}
-
 {{/* A setting's value as the string pydantic-settings parses: maps and lists as JSON,
      whole numbers without an exponent (Helm reads YAML numbers as float64). */}}
 {{- define "specserve.settingValue" -}}
@@ -84,60 +80,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- range $key := keys .settings | sortAlpha }}
 - name: {{ printf "%s%s" $.prefix (upper $key) }}
   value: {{ include "specserve.settingValue" (get $.settings $key) | quote }}
-{{- end }}
-{{- end -}}
-
-{{/* Redis connection: REDIS_PASSWORD (when there is one) and the URL under `name`.
-     (dict "ctx" $ "name" "SPECSERVE_ROUTER_REDIS_URL") */}}
-{{- define "specserve.redisEnv" -}}
-{{- $v := .ctx.Values.redis -}}
-{{- if eq $v.mode "bundled" }}
-- name: REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ default (include "specserve.redisName" .ctx) $v.bundled.existingSecret }}
-      key: password
-- name: {{ .name }}
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/%d" (include "specserve.svcHost" (dict "ctx" .ctx "name" (include "specserve.redisName" .ctx))) (int $v.bundled.port) (int $v.db) | quote }}
-{{- else }}
-{{- if $v.external.existingSecret }}
-{{- $parts := splitn "://" 2 $v.external.url }}
-- name: REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ $v.external.existingSecret }}
-      key: {{ $v.external.passwordKey }}
-- name: {{ .name }}
-  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s" $parts._0 $parts._1 | quote }}
-{{- else }}
-- name: {{ .name }}
-  value: {{ $v.external.url | quote }}
-{{- end }}
-{{- end }}
-{{- include "specserve.redisCaEnv" .ctx }}
-{{- end -}}
-
-{{/* rediss:// with a private CA: OpenSSL's default bundle becomes the mounted one. */}}
-{{- define "specserve.redisCaEnv" -}}
-{{- if and (eq .Values.redis.mode "external") .Values.redis.external.caSecret }}
-- name: SSL_CERT_FILE
-  value: /etc/specserve/redis-ca/ca.crt
-{{- end }}
-{{- end -}}
-
-{{- define "specserve.redisCaVolume" -}}
-{{- if and (eq .Values.redis.mode "external") .Values.redis.external.caSecret }}
-- name: redis-ca
-  secret:
-    secretName: {{ .Values.redis.external.caSecret }}
-{{- end }}
-{{- end -}}
-
-{{- define "specserve.redisCaMount" -}}
-{{- if and (eq .Values.redis.mode "external") .Values.redis.external.caSecret }}
-- name: redis-ca
-  mountPath: /etc/specserve/redis-ca
-  readOnly: true
 {{- end }}
 {{- end -}}
 
@@ -291,8 +233,7 @@ livenessProbe:
 {{- end -}}
 
 {{- /* Egress every specserve pod needs: DNS, the OTLP collector, and the cluster's extras. */ -}}
-{{- define "specserve.egressCommon" -}}
-{{- $e := .Values.networkPolicy.egress -}}
+{{- define "specserve.egressDns" -}}
 - to:
     - namespaceSelector: {}
   ports:
@@ -300,6 +241,11 @@ livenessProbe:
       protocol: UDP
     - port: 53
       protocol: TCP
+{{- end -}}
+
+{{- define "specserve.egressCommon" -}}
+{{- $e := .Values.networkPolicy.egress -}}
+{{ include "specserve.egressDns" . }}
 {{- if .Values.tracing.enabled }}
 - ports:
     - port: {{ $e.otlpPort }}

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import AskError, MovedError
+
 from specserve.errors import InvalidRequest, ServedTokensChanged, SessionNotFound
 from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN
 from specserve.state.records import Chunk, SessionStatus, as_str
@@ -147,11 +149,23 @@ async def _read(store: SessionStore, hash_key: str, command: Callable[[Any], Any
             store.count_unreplicated()
             return await command(store._r)
         wait_ms = _PROBE_MS if probing else store.replica_wait_ms
-        async with store._r.pipeline(transaction=False) as pipe:
-            command(pipe)
-            await store._mark_read(keys=[hash_key], client=pipe)
-            pipe.execute_command("WAIT", store.replica_acks, wait_ms)
-            reply, _, acked = await pipe.execute()
+        # on a Cluster: a plain client to the node that owns the session's slot (WAIT counts
+        # that node's replicas; redis-py's cluster pipeline takes no scripts)
+        client = store.node_client(hash_key) if store._cluster else store._r
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                command(pipe)
+                await store._mark_read(keys=[hash_key], client=pipe)
+                pipe.execute_command("WAIT", store.replica_acks, wait_ms)
+                reply, _, acked = await pipe.execute()
+        except (MovedError, AskError, *REDIS_DOWN):
+            if not store._cluster:
+                raise
+            # the slot moved, or its node died: one command through the cluster client follows
+            # the redirection and re-reads the slots (it raises REDIS_DOWN while the cluster
+            # elects a replica: the reader rides that out), then the read is made again
+            await store._r.exists(hash_key)
+            continue
         now = time.monotonic()
         if int(acked) >= store.replica_acks:
             store.unreplicated_since = None

@@ -101,9 +101,6 @@ class SessionStore:
         self._r: Any = redis
         self._cluster = hasattr(redis, "get_node_from_key")  # a redis-py RedisCluster
         self._nodes: dict[tuple[str, int], Any] = {}  # a cluster's nodes as plain clients (_scripts)
-        if self._cluster and replica_acks:
-            raise InvalidRequest("replica_acks needs one primary's connection for WAIT; on a Redis Cluster it is "
-                                 "not supported (ADR 0023): set it to 0")
         self.prefix = prefix
         self.ttl_s = ttl_s
         # register_script runs EVALSHA and reloads the script after a NOSCRIPT (Redis restart).
@@ -233,6 +230,18 @@ class SessionStore:
 
         await asyncio.gather(*(on_node(a, ix) for a, ix in by_node.items()))
         return out
+
+    async def aclose(self) -> None:
+        """Close the plain clients to a Cluster's nodes (the cluster client is the caller's)."""
+        nodes, self._nodes = self._nodes, {}
+        for client in nodes.values():
+            await client.aclose()
+
+    def node_client(self, key: str) -> Any:
+        """A Cluster: a plain client to the node that owns `key`'s slot, as far as the cluster
+        client knows."""
+        node = self._r.get_node_from_key(key)
+        return self._node((node.host, node.port))
 
     def _node(self, address: tuple[str, int]) -> Any:
         """A plain client to one cluster node (its pool kept), made like the cluster's own."""

@@ -330,6 +330,28 @@ class LocalRedisCluster:
         for node in self.nodes:
             node.stop(grace_s=2.0)
 
+    def master_of(self, key: str) -> LocalRedis:
+        """The node that serves `key`'s slot now."""
+        from redis.crc import key_slot
+
+        return _master_for_slot(self, key_slot(key.encode()))
+
+    def replica_of(self, master: LocalRedis) -> LocalRedis:
+        return _replica_of(self, master)
+
+    def cut_replication(self, master: LocalRedis) -> LocalRedis:
+        """`LocalRedisHA.cut_replication` for one master: its replica stopped (SIGSTOP) and the
+        link cut on the master. Returns the replica (`resume` continues it)."""
+        replica = self.replica_of(master)
+        os.kill(replica.pid, signal.SIGSTOP)
+        with _cluster_client(master.port, self.password) as c:
+            c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        return replica
+
+    @staticmethod
+    def resume(replica: LocalRedis) -> None:
+        os.kill(replica.pid, signal.SIGCONT)
+
     def role(self, node: LocalRedis) -> str:
         """"master" or "slave", as the node says (a replica can have been promoted)."""
         import redis
@@ -339,6 +361,28 @@ class LocalRedisCluster:
             return client.info("replication")["role"]
         finally:
             client.close()
+
+
+def _cluster_client(port: int, password: str):  # (a sync client to one node)
+    import redis
+
+    return redis.Redis(port=port, password=password or None, socket_timeout=2)
+
+
+def _master_for_slot(cluster: LocalRedisCluster, slot: int) -> LocalRedis:
+    with _cluster_client(cluster.nodes[0].port, cluster.password) as c:
+        for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                port = int(master[1])
+                return next(n for n in cluster.nodes if n.port == port)
+    raise RedisServerError(f"no master serves slot {slot}")
+
+
+def _replica_of(cluster: LocalRedisCluster, master: LocalRedis) -> LocalRedis:
+    with _cluster_client(master.port, cluster.password) as c:
+        info = c.info("replication")
+    port = int(info["slave0"]["port"])
+    return next(n for n in cluster.nodes if n.port == port)
 
 
 def start_redis_cluster(dir: Path, *, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 2000,
@@ -359,7 +403,8 @@ def start_redis_cluster(dir: Path, *, masters: int = 3, replicas: int = 1, node_
             ndir = dir / f"node-{i}"
             ndir.mkdir(parents=True, exist_ok=True)
             extra = ("--cluster-enabled", "yes", "--cluster-config-file", str(ndir / "nodes.conf"),
-                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(_free_port()))
+                     "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(_free_port()),
+                     "--repl-diskless-sync-delay", "0")  # (a replica's first sync at once, not in 5 s)
             nodes.append(_spawn(exe, ndir, _free_port(), password, True, extra))
         for n in nodes:
             _wait_for_ping(n, timeout_s)
@@ -378,8 +423,12 @@ def start_redis_cluster(dir: Path, *, masters: int = 3, replicas: int = 1, node_
                     time.sleep(0.1)
             finally:
                 client.close()
+        cluster = LocalRedisCluster(nodes, password)
+        for n in nodes:  # a failover before a replica's first sync would promote an empty one
+            if cluster.role(n) == "slave":
+                _wait_synced(n, timeout_s)
     except BaseException:
         for n in nodes:
             n.stop(grace_s=1.0)
         raise
-    return LocalRedisCluster(nodes, password)
+    return cluster

@@ -120,6 +120,7 @@ class Router:
                                        tls=tls)
         self.metrics = metrics = RouterMetrics()
         store.on_unreplicated = metrics.unreplicated.inc
+        self.store = store
         self.policy_store = PolicyStore(redis, settings.key_prefix)
         self.policies = PolicyCache(self.policy_store, builtin_policy(settings), settings.policy_reload_s)
         self.controller = Controller(redis, settings.key_prefix, settings.controller_half_life_s,
@@ -202,6 +203,7 @@ class Router:
                 await task
         await asyncio.gather(*(p.close() for p in self.pools.values()), self.targets.close(), self.policies.close(),
                              self.controller.close())
+        await self.store.aclose()
         await self.redis.aclose()
 
 
