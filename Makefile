@@ -102,6 +102,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy src/specserve
+	$(VENV)/bin/lint-imports
 
 # The whole system on loopback: Redis, Ray + target, draft pools, router; then a demo client.
 run: setup

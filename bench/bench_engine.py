@@ -61,10 +61,10 @@ from common import parser, warn_if_busy
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.models.loading import load_pair
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 from specserve.tooling.modelbuild.build import find_pair
 from specserve.tooling.textquality import is_degenerate
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 SPEC = ("spec-model", "spec-ngram", "hf-assisted", "hf-lookup")  # methods that take a K
 

@@ -25,11 +25,11 @@ from common import parser
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.models.loading import load_pair
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 from specserve.tooling.textquality import is_degenerate
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 CLASSES = ("code", "chat", "extraction")
 

@@ -40,8 +40,8 @@ import torch
 from common import parser
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specserve.device import resolve_device, resolve_dtype
 from specserve.drafters.hf import HFDrafter
-from specserve.models.device import resolve_device, resolve_dtype
 from specserve.models.loading import load_model, load_tokenizer
 from specserve.models.runner import ModelRunner
 from specserve.models.verifier import TargetModel

@@ -104,8 +104,8 @@ def main() -> None:
 def references(pair: Path, prompts: list[str]) -> dict[str, list[int]]:
     from specserve.drafters import NgramDrafter
     from specserve.models.loading import load_pair
-    from specserve.models.reference import GenerationParams, ReferenceDecoder
     from specserve.models.verifier import TargetModel
+    from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
     loaded = load_pair(str(pair / "target"), str(pair / "draft"))
     target = TargetModel(loaded.target)

@@ -135,7 +135,7 @@ class LowerIndexing(TorchFunctionMode):
 class HostCopies(TorchDispatchMode):
     """Records every copy of a device tensor to the host (the op and the shape), and every
     blocking copy from the host to the device: on CUDA a copy from pageable memory waits for
-    every kernel queued before it (`models/device.py: to_device` copies without waiting)."""
+    every kernel queued before it (`device.py: to_device` copies without waiting)."""
 
     def __init__(self) -> None:
         super().__init__()

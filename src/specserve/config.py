@@ -41,7 +41,7 @@ class WorkerSettings(BaseSettings):
     kv_budget_mb: float = Field(256.0, gt=0)  # KV slots allocated at start (at most max_sessions)
     max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
     prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
-    # where the batched runner's weights, KV slots and RoPE tables live (models/device.py):
+    # where the batched runner's weights, KV slots and RoPE tables live (device.py):
     # auto = CUDA when torch sees one, else the CPU; dtype auto = bf16 on CUDA, fp32 on the CPU
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16)$")

@@ -75,7 +75,7 @@ def prompts(eval_prompts, greedy_reference):
 @pytest.fixture(scope="module")
 def greedy_reference(demo_pair, target_model):
     from specserve.drafters import NgramDrafter
-    from specserve.models.reference import GenerationParams, ReferenceDecoder
+    from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
     engine = ReferenceDecoder(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     cache: dict[str, list[int]] = {}

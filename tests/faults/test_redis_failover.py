@@ -55,7 +55,7 @@ def ha_stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory):
 
 def _greedy(demo_pair, target_model, prompt: str) -> list[int]:
     from specserve.drafters import NgramDrafter
-    from specserve.models.reference import GenerationParams, ReferenceDecoder
+    from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
     engine = ReferenceDecoder(target_model, NgramDrafter(target_model.vocab_size), demo_pair.tokenizer)
     return engine.generate(prompt, GenerationParams(max_tokens=MAX_TOKENS, num_draft_tokens=0)).token_ids

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from specserve.drafters import NgramDrafter
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.v1 import generation_pb2, generation_pb2_grpc
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 MAX_TOKENS = 16
 

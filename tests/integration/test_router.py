@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.config import LOCAL_NGRAM
 from specserve.drafters import NgramDrafter
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.state.store import session_key
 from specserve.v1 import generation_pb2, generation_pb2_grpc
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 MAX_TOKENS = 24
 

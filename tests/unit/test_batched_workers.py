@@ -22,7 +22,6 @@ from specserve.algorithm.round import draft_budget, settle
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
 from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
@@ -38,6 +37,7 @@ from specserve.worker.model_step import (
     make_target_step,
 )
 from specserve.worker.qcodec import q_from_proto
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 VOCAB = 96
 

@@ -21,7 +21,7 @@ from fakedevice import fake_cuda
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import specserve.models.device as device_module
+import specserve.device as device_module
 import specserve.models.verifier as verifier_module
 import specserve.worker.model_step as model_step_module
 from specserve.algorithm.rejection import SparseQ

@@ -33,7 +33,7 @@ from test_runner_exactness import RANDOM_MODELS, SMALL, run_scenario
 from test_runner_invariance import MAX_NEW, SAMPLINGS, spec_generate
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-import specserve.models.device as device_module
+import specserve.device as device_module
 import specserve.worker.model_step as model_step_module
 from specserve.algorithm.rejection import SparseQ
 from specserve.drafters.hf import HFDrafter

@@ -1,4 +1,4 @@
-"""The device and dtype settings (models/device.py): how they resolve, that the worker
+"""The device and dtype settings (device.py): how they resolve, that the worker
 settings carry them into the runner, and that a runner built in bf16 keeps its weights, KV
 slots and RoPE tables in bf16 and still returns float32 logits."""
 
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.config import DraftSettings, TargetSettings
-from specserve.models.device import (
+from specserve.device import (
     activation_reserve_bytes,
     kv_budget_bytes,
     resolve_device,

@@ -9,8 +9,8 @@ import torch
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import DraftProposal
 from specserve.errors import InvalidRequest
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 
 class ScriptedDrafter:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.reference import GenerationParams, ReferenceDecoder
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 MAX_TOKENS = 32
 

@@ -6,7 +6,7 @@ import pytest
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.reference import GenerationParams, ReferenceDecoder
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 
 def _engine(demo_pair, target_model, name):

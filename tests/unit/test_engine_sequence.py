@@ -19,8 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve.algorithm.sampling import SamplingParams, logits_to_probs
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.drafters.prediction import PredictionDrafter
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import TargetModel
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 VOCAB = 5
 PROMPT = [1, 2, 3, 1, 2, 4, 1, 2]  # repeats, so the n-gram drafter finds matches

@@ -30,7 +30,7 @@ def test_different_output_sizes_are_refused(demo_pair):
 def test_engine_refuses_mismatched_drafter(demo_pair, target_model):
     from specserve.drafters import NgramDrafter
     from specserve.errors import InvalidRequest
-    from specserve.models.reference import ReferenceDecoder
+    from specserve.worker.reference import ReferenceDecoder
 
     with pytest.raises(InvalidRequest, match="vocabulary size"):
         ReferenceDecoder(target_model, NgramDrafter(vocab_size=7), demo_pair.tokenizer)

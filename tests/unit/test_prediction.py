@@ -10,7 +10,7 @@ import pytest
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.prediction import PredictionDrafter, resync
 from specserve.errors import InvalidRequest
-from specserve.models.reference import GenerationParams, ReferenceDecoder
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
 GREEDY = SamplingParams()
 PROMPT = [100, 101]  # the drafter reads the output after these

@@ -15,13 +15,13 @@ from specserve.algorithm.round import draft_budget, settle
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter, NgramDrafter
-from specserve.models.reference import GenerationParams, ReferenceDecoder
 from specserve.models.verifier import verify_block
 from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import draft_pb2
 from specserve.worker.qcodec import q_from_proto
+from specserve.worker.reference import GenerationParams, ReferenceDecoder
 from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 
 

@@ -19,8 +19,8 @@ from specserve.engine.drafting import LocalDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
 from specserve.errors import InvalidRequest
+from specserve.model_info import ModelInfo
 from specserve.params import GenerationParams
-from specserve.services.router.model_info import ModelInfo
 from specserve.structured.constraint import Constraint
 from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
 from specserve.worker.model_step import Batching, make_target_step

@@ -25,7 +25,7 @@ import torch
 
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import draw
-from specserve.models.device import to_device
+from specserve.device import to_device
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.models.device import to_device
+from specserve.device import to_device
 from specserve.params import SamplingParams
 
 __all__ = ["SamplingParams", "draw", "greedy_tokens", "logits_to_probs", "mask_logits", "truncate_mass"]
@@ -97,3 +97,17 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u * total can round up to total: fall back to the last token with mass.
     last_nonzero = (probs > 0).cumsum(-1).argmax(-1)
     return torch.minimum(idx, last_nonzero)
+
+
+def draft_heads(masked: torch.Tensor, tok: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """[B, 4] float64 per row: the drafted token, the runner-up (the most likely other token
+    by the masked logits; -1 when only banned tokens are left), and both their
+    probabilities under `scores` [B, V] (0 for no runner-up)."""
+    top = torch.topk(masked, 2, dim=-1)
+    first_is_drafted = top.indices[:, 0] == tok
+    alt = torch.where(first_is_drafted, top.indices[:, 1], top.indices[:, 0])
+    alt_ok = torch.where(first_is_drafted, top.values[:, 1], top.values[:, 0]) != float("-inf")
+    alt = torch.where(alt_ok, alt, torch.full_like(alt, -1))
+    conf = scores.gather(1, torch.stack([tok, alt.clamp(min=0)], 1)).double()  # [B, 2]
+    conf = torch.stack([conf[:, 0], torch.where(alt_ok, conf[:, 1], torch.zeros_like(conf[:, 1]))], 1)
+    return torch.cat([tok.double().unsqueeze(1), alt.double().unsqueeze(1), conf], 1)

@@ -33,7 +33,7 @@ import torch
 from specserve.algorithm.rejection import Verdict
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import draw, logits_to_probs, mask_logits
-from specserve.models.device import to_device
+from specserve.device import to_device
 from specserve.params import SamplingParams
 
 SIBLINGS = 256  # the most candidates at one position (the uniforms' index space per position)

@@ -14,13 +14,14 @@ from specserve.algorithm.rejection import DenseQ, SparseQ
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import (
     SamplingParams,
+    draft_heads,
     draw,
     greedy_tokens,
     logits_to_probs,
     truncate_mass,
 )
+from specserve.device import to_device
 from specserve.drafters.base import SURE, DraftProposal
-from specserve.models.device import to_device
 from specserve.models.kvcache import CachedLM
 
 # Send q sparse when the draft sampler truncated it to at most this share of the vocabulary.
@@ -205,7 +206,7 @@ def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tens
         raise ValueError("a sampled draft position needs its uniform")
     probs = truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
     tok = draw(probs.unsqueeze(0), u)  # [1]
-    head = _heads(_banned(logits.unsqueeze(0), [sampling]), tok, probs.unsqueeze(0))[0]
+    head = draft_heads(_banned(logits.unsqueeze(0), [sampling]), tok, probs.unsqueeze(0))[0]
     entries = q_entries(q_max_entries, probs.shape[-1])
     if entries is None:
         return DevicePick(tok[0], head, probs, None)
@@ -215,11 +216,11 @@ def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tens
 
 def greedy_picks_on_device(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax picks of B rows at once (one kernel per op, not one per row): logits [B, V] ->
-    (tokens [B] int64, their heads [B, 4] float64; see `_heads`, scored by the softmax of
+    (tokens [B] int64, their heads [B, 4] float64; see `algorithm.sampling.draft_heads`, scored by the softmax of
     the logits)."""
     masked = _banned(logits, samplings)
     tok = masked.argmax(-1)  # as greedy_tokens: the first index on ties
-    return tok, _heads(masked, tok, torch.softmax(logits.float(), -1))
+    return tok, draft_heads(masked, tok, torch.softmax(logits.float(), -1))
 
 
 def _banned(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> torch.Tensor:
@@ -231,20 +232,6 @@ def _banned(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> torch.
     for i, ids in banned:
         masked[i].index_fill_(0, to_device(ids, logits.device), float("-inf"))
     return masked
-
-
-def _heads(masked: torch.Tensor, tok: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """[B, 4] float64 per row: the drafted token, the runner-up (the most likely other token
-    by the masked logits; -1 when only banned tokens are left), and both their
-    probabilities under `scores` [B, V] (0 for no runner-up)."""
-    top = torch.topk(masked, 2, dim=-1)
-    first_is_drafted = top.indices[:, 0] == tok
-    alt = torch.where(first_is_drafted, top.indices[:, 1], top.indices[:, 0])
-    alt_ok = torch.where(first_is_drafted, top.values[:, 1], top.values[:, 0]) != float("-inf")
-    alt = torch.where(alt_ok, alt, torch.full_like(alt, -1))
-    conf = scores.gather(1, torch.stack([tok, alt.clamp(min=0)], 1)).double()  # [B, 2]
-    conf = torch.stack([conf[:, 0], torch.where(alt_ok, conf[:, 1], torch.zeros_like(conf[:, 1]))], 1)
-    return torch.cat([tok.double().unsqueeze(1), alt.double().unsqueeze(1), conf], 1)
 
 
 def pad_to(row: torch.Tensor, width: int) -> torch.Tensor:

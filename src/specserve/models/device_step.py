@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from specserve.algorithm.rejection import greedy_judge
+from specserve.algorithm.sampling import draft_heads
+from specserve.device import copy_in, to_device
 from specserve.errors import InvalidRequest
-from specserve.models.device import copy_in, to_device
 
 if TYPE_CHECKING:
     from specserve.models.runner import ModelRunner, Row
@@ -164,7 +165,7 @@ class DeviceStep:
         self.verdicts = torch.zeros(r, 2, dtype=torch.float64, device=self.device)  # accepted, final token
         self.picks = torch.zeros(r, dtype=torch.long, device=self.device)  # the final token, as an id
         self.features = torch.zeros(0, device=self.device)  # [T, F]: the runner's feature layers' outputs
-        # a draft's greedy picks with their heads (`drafters.hf._heads`: token, runner-up, and both
+        # a draft's greedy picks with their heads (`algorithm.sampling.draft_heads`: token, runner-up, and both
         # their probabilities), at each row's last position, computed in the same run
         self.with_heads = heads
         self.heads = torch.zeros(r, 4, dtype=torch.float64, device=self.device)
@@ -323,10 +324,8 @@ class DeviceStep:
         self.verdicts[:b.rows].copy_(judged.packed())
         self.picks[:b.rows].copy_(judged.final)
         if self.with_heads:
-            from specserve.drafters.hf import _heads
-
             last = logits.index_select(0, jpos[:, -1])  # [R, V]: a draft row's one logit position
-            self.heads[:b.rows].copy_(_heads(last, judged.final, torch.softmax(last, -1)))
+            self.heads[:b.rows].copy_(draft_heads(last, judged.final, torch.softmax(last, -1)))
 
     def run_chain(self, b: Bucket, steps: int) -> None:
         """A draft's next `steps` positions in one run (ADR 0019: its K-position loop in one

@@ -173,7 +173,7 @@ class KVSlots:
         if not src:
             return
         slot = self.slot(session)
-        from specserve.models.device import to_device
+        from specserve.device import to_device
 
         s = to_device(list(src), self.keys[0].device, torch.long)  # (copied in without a wait)
         d = to_device(list(dst), self.keys[0].device, torch.long)

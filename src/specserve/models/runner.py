@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from specserve.device import to_device
 from specserve.errors import InvalidRequest
-from specserve.models.device import to_device
 from specserve.models.kv_slots import KVLayout, KVSlots
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from specserve.algorithm.rejection import (
     verdicts_from_host,
 )
 from specserve.algorithm.sampling import greedy_tokens, logits_to_probs
-from specserve.models.device import to_device, to_host
+from specserve.device import to_device, to_host
 from specserve.models.kvcache import CachedLM
 from specserve.params import SamplingParams
 

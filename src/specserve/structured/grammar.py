@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from specserve.algorithm.rejection import DenseQ, QProbs, SparseQ
+from specserve.device import to_device
 from specserve.drafters.base import DraftProposal
 from specserve.errors import InvalidRequest
-from specserve.models.device import to_device
 from specserve.structured.constraint import Constraint
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'

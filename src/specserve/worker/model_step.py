@@ -34,6 +34,14 @@ from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.tree import Tree, tree_judge_on_device
 from specserve.algorithm.tree import walk as tree_walk
+from specserve.device import (
+    activation_reserve_bytes,
+    kv_budget_bytes,
+    resolve_device,
+    resolve_dtype,
+    to_device,
+    to_host,
+)
 from specserve.drafters.base import DraftProposal
 from specserve.drafters.hf import (
     DevicePick,
@@ -44,14 +52,6 @@ from specserve.drafters.hf import (
     pad_to,
     pick_on_device,
     q_entries,
-)
-from specserve.models.device import (
-    activation_reserve_bytes,
-    kv_budget_bytes,
-    resolve_device,
-    resolve_dtype,
-    to_device,
-    to_host,
 )
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
@@ -77,7 +77,7 @@ class Batching:
     prefill_chunk: int = 128
     tile: int | None = 4  # ADR 0008; None: the plain batched forward (exact_batching: fast)
     fuse_upto: int = 128
-    device: str = "auto"  # models/device.py: auto, cpu, cuda, cuda:N
+    device: str = "auto"  # device.py: auto, cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16, fp16
     gpu_memory_utilization: float = 0.9  # CUDA: the KV budget's share of device memory (device.kv_budget_bytes)
     max_batch: int = 32  # work items per step: with prefill_chunk, bounds a step's activations

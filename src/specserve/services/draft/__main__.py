@@ -63,7 +63,7 @@ def _tokenizer(settings: DraftSettings):
     one (it drafts free, and the target's masks keep the output exact)."""
     from pathlib import Path
 
-    from specserve.services.router.model_info import ModelInfo
+    from specserve.model_info import ModelInfo
 
     directory = settings.tokenizer or ("" if settings.model == "ngram" else
                                        settings.eagle_target if settings.model == "eagle" else settings.model)

@@ -21,9 +21,9 @@ from typing import Any
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import SURE, Drafter, DraftProposal
 from specserve.errors import InvalidRequest, SessionNotFound
+from specserve.model_info import ModelInfo
 from specserve.params import check_k
 from specserve.services.draft.link import Link
-from specserve.services.router.model_info import ModelInfo
 from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.serving.wire import check_token_ids, sampling_from_proto

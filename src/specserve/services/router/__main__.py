@@ -19,9 +19,9 @@ from specserve.config import RouterSettings
 from specserve.control.controller import Controller, ShadowLog
 from specserve.control.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
 from specserve.errors import InvalidRequest
+from specserve.model_info import ModelInfo
 from specserve.services.router.admin import PolicyAdminServicer
 from specserve.services.router.classifier import Classifier, Rule
-from specserve.services.router.model_info import ModelInfo
 from specserve.services.router.openai_api import OpenAIApp, start_http
 from specserve.services.router.planner import Planner
 from specserve.services.router.pools import DraftPool

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from specserve.config import RouterSettings
 from specserve.drafters.prediction import prediction_usage
 from specserve.errors import Internal
+from specserve.model_info import ModelInfo
 from specserve.services.router.classifier import Classifier
-from specserve.services.router.model_info import ModelInfo
 from specserve.services.router.planner import Planner
 from specserve.services.router.sessions import Opened, Sessions
 from specserve.services.router.validation import ValidRequest, parse

@@ -10,9 +10,9 @@ from specserve.control.arms import NO_SPECULATION, RequestFacts
 from specserve.control.policy import CLASS_NAME
 from specserve.drafters.prediction import PREDICTION_POOL, check_prediction
 from specserve.errors import InvalidRequest
+from specserve.model_info import ModelInfo
 from specserve.params import GenerationParams, SamplingParams, check_k
 from specserve.services.router.classifier import Classifier
-from specserve.services.router.model_info import ModelInfo
 from specserve.structured.constraint import Constraint
 from specserve.v1 import generation_pb2
 

@@ -68,7 +68,7 @@ class TargetWorker:
     async def _serve(self) -> None:
         import torch
 
-        from specserve.models.device import resolve_device
+        from specserve.device import resolve_device
         from specserve.models.loading import load_model
         from specserve.models.verifier import TargetModel
         from specserve.services.target.server import TargetServicer
@@ -158,7 +158,7 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     from specserve.engine.drafting import LocalDrafts
     from specserve.engine.link import RemoteDrafts
     from specserve.engine.scheduler import Budget
-    from specserve.services.router.model_info import ModelInfo
+    from specserve.model_info import ModelInfo
     from specserve.services.target.loop_host import LoopHost
     from specserve.serving.metrics import RoundMetrics
 

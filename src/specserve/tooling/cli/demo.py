@@ -159,10 +159,10 @@ def demo_local(
 
     from specserve.drafters import HFDrafter, NgramDrafter
     from specserve.models.loading import load_pair
-    from specserve.models.reference import GenerationParams, ReferenceDecoder
     from specserve.models.verifier import TargetModel
     from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
     from specserve.tooling.modelbuild.evaluate import demo_choice
+    from specserve.worker.reference import GenerationParams, ReferenceDecoder
 
     torch.set_num_threads(2)
     pair_path = find_pair(models)
