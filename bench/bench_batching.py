@@ -33,7 +33,8 @@ from specserve.tooling.stack import local_target_threads
 CLASS = "bench"  # the controller arm's workload class (its policy below)
 
 
-ROLES = (("target", "ray::TargetWorker"), ("router", "specserve.services.router"), ("draft", "specserve.services.draft"),
+ROLES = (("target", "ray::TargetWorker"), ("router", "specserve.services.router"),
+         ("draft", "specserve.services.draft"),
          ("redis", "redis-server"), ("ray", "ray"), ("bench", "bench_batching"))
 
 
@@ -254,7 +255,8 @@ def print_table(r: dict) -> None:
     print("cores busy by role (of the machine's", os.cpu_count(), "):")
     for x in r["rows"]:
         if x["arm"] in ("plain", f"k{r['config']['k']}", "plain-off"):
-            busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(x["cores_busy"].items(), key=lambda kv: -kv[1]) if v >= 0.01)
+            busy = ", ".join(f"{k} {v:.2f}" for k, v in sorted(x["cores_busy"].items(), key=lambda kv: -kv[1])
+                             if v >= 0.01)
             print(f"{x['concurrency']:>3} {x['arm']:<11} {busy}")
     print("capacity (largest C with p90 TPOT <= 2x single-stream plain):", r["capacity"])
     print("controller vs the best fixed arm:", r["controller_vs_best"])

@@ -5,7 +5,8 @@ on this CPU, per workload class, at 1, 4 and 16 streams, one run, the same held-
   small        the pair's distilled draft model (LocalDrafts: drafted on the engine's thread)
   ngram-local  prompt lookup on the engine's thread
   eagle-local  the pair's EAGLE head, chains
-  eagle-tree   the EAGLE head, token trees of two first candidates (tree_width 2, always: the cost model would choose chains on this CPU)
+  eagle-tree   the EAGLE head, token trees of two first candidates (tree_width 2, always: the cost
+               model would choose chains on this CPU)
 
 Per cell: output tok/s, accepted drafts per speculative round, tokens per target pass, tree
 drafts per round; per class the speedups over plain at each load, and whether greedy output

@@ -206,7 +206,8 @@ def nondegenerate(res: dict, keep: list[int]) -> dict:
     return out | {k: fig[k] for k in ("mean_accepted", "alpha", "per_position") if k in fig}
 
 
-def degenerate_prompts(engine: ReferenceDecoder, prompts: list[list[int]], max_tokens: int, banned: tuple) -> list[bool]:
+def degenerate_prompts(engine: ReferenceDecoder, prompts: list[list[int]], max_tokens: int,
+                       banned: tuple) -> list[bool]:
     """Per prompt: is the target's greedy continuation degenerate (the same test at every T)."""
     params = GenerationParams(max_tokens, SamplingParams(banned_token_ids=banned), num_draft_tokens=0)
     return [is_degenerate(engine.generate(ids, params).token_ids) for ids in prompts]

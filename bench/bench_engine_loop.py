@@ -208,7 +208,8 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
     """`tile`: the stand-in forward's runner. Its own CPU time is not what a cell measures
     (the profile's step time is), so by default it is the fast one: no padding to tiles, the
     cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
-    model = make_target_step(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096, max_sessions=max(streams, 4),
+    model = make_target_step(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096,
+                                           max_sessions=max(streams, 4),
                                            prefill_chunk=128, tile=tile, device=device, max_len=512,
                                            max_batch=max(streams, 4)))
     if tile is None and device == "cpu":  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
@@ -276,12 +277,14 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
             "tpot_ms_p50": statistics.median(tpot), "device_busy": sum(busy) / 1e3 / wall, "busy_metric": busy_metric,
             "forward_ms_p50": statistics.median(busy) if real else None,
             "forward_ms_min": min(busy) if real else None,
-            "bookkeeping_ms_p50": statistics.median(book), "bookkeeping_ms_p99": sorted(book)[int(0.99 * (len(book) - 1))],
+            "bookkeeping_ms_p50": statistics.median(book),
+            "bookkeeping_ms_p99": sorted(book)[int(0.99 * (len(book) - 1))],
             "steps": len(book), "pushed_share": sum(r.predraft == "pushed" for r in rounds) / max(len(rounds), 1),
             "late_share": sum(r.fallback_reason == "draft_late" for r in rounds) / max(len(rounds), 1),
             "mean_k": statistics.mean(r.k for r in rounds),
             "tokens_per_pass": sum(r.emitted for r in rounds) / max(len(rounds), 1),
-            "tree_share": sum(r.tree_size > 0 for r in rounds) / max(len(rounds), 1), "estimates": loop.estimates.get(("code", "syn"), {}),
+            "tree_share": sum(r.tree_size > 0 for r in rounds) / max(len(rounds), 1),
+            "estimates": loop.estimates.get(("code", "syn"), {}),
             "draft_latency_ms_per_token": loop.draft_latency.get("syn", 0.0) * 1e3}
 
 
@@ -321,17 +324,21 @@ def main() -> None:
                                               a.tokens, a.alpha, tile, a.gather == "on", a.device, real, a.beta)}
                 rows.append(r)
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
-                      f"busy {r['device_busy']:.0%} (metric {r['busy_metric']:.0%})  book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
+                      f"busy {r['device_busy']:.0%} (metric {r['busy_metric']:.0%})  "
+                      f"book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
                       f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
-                      f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}  trees {r['tree_share']:.0%}" + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
+                      f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}  trees {r['tree_share']:.0%}"
+                      + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
                       flush=True)
             if not real:
                 _bounds([r for r in rows if r["profile"] == pname and r["streams"] == n], PROFILES[pname], a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "exact_batching": a.exact_batching,
+    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens,
+                                                   "exact_batching": a.exact_batching,
                                                    "gather": a.gather, "device": a.device, "model": a.model,
-                                                   "device_name": torch.cuda.get_device_name() if a.device.startswith("cuda")
+                                                   "device_name": torch.cuda.get_device_name()
+                                                   if a.device.startswith("cuda")
                                                    else "cpu", "rows": rows}, indent=1))
     _plot(rows, out / "engine_loop.png")
 
@@ -353,7 +360,8 @@ def _bounds(cells: list[dict], profile: Profile, a) -> None:
             if r["arm"].startswith("tree:"):  # the engine chooses tree or chain: the better bound of the two
                 tree = profile.speculation_bound(a.alpha, k, r["streams"], cached, overhead_ms, width=2, beta=a.beta)
                 r["bound"] = max(r["bound"], tree, key=lambda b: b["any"])
-            print(f"      {r['arm']:8} / plain {r['vs_plain']:.2f}: the most any schedule gets {r['bound']['any']:.2f}, "
+            print(f"      {r['arm']:8} / plain {r['vs_plain']:.2f}: "
+                  f"the most any schedule gets {r['bound']['any']:.2f}, "
                   f"steps held for every block {r['bound']['held']:.2f} (busy {r['bound']['held_busy']:.0%}); "
                   f"engine overhead {overhead_ms:.2f} ms a step", flush=True)
 

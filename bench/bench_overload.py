@@ -68,7 +68,8 @@ def arm(pair: Path, name: str, prompts: list[str], a) -> dict:
         spec = StackSpec(
             pair_dir=str(pair), run_dir=str(Path(tmp) / "run"), routers=1, target_threads=1,
             pools={"small": PoolSpec("draft", env={"SPECSERVE_DRAFT_SIMULATED_TOKEN_MS": str(a.draft_token_ms),
-                                                   "SPECSERVE_DRAFT_MAX_QUEUE": str(a.max_queue if name == "shed" else 0),
+                                                   "SPECSERVE_DRAFT_MAX_QUEUE": str(
+                                                       a.max_queue if name == "shed" else 0),
                                                    "SPECSERVE_DRAFT_MAX_BATCH": "1"})},
             env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": str(a.pass_ms), "SPECSERVE_TARGET_MAX_BATCH": str(a.max_batch)})
         with Stack(spec).running(timeout_s=480) as stack:

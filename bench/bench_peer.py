@@ -186,7 +186,8 @@ def _cell(system: str, arm: str, base_url: str, model: str, prompts, streams: in
     """One measured cell, printed as it ends."""
     cell = run_cell(base_url, model, prompts, streams, a.requests, a.max_tokens, extra)
     cell.update(system=system, arm=arm, repeat=repeat)
-    ran = f"  ran {dict(Counter(x for rs in cell['ran'] for x in rs))}" if arm.startswith("controller") and cell["ran"] \
+    ran = f"  ran {dict(Counter(x for rs in cell['ran'] for x in rs))}" \
+        if arm.startswith("controller") and cell["ran"] \
         else ""
     print(f"[peer] {system:9s} {arm:10s} {streams:3d} streams: {cell['tok_s']:7.1f} tok/s  "
           f"TPOT p50 {cell['tpot_ms_p50']:.1f} ms{ran}", file=sys.stderr, flush=True)
@@ -259,7 +260,8 @@ def main() -> None:
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--target-threads", type=int, default=local_target_threads(),
-                    help="torch threads of specserve's target and the in-process reference decoder (default: all cores but one, at most 2)")
+                    help="torch threads of specserve's target and the in-process reference decoder "
+                         "(default: all cores but one, at most 2)")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the engine loop in process (plain, each runner mode: inprocess_engine.py)")
     ap.add_argument("--exact-batching", default="invariant,fast",
@@ -286,7 +288,9 @@ def main() -> None:
     summary = _summary(cells, loads)
     summary["by_repeat"] = _by_repeat(rows, loads, a.repeats * a.rounds)
     result = {"pair": str(pair), "streams": loads, "prompts": len(prompts), "requests_per_stream": a.requests,
-              "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "rounds": a.rounds, "order": a.order, "target_threads": a.target_threads, "exact_batching": a.exact_batching, "vllm": None if a.no_vllm else VLLM_SPEC,
+              "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "rounds": a.rounds, "order": a.order,
+              "target_threads": a.target_threads, "exact_batching": a.exact_batching,
+              "vllm": None if a.no_vllm else VLLM_SPEC,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": cells, "each_cell": rows,
               "summary": summary}
     (out / "peer.json").write_text(json.dumps(result, indent=1))

@@ -162,7 +162,8 @@ def run(stack: Stack, by_class, args, poor: Path, draft_env: dict) -> dict:
     for t in threads:
         t.join(timeout=300)
     chat_requests_until_plain = sum(1 for arm, cls, t0, _t1, _n, _p, _k in log
-                                    if arm == "controller" and cls == "chat" and swapped <= t0 <= swapped + (reaction or 0))
+                                    if arm == "controller" and cls == "chat"
+                                    and swapped <= t0 <= swapped + (reaction or 0))
     return {
         "phase1": rates(log, warm, phase1_end),
         "phase2": rates(log, swapped + (reaction or 0) + 2.0, phase2_end),

@@ -53,7 +53,8 @@ def via_router(stub, prompt: str, pool: str, k: int | None, max_tokens: int, ban
 
 def in_process(engine: ReferenceDecoder, prompt: str, k: int, max_tokens: int, banned: tuple, repeats: int):
     best, res = float("inf"), None
-    params = GenerationParams(max_tokens=max_tokens, num_draft_tokens=k, sampling=SamplingParams(banned_token_ids=banned))
+    params = GenerationParams(max_tokens=max_tokens, num_draft_tokens=k,
+                              sampling=SamplingParams(banned_token_ids=banned))
     for _ in range(repeats):
         t0 = time.perf_counter()
         res = engine.generate(prompt, params)
@@ -106,14 +107,16 @@ def main() -> None:
                         overhead_all += over
                         rows.append({"path": "stack", "class": cls, "pool": pool, "ms_per_token": ms / toks,
                                      "rounds": len(rounds), "tokens": toks,
-                                     "mean_accepted": float(np.mean([acc for k, acc in rounds if k])) if pool != "none" else None,
+                                     "mean_accepted": float(np.mean([acc for k, acc in rounds if k]))
+                                     if pool != "none" else None,
                                      "overhead_ms_p50": float(np.percentile(over, 50)),
                                      "overhead_ms_p99": float(np.percentile(over, 99)), "per_prompt": per_prompt})
 
     torch.set_num_threads(2)
     lp = load_pair(str(pair / "target"), str(pair / "draft"))
     tm = TargetModel(lp.target)
-    engines = {"none": ReferenceDecoder(tm, None, lp.tokenizer), "small": ReferenceDecoder(tm, HFDrafter(lp.draft), lp.tokenizer),
+    engines = {"none": ReferenceDecoder(tm, None, lp.tokenizer),
+               "small": ReferenceDecoder(tm, HFDrafter(lp.draft), lp.tokenizer),
                "ngram": ReferenceDecoder(tm, NgramDrafter(tm.vocab_size), lp.tokenizer)}
     in_process(engines["small"], prompts["code"][0], a.k, 8, tuple(banned), 1)
     for cls, ps in prompts.items():
@@ -138,16 +141,19 @@ def main() -> None:
     (out / "stack.json").write_text(json.dumps({"args": vars(a), "pair": str(pair), "summary": summary, "rows": rows,
                                                 "overhead_ms": overhead_all},
                                                indent=1))
-    print("| path | class | speculation | ms/token | speedup vs plain (same path) | mean accepted | overhead p50/p99 ms "
+    print("| path | class | speculation | ms/token | speedup vs plain (same path) | mean accepted "
+          "| overhead p50/p99 ms "
           "| non-degenerate: prompts | speedup | mean accepted |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc, nd = _fmt(r.get("mean_accepted")), r["nondegenerate"]
         ov = f"{r['overhead_ms_p50']:.2f} / {r['overhead_ms_p99']:.2f}" if "overhead_ms_p50" in r else "-"
-        print(f"| {r['path']} | {r['class']} | {r['pool']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | {acc} | {ov} "
+        print(f"| {r['path']} | {r['class']} | {r['pool']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x "
+              f"| {acc} | {ov} "
               f"| {nd['n_prompts']}/{len(r['per_prompt'])} | {_fmt(nd['speedup'])}x | {_fmt(nd['mean_accepted'])} |")
     print(f"\nper-round overhead outside model time (router + gRPC + Redis), all rounds: "
-          f"p50 {summary['overhead_ms_p50']:.2f} ms, p99 {summary['overhead_ms_p99']:.2f} ms ({summary['rounds']} rounds)")
+          f"p50 {summary['overhead_ms_p50']:.2f} ms, p99 {summary['overhead_ms_p99']:.2f} ms "
+          f"({summary['rounds']} rounds)")
     _plot(rows, overhead_all, out / "stack_overhead.png")
     print(f"wrote {out / 'stack.json'} and {out / 'stack_overhead.png'}", file=sys.stderr)
 

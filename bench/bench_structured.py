@@ -138,7 +138,8 @@ def main() -> None:
         summary[name] = {
             "constrained": schema is not None, "pool": pool or "none", "forced": forced,
             "finished": len(done) / len(rs),
-            "parse_rate": (sum(bool(r.get("parsed")) for r in done) / len(done)) if schema is not None and done else None,
+            "parse_rate": (sum(bool(r.get("parsed")) for r in done) / len(done))
+            if schema is not None and done else None,
             "field_match": (sum(r.get("matched", 0) for r in done) / max(sum(r.get("fields", 0) for r in done), 1))
             if schema is not None else None,
             "tokens_per_pass": tokens / sum(r["rounds"] for r in rs),

@@ -411,7 +411,8 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
     b = Batching(device=str(device), dtype=args.dtype, max_sessions=most + 2,
                  max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
                  kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs="off" if mode == "off" else "auto",
-                 fixed_step=True if (args.smoke and mode != "off") else None, compile_step={"compile": "whole", "pieces": "pieces"}.get(mode, False),
+                 fixed_step=True if (args.smoke and mode != "off") else None,
+                 compile_step={"compile": "whole", "pieces": "pieces"}.get(mode, False),
                  tile=Batching.tile if args.exact_batching == "invariant" else None)
     target = BatchedTarget(TargetModel(target_model), b)
     draft = BatchedDraft(HFDrafter(draft_model), b)
@@ -558,7 +559,8 @@ def main(argv=None) -> int:
         profile(first["engines"][0], args.streams, shape, Path(args.out) / "gpu_check_profile.txt", device)
     for m in res["modes"].values():
         m.pop("engines", None)
-    res["hf"] = hf_generate(target_model, draft_model, _prompts(1, shape["prompt_len"], shape["target"]["vocab_size"])[0],
+    res["hf"] = hf_generate(target_model, draft_model,
+                            _prompts(1, shape["prompt_len"], shape["target"]["vocab_size"])[0],
                             shape["decode"], args.k, device)
     res["hf"]["specserve_plain_1_stream_tok_s"] = res["speed"][0]["plain"]["tok_s"] if args.streams[0] == 1 else None
     res["targets"] = targets(res, args)

@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--give-up-s", type=float, default=180.0,
                     help="how long a client keeps retrying one request (backoff 0.2 s doubling to 2 s)")
     ap.add_argument("--kill-target", action="store_true",
-                    help="each kill period also SIGKILLs the target actor's process (Ray restarts it; it adopts its sessions)")
+                    help="each kill period also SIGKILLs the target actor's process "
+                         "(Ray restarts it; it adopts its sessions)")
     ap.add_argument("--redis-ha", action="store_true",
                     help="Redis as a primary, a replica and three sentinels (ADR 0023) instead of one server")
     ap.add_argument("--kill-redis-primary", action="store_true",
@@ -87,9 +88,11 @@ def main() -> None:
     prompts = [p["prompt"] for p in load_eval_prompts(pair)][:12]
     refs = references(pair, prompts)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        spec = StackSpec(pair_dir=str(pair), run_dir=str(args.run_dir or tmp), pools={"small": PoolSpec("draft", replicas=2)},
+        spec = StackSpec(pair_dir=str(pair), run_dir=str(args.run_dir or tmp),
+                         pools={"small": PoolSpec("draft", replicas=2)},
                          routers=2, target_threads=1, redis_ha=args.redis_ha,
-                         env={"SPECSERVE_TARGET_MAX_LEN": str(args.max_len), "SPECSERVE_DRAFT_MAX_LEN": str(args.max_len),
+                         env={"SPECSERVE_TARGET_MAX_LEN": str(args.max_len),
+                              "SPECSERVE_DRAFT_MAX_LEN": str(args.max_len),
                               "SPECSERVE_TARGET_SESSION_TTL_S": str(args.session_ttl_s),
                               "SPECSERVE_TARGET_DETACHED_IDLE_S": "20"},
                          router_env={"SPECSERVE_ROUTER_SESSION_TTL_S": str(args.session_ttl_s)})
@@ -253,7 +256,8 @@ def soak(stack, args, prompts, refs) -> dict:
     stats: Counter = Counter()
     delivered = [0]
     stop = threading.Event()
-    clients = [threading.Thread(target=Client(i, stubs, prompts, refs, stats, delivered, stop, args.deadline_s, args.give_up_s).run, daemon=True)
+    clients = [threading.Thread(target=Client(i, stubs, prompts, refs, stats, delivered, stop, args.deadline_s,
+                                              args.give_up_s).run, daemon=True)
                for i in range(args.streams)]
     for t in clients:
         t.start()
@@ -277,7 +281,8 @@ def soak(stack, args, prompts, refs) -> dict:
         pids = {**{n: p for n, p in stack.info.pids.items() if n.startswith(("router", "draft", "redis"))},
                 "target": target.get("pid", 0)}
         samples.append({"t": round(now - t0, 1), "tokens_per_s": (delivered[0] - last_tokens) / (now - last_t),
-                        "rss_mb": {n: round(rss_mb(p), 1) for n, p in pids.items()}, "session_keys": quietly(lambda: session_keys(r))})
+                        "rss_mb": {n: round(rss_mb(p), 1) for n, p in pids.items()},
+                        "session_keys": quietly(lambda: session_keys(r))})
         last_tokens, last_t = delivered[0], now
         print(f"t={samples[-1]['t']:6.0f}s  {samples[-1]['tokens_per_s']:7.1f} tok/s  {dict(stats)}", flush=True)
     stop.set()
@@ -430,7 +435,8 @@ def kill_dips(samples, kills, window_s: float) -> list[dict]:
         low = sum(s["t"] - p["t"] for p, s in itertools.pairwise(samples)
                   if a < s["t"] <= a + window_s and s["tokens_per_s"] < 0.8 * b)
         out.append({"kind": k["kind"], "at_s": a, "tokens_per_s_before": round(b, 1), "tokens_per_s_after": round(f, 1),
-                    "dip_pct": round((1 - f / b) * 100, 1) if b else None, "min_tokens_per_s_after": round(min(after), 1),
+                    "dip_pct": round((1 - f / b) * 100, 1) if b else None,
+                    "min_tokens_per_s_after": round(min(after), 1),
                     "below_80pct_s": round(low, 1)})
     return out
 
@@ -459,7 +465,8 @@ def summary(samples, stats: Counter, baseline_keys: int, final_keys: int, kills,
     errors = {k: v for k, v in stats.items() if k.startswith("error:")}
     per_kill = kill_dips(samples, kills, dip_window_s)
     done = sum(stats[k] for k in ("ok", "wrong", "incomplete", "cancelled")) + sum(errors.values())
-    return {"requests": dict(stats), "requests_done": done, "wrong_outputs": stats["wrong"], "incomplete": stats["incomplete"],
+    return {"requests": dict(stats), "requests_done": done, "wrong_outputs": stats["wrong"],
+            "incomplete": stats["incomplete"],
             "errors": errors,
             "mean_tokens_per_s": round(sum(s["tokens_per_s"] for s in samples) / max(len(samples), 1), 1),
             "rss_growth_pct_after_warmup": growth, "session_keys_baseline": baseline_keys,

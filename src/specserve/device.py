@@ -1,5 +1,5 @@
 """Where a worker's model runs: the `device` and `dtype` settings resolved to torch objects,
-and the one named copy of a step's results to the host (issue 21).
+and the one named copy of a step's results to the host.
 
 `device`: "auto" (CUDA when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N".
 `dtype`: "auto" (bf16 on CUDA, fp32 on the CPU) or "fp32", "bf16", "fp16". The batched

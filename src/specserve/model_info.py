@@ -20,7 +20,8 @@ class ModelInfo:
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-        gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() else {}
+        gen = (json.loads((path / "generation_config.json").read_text())
+               if (path / "generation_config.json").exists() else {})
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.context_len = int(config.get("max_position_embeddings", 1 << 30))

@@ -1,6 +1,7 @@
 """The fault matrix's stack: real Redis (AOF + password), Ray target, draft replicas and two
-router replicas on loopback, TLS on every hop (mTLS to the workers, a local CA), with a simulated target pass time so that a request lasts long
-enough for a fault to land in the middle of it (ADR 0006's simulated costs, ADR 0011)."""
+router replicas on loopback, TLS on every hop (mTLS to the workers, a local CA), with a simulated
+target pass time so that a request lasts long enough for a fault to land in the middle of it
+(ADR 0006's simulated costs, ADR 0011)."""
 
 from __future__ import annotations
 

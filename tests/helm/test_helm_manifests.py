@@ -32,7 +32,8 @@ RAY_CONTAINERS = {"ray-head", "ray-worker"}
 # Variables the chart sets that are not settings fields: the downward API, the Redis password
 # (expanded into the URL), Ray's address, Hugging Face's cache, the standard OTel variables.
 OTHER_ENV = {"POD_IP", "POD_NAME", "POD_NAMESPACE", "REDIS_PASSWORD", "REDISCLI_AUTH", "HOME",
-             "RAY_ADDRESS", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN",
+             "RAY_ADDRESS", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "HF_HOME", "HF_HUB_OFFLINE",
+             "HF_TOKEN",
              "SSL_CERT_FILE", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
              "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_RESOURCE_ATTRIBUTES"}
 # Read by specserve outside the settings classes (telemetry); must still exist in the source.

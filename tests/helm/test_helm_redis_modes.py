@@ -222,7 +222,8 @@ def test_bundled_sentinel_wiring(bundled_sentinel):
     spec = sentinel_sts["spec"]["template"]["spec"]
     (sentinel,) = spec["containers"]
     assert sentinel["command"] == ["sh", "/scripts/sentinel.sh"]
-    assert 'exec redis-server "$conf" --sentinel' in data["sentinel.sh"] and "conf=/data/sentinel.conf" in data["sentinel.sh"]
+    assert ('exec redis-server "$conf" --sentinel' in data["sentinel.sh"]
+            and "conf=/data/sentinel.conf" in data["sentinel.sh"])
     mounts = {m["mountPath"]: m for m in sentinel["volumeMounts"]}
     assert not mounts["/data"].get("readOnly")
     assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == mounts["/data"]["name"])

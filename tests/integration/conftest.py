@@ -30,13 +30,17 @@ from specserve.tooling.redis_server import (
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 
 
+def _started(start: Callable[[Any], Any], directory: Any) -> Iterator[Any]:
+    servers = start(directory)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
-    server = start_redis(tmp_path_factory.mktemp("redis"))
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _started(start_redis, tmp_path_factory.mktemp("redis"))
 
 
 @pytest.fixture
@@ -47,11 +51,7 @@ def run() -> Iterator[Run]:
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    cluster = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _started(start_redis_cluster, tmp_path_factory.mktemp("redis-cluster"))
 
 
 @pytest.fixture(params=["redis", "cluster"])

@@ -109,10 +109,12 @@ def test_trace_renders_as_a_waterfall(stub, otlp_receiver, eval_prompts, tmp_pat
     assert len(rounds) == resp.stats.rounds
     # every speculative round found the block it verified, drafted before the round ran
     spec = speculative(trace)
-    unready = [(r["round"]["attributes"].get("specserve.prefix_len"), r["round"]["attributes"].get("specserve.predraft"),
+    unready = [(r["round"]["attributes"].get("specserve.prefix_len"),
+                r["round"]["attributes"].get("specserve.predraft"),
                 None if r["block"] is None else (r["block"]["end_ns"] - r["round"]["end_ns"]) / 1e6)
                for r in spec if r["block"] is None or r["block"]["end_ns"] > r["round"]["end_ns"]]
-    assert spec and not unready, f"rounds (prefix, predraft, block end - round end in ms) without a ready block: {unready}"
+    assert spec and not unready, (
+        f"rounds (prefix, predraft, block end - round end in ms) without a ready block: {unready}")
     # drafting ahead (ADR 0010) is in the trace: the worker drafts likely next blocks while
     # the target verifies (the hatched bars of the waterfall)
     assert any(r["ahead"] for r in spec), "no block was drafted ahead"

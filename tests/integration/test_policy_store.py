@@ -40,7 +40,8 @@ def test_record_flush_and_read_back(redis_client, run):
     stats = run(go())
     spec, plain = stats[("code", "small")], stats[("code", "none")]
     assert spec["n:4"] == pytest.approx(3, rel=1e-3) and spec["pe:3"] == pytest.approx(3, rel=1e-3)
-    assert "pa:3" not in spec and plain["n:0"] == pytest.approx(1, rel=1e-3) and plain["v:0"] == pytest.approx(8, rel=1e-3)
+    assert ("pa:3" not in spec and plain["n:0"] == pytest.approx(1, rel=1e-3)
+            and plain["v:0"] == pytest.approx(8, rel=1e-3))
 
 
 def test_policy_store_cas_audit_and_cache(redis_client, run):

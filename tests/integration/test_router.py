@@ -229,7 +229,8 @@ def _contiguous(chunks) -> None:
 
 def test_kill_the_target_actor_process(stub, stack, reference, eval_prompts):
     """Ray restarts the killed actor and its new incarnation adopts the session from Redis
-    and re-prefills it: the request completes, exactly (an UNAVAILABLE here would be a failed recovery, not an outcome)."""
+    and re-prefills it: the request completes, exactly (an UNAVAILABLE here would be a failed
+    recovery, not an outcome)."""
     r = redis.Redis.from_url(stack.info.redis_url)
     before = json.loads(r.get("specserve:target:target-0"))
     prompt = eval_prompts[11]["prompt"]

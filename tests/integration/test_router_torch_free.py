@@ -29,7 +29,8 @@ BLOCK_AND_RUN = (
 def router_without_torch(redis_server, demo_pair_dir, tmp_path):
     port_file = tmp_path / "router.port"
     env = {**os.environ, "SPECSERVE_ROUTER_PORT": "0", "SPECSERVE_ROUTER_PORT_FILE": str(port_file),
-           "SPECSERVE_ROUTER_METRICS_PORT": "-1", "SPECSERVE_ROUTER_HTTP_PORT": "0", "SPECSERVE_ROUTER_REDIS_URL": redis_server.url,
+           "SPECSERVE_ROUTER_METRICS_PORT": "-1", "SPECSERVE_ROUTER_HTTP_PORT": "0",
+           "SPECSERVE_ROUTER_REDIS_URL": redis_server.url,
            "SPECSERVE_ROUTER_KEY_PREFIX": "torchfree", "SPECSERVE_ROUTER_TOKENIZER": str(demo_pair_dir / "target"),
            "SPECSERVE_ROUTER_DRAFT_POOLS": json.dumps({"small": ["127.0.0.1:9"]}),
            "SPECSERVE_ROUTER_ADMIN_TOKEN": "t0ken"}

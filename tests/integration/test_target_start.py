@@ -67,7 +67,8 @@ def _reference(target, drafter, plan: SessionPlan) -> list[int]:
 
 def _host(target, drafter, store, step_ms: float = 0.0) -> LoopHost:
     return LoopHost(make_target_step(target, Batching(kv_budget_mb=8, max_sessions=4)), _stops, store, "target-0",
-                      {"small": LocalDrafts(drafter)}, asyncio.get_running_loop(), simulated_step_ms=step_ms).start_loop()
+                      {"small": LocalDrafts(drafter)}, asyncio.get_running_loop(),
+                      simulated_step_ms=step_ms).start_loop()
 
 
 async def _serve(servicer) -> tuple[grpc.aio.Server, target_pb2_grpc.TargetStub, grpc.aio.Channel]:

@@ -33,8 +33,10 @@ def stats(alpha: list[float], rounds: dict[int, tuple[float, float, float]], n: 
     return s
 
 
-GOOD = stats([0.9, 0.8, 0.7, 0.6], {4: (2.0, 12.0, 2.0)})  # E(4) = 1 + .9 + .72 + .504 + .3024; S(4) = 3.43 * 12 / 16 = 2.57
-FAIR = stats([0.6, 0.5, 0.4, 0.3], {4: (2.0, 12.0, 2.0)})  # E(4) = 1 + .6 + .3 + .12 + .036; S(4) = 2.06 * 12 / 16 = 1.54
+# E(4) = 1 + .9 + .72 + .504 + .3024; S(4) = 3.43 * 12 / 16 = 2.57
+GOOD = stats([0.9, 0.8, 0.7, 0.6], {4: (2.0, 12.0, 2.0)})
+# E(4) = 1 + .6 + .3 + .12 + .036; S(4) = 2.06 * 12 / 16 = 1.54
+FAIR = stats([0.6, 0.5, 0.4, 0.3], {4: (2.0, 12.0, 2.0)})
 POOR = stats([0.1], {4: (8.0, 14.0, 2.0)})  # S(4) = 1.11 * 12 / 24 < 1
 
 
@@ -50,7 +52,8 @@ P = Policy("c", draft_pool="a", k=4, safety_margin=0.1, probe_fraction=0.0)
     # 1. the request opts out (draft_pool "none", or K = 0): before everything else, even policy off
     (RequestFacts(0.0, 10, pinned_pool=NO_SPECULATION), Policy("c", mode="off", draft_pool="a"), {"a"}, {},
      (Decision.PINNED, Fallback.SPECULATION_OFF, None, False)),
-    (RequestFacts(0.0, 10, pinned_k=0), P, {"a"}, {"a": est(GOOD)}, (Decision.PINNED, Fallback.SPECULATION_OFF, None, False)),
+    (RequestFacts(0.0, 10, pinned_k=0), P, {"a"}, {"a": est(GOOD)},
+     (Decision.PINNED, Fallback.SPECULATION_OFF, None, False)),
     # 2. policy off beats the ceilings and a pinned pool
     (RequestFacts(5.0, 10, pinned_pool="a"), Policy("c", mode="off", draft_pool="a", temperature_ceiling=0.5), {"a"},
      {}, (Decision.OFF, Fallback.POLICY_OFF, None, False)),
@@ -133,8 +136,8 @@ def _feed(stats_by_pool: dict[str, Batch], pool: str | None, alpha: list[float],
         if pool is not None:
             while accepted < k and rng.random() < alpha[min(accepted, len(alpha) - 1)]:
                 accepted += 1
-        stats_by_pool.setdefault(pool or "none", Batch()).add_round(k if pool else 0, accepted,
-                                                                    draft_ms if pool else 0.0, 12.0 if pool else 10.0, 2.0)
+        stats_by_pool.setdefault(pool or "none", Batch()).add_round(
+            k if pool else 0, accepted, draft_ms if pool else 0.0, 12.0 if pool else 10.0, 2.0)
 
 
 def _decayed(batch: Batch, f: float) -> dict[str, float]:

@@ -80,7 +80,8 @@ def test_a_bf16_runner_holds_everything_in_bf16_and_returns_float32_logits():
     model = _tiny_llama()
     runner = make_runner(model, Batching(kv_budget_mb=1, max_sessions=2, device="cpu", dtype="bf16"))
     w = runner.w
-    assert {w.embed.dtype, w.cos.dtype, w.sin.dtype, w.layers[0].wqkv.dtype, w.layers[1].w_down.dtype} == {torch.bfloat16}
+    assert {w.embed.dtype, w.cos.dtype, w.sin.dtype, w.layers[0].wqkv.dtype,
+            w.layers[1].w_down.dtype} == {torch.bfloat16}
     assert runner.kv.keys[0].dtype is torch.bfloat16 and runner.kv.values[1].dtype is torch.bfloat16
     runner.allocate("a")
     prompt = [3, 14, 15, 9, 26, 5]
@@ -127,7 +128,8 @@ def test_the_cuda_kv_budget_is_the_utilization_share_left_after_what_is_in_use()
 
 def test_a_cuda_device_too_full_for_any_kv_says_what_to_change():
     with pytest.raises(ValueError, match="gpu_memory_utilization") as err:
-        kv_budget_bytes(torch.device("cuda:0"), 256, 0.5, reserve_bytes=GIB, mem_get_info=lambda d: (40 * GIB, 80 * GIB))
+        kv_budget_bytes(torch.device("cuda:0"), 256, 0.5, reserve_bytes=GIB,
+                        mem_get_info=lambda d: (40 * GIB, 80 * GIB))
     assert "40.0 GiB in use" in str(err.value)
 
 

@@ -103,7 +103,8 @@ def test_greedy_equals_target_only_on_held_out_prompts(demo_pair, target_model, 
     for i, item in enumerate(eval_prompts[:12]):
         ids = demo_pair.tokenizer.encode(item["prompt"])
         with torch.inference_mode():
-            out = demo_pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = demo_pair.target.generate(torch.tensor([ids]),
+                                            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                             max_new_tokens=24, do_sample=False)
         refs[f"p{i}"] = out[0, len(ids):].tolist()
         plan = EnginePlan(GenerationParams(max_tokens=24, num_draft_tokens=4, seed=1), pool="small" if i % 3 else None)

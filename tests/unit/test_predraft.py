@@ -35,7 +35,8 @@ def test_likely_outcomes_likeliest_first():
     # the module docstring's example: P(all) = 0.5 * 0.9 * 0.7 = 0.315, P(0) = 0.3, P(1) = 0.025
     conf = [(0.5, 0.3), (0.9, 0.05)]
     assert likely_outcomes(2, [4, 3], conf, 3) == [2, 0, 1]
-    assert [likely_prefix([5, 6], [7, 8], j, [4, 3], 9) for j in (2, 0, 1)] == [[5, 6, 7, 8, 9], [5, 6, 4], [5, 6, 7, 3]]
+    assert [likely_prefix([5, 6], [7, 8], j, [4, 3], 9) for j in (2, 0, 1)] == [
+        [5, 6, 7, 8, 9], [5, 6, 4], [5, 6, 7, 3]]
     # an unsure first token: a rejection there is the likeliest verdict
     assert likely_outcomes(2, [4, 3], [(0.2, 0.6), (0.9, 0.05)], 2) == [0, 2]
     # no probabilities (n-gram): all accepted first, then each position; no runner-up, no branch

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("bench_profiles", Path(__file__).resolve().parents[2] / "bench" / "profiles.py")
+_spec = importlib.util.spec_from_file_location("bench_profiles",
+                                               Path(__file__).resolve().parents[2] / "bench" / "profiles.py")
 profiles = sys.modules["bench_profiles"] = importlib.util.module_from_spec(_spec)  # (a dataclass looks its module up)
 _spec.loader.exec_module(profiles)
 H100 = profiles.PROFILES["h100"]

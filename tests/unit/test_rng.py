@@ -29,7 +29,8 @@ def test_uniform_in_unit_interval_and_flat():
 
 
 def test_large_seeds_wrap_into_64_bits():
-    assert np.array_equal(uniform(2**64 - 1, [3], Purpose.DRAFT), uniform(np.array([2**64 - 1], dtype=np.uint64), [3], Purpose.DRAFT))
+    assert np.array_equal(uniform(2**64 - 1, [3], Purpose.DRAFT),
+                          uniform(np.array([2**64 - 1], dtype=np.uint64), [3], Purpose.DRAFT))
 
 
 def test_the_scalar_and_vector_mixers_are_one_function():

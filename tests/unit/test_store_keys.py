@@ -100,7 +100,8 @@ class _NoRedis:
 def test_a_sessions_keys_share_one_slot(prefix):
     store = SessionStore(_NoRedis(), prefix=prefix)  # (only its key names are used)
     tags = set()
-    for sid in [store._session_id_for(None) for _ in range(64)] + [store._session_id_for(f"req-{i}") for i in range(64)]:
+    for sid in ([store._session_id_for(None) for _ in range(64)]
+                + [store._session_id_for(f"req-{i}") for i in range(64)]):
         keys = store._keys(sid) + [f"{prefix}:claim:{{{tag_of(sid)}}}{sid}"]
         assert len({key_slot(k.encode()) for k in keys}) == 1, keys
         assert all(k.startswith(prefix + ":") for k in keys)

@@ -138,7 +138,8 @@ class StepUniforms:
     def draw(cls, seeds: np.ndarray, start: np.ndarray, k: int) -> StepUniforms:
         pos = start[:, None] + np.arange(k + 1)[None, :]  # [B, K+1]
         s = seeds[:, None]
-        return cls(uniform(s, pos[:, :k], Purpose.ACCEPT), uniform(s, pos, Purpose.RECOVER), uniform(s, pos, Purpose.BONUS))
+        return cls(uniform(s, pos[:, :k], Purpose.ACCEPT), uniform(s, pos, Purpose.RECOVER),
+                   uniform(s, pos, Purpose.BONUS))
 
 
 def rejection_judge(

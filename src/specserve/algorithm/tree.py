@@ -1,4 +1,4 @@
-"""Token trees (issue 40, ADR 0020): a draft block whose tokens branch, verified in one pass.
+"""Token trees (ADR 0020): a draft block whose tokens branch, verified in one pass.
 
 A tree is its draft tokens in an order where every parent comes before its children, and
 `parents[i]`: the index of token i's parent among them, or -1 for the last committed token

@@ -157,7 +157,8 @@ def assess(policy: Policy, estimates: Mapping[str, Estimate], min_rounds: float,
     acc = ", ".join(f"{a:.2f}" for a in est.acceptance[:k])
     held = {p: f" (held plain {ests[p].held / (ests[p].held + ests[p].spec_rounds):.0%}: {worth(p):.2f})"
             for p in known if policy.adaptive_k and ests[p].held}
-    others = "".join(f"; {p} S={ests[p].best(k_min, k_max)[1]:.2f}{held.get(p, '')}" for p in known if p != best) + "".join(
+    others = "".join(f"; {p} S={ests[p].best(k_min, k_max)[1]:.2f}{held.get(p, '')}"
+                     for p in known if p != best) + "".join(
         f"; exploring {p} (no statistics)" for p in pools if p not in known)
     plain_of = " (priced from the pool's rounds)" if est.plain_from_pool else ""
     costs = (f"(acceptance {acc}; round {est.round_ms[k]:.2f} ms vs plain step {est.plain_step_ms:.2f} ms{plain_of}"

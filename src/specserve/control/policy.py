@@ -100,7 +100,8 @@ class Policy:
                 raise bad("draft_pool is required unless mode is off")
             unknown = [p for p in self.pools if pools is not None and p not in pools]
             if unknown:
-                raise bad(f"unknown draft_pool {unknown[0]!r}; this router has: {', '.join(sorted(pools or ())) or 'none'}")
+                raise bad(f"unknown draft_pool {unknown[0]!r}; "
+                          f"this router has: {', '.join(sorted(pools or ())) or 'none'}")
         if self.adaptive_k:
             if not 1 <= self.k_min <= self.k_max <= MAX_K:
                 raise bad(f"adaptive K needs 1 <= k_min <= k_max <= {MAX_K}, got [{self.k_min}, {self.k_max}]")
@@ -162,7 +163,8 @@ class Policy:
         known = set(cls.__dataclass_fields__)
         extra = set(d) - known
         if extra:
-            raise InvalidRequest(f"unknown policy field(s): {', '.join(sorted(extra))}; known: {', '.join(sorted(known))}")
+            raise InvalidRequest(f"unknown policy field(s): {', '.join(sorted(extra))}; "
+                                 f"known: {', '.join(sorted(known))}")
         try:
             return cls(**{**d, "draft_pools": tuple(d.get("draft_pools", ()))})
         except TypeError as exc:
@@ -311,7 +313,8 @@ def _from_hash(raw: dict) -> Policy | None:
 def _audit(f: dict[str, str]) -> AuditEntry:
     old = Policy.from_body(f["old_body"], int(f["old_version"]), f.get("old_by", ""), float(f.get("old_at") or 0)) \
         if f.get("old_body") else None
-    new = Policy.from_body(f["new_body"], int(f["new_version"]), f["who"], float(f["at"])) if f.get("new_body") else None
+    new = Policy.from_body(f["new_body"], int(f["new_version"]), f["who"], float(f["at"])) \
+        if f.get("new_body") else None
     return AuditEntry(at=float(f["at"]), who=f["who"], peer=f.get("peer", ""), action=f["action"],
                       workload_class=f["class"], old=old, new=new, comment=f.get("comment", ""))
 

@@ -1,4 +1,4 @@
-"""An EAGLE-style draft head (issue 40, ADR 0020): drafting from the target's own features.
+"""An EAGLE-style draft head (ADR 0020): drafting from the target's own features.
 
 The head predicts the target's next *feature* (the hidden state its LM head reads) from the
 current feature and the token that follows it, and drafts a token from that prediction with

@@ -214,7 +214,8 @@ def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tens
     return DevicePick(tok[0], head, q, q_ids)
 
 
-def greedy_picks_on_device(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_picks_on_device(logits: torch.Tensor,
+                           samplings: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax picks of B rows at once (one kernel per op, not one per row): logits [B, V] ->
     (tokens [B] int64, their heads [B, 4] float64; see `algorithm.sampling.draft_heads`, scored by the softmax of
     the logits)."""

@@ -1,4 +1,4 @@
-"""The `eagle-local` draft pool (issue 40, ADR 0020): an EAGLE-style head drafting beside the
+"""The `eagle-local` draft pool (ADR 0020): an EAGLE-style head drafting beside the
 target, on the engine's thread, from the target's own features.
 
 The engine asks the target for the features of every committed position it feeds (a prompt's

@@ -236,7 +236,8 @@ class RemoteDrafts:
             await asyncio.sleep(self.timeout_s / 4)
             now = self.loop.time()
             late = {s.replica for s in self.sessions.values()
-                    if s.asked is not None and s.replica is not None and s.replica.up and now - s.asked > self.timeout_s}
+                    if s.asked is not None and s.replica is not None and s.replica.up
+                    and now - s.asked > self.timeout_s}
             for r in late:
                 assert r is not None
                 log.warning("draft replica %s owes a block for over %.1f s: its sessions move", r.address,

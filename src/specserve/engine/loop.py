@@ -461,7 +461,8 @@ class EngineLoop:
             feature_bytes=int(result.features.numel() * result.features.element_size())
             if result.features is not None else 0,
             probe=bool(k_asked and s.probing))
-        if s.plan.adaptive and not s.plan.exact:  # after the record: its fallback reason is this round's, not the next's
+        # after the record: its fallback reason is this round's, not the next's
+        if s.plan.adaptive and not s.plan.exact:
             self._choose_k(s, len(self.sessions), forward_ms / 1e3, verified=k > 0)
         s.block, s.waiting_since = None, None
         s.promote()  # a block drafted ahead for the prefix just committed is ready at once

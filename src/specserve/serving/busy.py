@@ -1,4 +1,4 @@
-"""How busy a worker's device is (issue 42, ADR 0021), torch-free.
+"""How busy a worker's device is (ADR 0021), torch-free.
 
 `BusyMeter` keeps the spans a worker's device computed (the engine's steps on the target, the
 batches on a draft worker: timings they already take) and gives their share of the last

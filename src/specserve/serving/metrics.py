@@ -18,7 +18,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         self.takeovers = Counter("specserve_session_takeovers",
-                                 "Sessions this router re-placed on a target after their driver's lease lapsed (ADR 0014).",
+                                 "Sessions this router re-placed on a target after their driver's lease lapsed "
+                                 "(ADR 0014).",
                                  registry=r)
         self.unreplicated = Counter(
             "specserve_unreplicated_reads",
@@ -80,12 +81,15 @@ class RoundMetrics:
                               LABELS, buckets=_MS, registry=r)
         self.ttft = Histogram("specserve_ttft_seconds", "Time to the first committed token.", LABELS,
                               buckets=_MS, registry=r)
-        self.draft_latency = Histogram("specserve_draft_latency_seconds", "Wait for a round's draft block, from asking to its arrival.",
+        self.draft_latency = Histogram("specserve_draft_latency_seconds",
+                                       "Wait for a round's draft block, from asking to its arrival.",
                                        LABELS, buckets=_MS, registry=r)
-        self.verify_latency = Histogram("specserve_verify_latency_seconds", "The engine step (forward + rejection sampling) a round ran in.",
+        self.verify_latency = Histogram("specserve_verify_latency_seconds",
+                                        "The engine step (forward + rejection sampling) a round ran in.",
                                         LABELS, buckets=_MS, registry=r)
         self.round_overhead = Histogram(
-            "specserve_round_overhead_seconds", "The engine's own Python per step (schedule + settle), beside the forward.",
+            "specserve_round_overhead_seconds",
+            "The engine's own Python per step (schedule + settle), beside the forward.",
             LABELS, buckets=_MS, registry=r)
         self.rollback_tokens = Counter("specserve_rollback_tokens", "Rejected draft positions rolled back.",
                                        LABELS, registry=r)

@@ -1,5 +1,5 @@
 """Greedy through the batched runner against transformers' own greedy generation of the same
-model, on the same device and in the same dtype (issue 21, ADR 0016): what the bf16 tests
+model, on the same device and in the same dtype (ADR 0016): what the bf16 tests
 check on the CPU and `make gpu-check` on CUDA.
 
 The two sum in different orders, so their logits may differ by rounding. Where HF's top two

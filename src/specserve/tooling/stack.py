@@ -220,7 +220,8 @@ class Stack:
                 name = f"draft-{pool}-{i}"
                 port_file = self.run_dir / f"{name}.port"
                 port_file.unlink(missing_ok=True)
-                model = ps.model if ps.model == "ngram" else str(pair / ps.model) if not Path(ps.model).is_absolute() else ps.model
+                model = (ps.model if ps.model == "ngram"
+                         else str(pair / ps.model) if not Path(ps.model).is_absolute() else ps.model)
                 p, lg = self._spawn(name, "specserve.services.draft", {
                     "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model,
                     # the pair's tokenizer: an n-gram replica masks its drafts under a constraint too

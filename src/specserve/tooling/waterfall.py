@@ -114,7 +114,8 @@ def render(trace: list[dict], out: Path) -> Path:
     title = "specserve rounds"
     if g is not None:
         ga = g["attributes"]
-        title += f" — class {ga.get('specserve.workload_class')}, pool {ga.get('specserve.draft_pool')}, K {ga.get('specserve.k')}"
+        title += (f" — class {ga.get('specserve.workload_class')}, pool {ga.get('specserve.draft_pool')}, "
+                  f"K {ga.get('specserve.k')}")
     ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
     ax.legend(handles + [plt.Line2D([], [], marker="s", ls="", color="#2ca02c"),

@@ -157,7 +157,8 @@ class _RunnerSessions:
         dropped = self.runner.reconcile(handle, ids)
         length = self.runner.length(handle)
         # only the next piece: its cut is the one prefill_chunks makes (an absolute position)
-        first = prefill_chunks(length, list(ids[length:length + self.chunk]), self.chunk)[0] if len(ids) > length else []
+        first = (prefill_chunks(length, list(ids[length:length + self.chunk]), self.chunk)[0]
+                 if len(ids) > length else [])
         if length + len(first) < len(ids):
             return dropped, first, False
         self.runner.kv.check_room(handle, len(first) + extra)

@@ -178,7 +178,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         a = len(first.tokens)
         tokens = [*first.tokens, second, *rest.tokens]
         parents = [*range(-1, a - 1), -1, *range(a, a + len(rest.tokens))]
-        return DraftProposal(tokens, None, first.dropped_on_reconcile, first.runner_up, first.confidence), parents, cost_s
+        return (DraftProposal(tokens, None, first.dropped_on_reconcile, first.runner_up, first.confidence),
+                parents, cost_s)
 
     def _response(self, proposal: DraftProposal, elapsed_s: float, predrafted: bool,
                   ahead_s: float) -> draft_pb2.ProposeResponse:

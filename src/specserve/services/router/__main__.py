@@ -224,7 +224,8 @@ async def main(settings: RouterSettings) -> None:
              ", ".join(router.pools) or "none", f"; HTTP on {settings.host}:{router.http[2]}" if router.http else "")
     await server.wait_for_termination()
     t0 = time.monotonic()
-    log.info("router draining: gRPC stopped in %.1f s (grace %.0f s)", time.monotonic() - server.stop_began, settings.grace_s)
+    log.info("router draining: gRPC stopped in %.1f s (grace %.0f s)", time.monotonic() - server.stop_began,
+             settings.grace_s)
     await router.drain([watcher, reaper])
     log.info("router drain: HTTP and background tasks in %.1f s", time.monotonic() - t0)
     shutdown_tracing()

@@ -197,7 +197,8 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
                       kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
                       worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag,
-                      gather=s.gather_rows, tree_width=s.tree_width, model_thread=model_thread, on_loop_failure=_exit_for_a_restart)
+                      gather=s.gather_rows, tree_width=s.tree_width, model_thread=model_thread,
+                      on_loop_failure=_exit_for_a_restart)
 
 
 def eagle_head_config(s: TargetSettings):

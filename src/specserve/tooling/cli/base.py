@@ -13,7 +13,8 @@ if not sys.stdout.isatty():  # CI has no terminal: no progress bars from librari
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="specserve: distributed, lossless speculative decoding")
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="specserve: distributed, lossless speculative decoding")
 RUN_DIR = Path("run")
 
 

@@ -21,8 +21,8 @@ def demo(
     run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
     """Through the router: held-out prompts of each workload class, speculation off (plain
-    decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`, and the pair's EAGLE head `eagle-local`
-    where it ships one)."""
+    decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`, and the
+    pair's EAGLE head `eagle-local` where it ships one)."""
     import time
 
     from rich.console import Console

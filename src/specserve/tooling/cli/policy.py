@@ -95,7 +95,8 @@ def policy_set(
     margin: float | None = typer.Option(None, "--margin", help="Safety margin: speculate while S >= 1 + margin."),
     probe: float | None = typer.Option(None, "--probe", help="Probe fraction."),
     slice_percent: float | None = typer.Option(
-        None, "--slice", help="Rollout stage slice: this percent of the class's requests speculate (sets --mode slice)."),
+        None, "--slice",
+        help="Rollout stage slice: this percent of the class's requests speculate (sets --mode slice)."),
     promote_after: float | None = typer.Option(
         None, "--promote-after", help="Stage slice: promoted to enabled by itself after this many clean seconds "
         "(0: promotion is explicit)."),

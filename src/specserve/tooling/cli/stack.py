@@ -76,7 +76,8 @@ def up(
         raise typer.Exit(1) from err
     typer.echo(f"router {info.router}  redis {info.redis_url}  target {info.target.get('address')}")
     for pool, addrs in info.pools.items():
-        typer.echo(f"draft pool {pool}: {', '.join(addrs)}" + (" (drafted inside the target)" if addrs[0] in LOCAL else ""))
+        typer.echo(f"draft pool {pool}: {', '.join(addrs)}"
+                   + (" (drafted inside the target)" if addrs[0] in LOCAL else ""))
     (run_dir / "router.address").write_text(info.router)
     (run_dir / "router.http").write_text(info.http)
     typer.echo(f"OpenAI-compatible API: {info.http}/v1 (model \"specserve\")")

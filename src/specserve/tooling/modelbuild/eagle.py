@@ -157,7 +157,8 @@ def train_head(target, tokenizer, recipe: HeadRecipe, log=print) -> tuple[EagleH
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         if (step + 1) % max(recipe.steps // 20, 1) == 0 or step == 0:
-            row = {"step": step + 1, "s": round(time.time() - t0, 1), **{k: round(float(v), 4) for k, v in losses.items()}}
+            row = {"step": step + 1, "s": round(time.time() - t0, 1),
+                   **{k: round(float(v), 4) for k, v in losses.items()}}
             history.append(row)
             log("head: " + " ".join(f"{k} {v}" for k, v in row.items()))
     head.eval()
@@ -232,7 +233,8 @@ def acceptance(head: EagleHead, target, tokenizer, prompts: list[dict], k: int =
         out = []
         for pos in range(n0 - 1, len(gen) - 1):
             # committed: gen[:pos + 1]; the head drafts gen[pos + 1 ...] from (input at pos - 1, token at pos)
-            out.append(_agreement(draft_block(head, parts, cache, inputs[pos - 1], gen[pos], k), gen[pos + 1:pos + 1 + k]))
+            out.append(_agreement(draft_block(head, parts, cache, inputs[pos - 1], gen[pos], k),
+                                  gen[pos + 1:pos + 1 + k]))
             head.extend(cache, inputs[pos - 1:pos], parts.embed(torch.tensor([gen[pos]])))  # the true position
         return out
 
