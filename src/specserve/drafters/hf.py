@@ -159,7 +159,7 @@ class DraftStep:
 
 @dataclass
 class DevicePick:
-    """The same for one row, on the logits' device: nothing read back (issue 21). `pack`
+    """The same for one row, on the logits' device: nothing read back. `pack`
     lays it out as one float64 row for the step's single copy to the host."""
 
     token: torch.Tensor  # [] int64

@@ -311,7 +311,7 @@ class BatchedDraft(_RunnerSessions):
         """Step 0 feeds each session's new committed tokens (1 logit), then one batched
         1-token step per further draft position. The picks stay on the device, each fed to
         the next forward from there; the step's results cross to the host in one copy at the
-        end (issue 21). A constrained row reads its token at each position: its grammar runs
+        end. A constrained row reads its token at each position: its grammar runs
         on the host."""
         results = [RowResult() for _ in step.rows]
         rows: list[Row] = []

@@ -1,4 +1,4 @@
-"""`specserve models eagle`: train an EAGLE-style draft head for a target (issue 40, ADR 0020).
+"""`specserve models eagle`: train an EAGLE-style draft head for a target (ADR 0020).
 
 The recipe, deterministic from its seed on one CPU type (as the pair's, `build.py`):
 - data: the project's own corpus (the pair's recipe: the standard library's source, its
