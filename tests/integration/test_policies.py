@@ -272,6 +272,33 @@ def test_a_rollout_slice_on_a_pool_that_hurts_goes_back_to_shadow_by_itself(psta
     assert audit[0].action == "promote" and "clean for" in audit[0].comment
 
 
+def test_a_slice_slower_than_its_plain_requests_trips_the_tpot_guard(pstack, routers, readable_code_prompts):
+    """The outcome guards (ADR 0022): with the speedup guard off, a class at a 50 % slice whose
+    requests pin the untrained pool (so the slice speculates whatever the controller thinks,
+    and every round's drafts are rejected) goes back to shadow once one router has seen enough
+    of its requests in both arms, because the slice's TPOT p90 (clients' time per token)
+    exceeds 1.05x that of the class's plain requests in the same window (1.18x measured: the
+    simulated pass costs the same for 5 tokens as for 1, so a rejected round costs little more
+    than a plain step); written by `controller` with the guard's reason."""
+    (gen0, admin0), _ = routers
+    cls = _cls("slice-tpot")
+    _set(admin0, cls, mode=policy_pb2.POLICY_MODE_SLICE, slice_percent=50.0, draft_pool="poor", k=4,
+         guard_min_speedup=0.0, guard_max_tpot_ratio=1.05)
+    sent = 0
+    for i in range(80):  # one router: the windows are each router's own
+        _gen(gen0, readable_code_prompts[i % 4], cls, max_tokens=24, request_id=f"{cls}-{i}", draft_pool="poor",
+             num_draft_tokens=4)
+        sent += 1
+        got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=cls), metadata=AUTH, timeout=10)
+        if got.mode == SHADOW:
+            break
+    assert got.mode == SHADOW, f"still {got.mode} after {sent} requests"
+    audit = admin0.ListAudit(policy_pb2.ListAuditRequest(workload_class=cls), metadata=AUTH, timeout=10).entries
+    assert audit[0].action == "rollback" and audit[0].who == "controller"
+    assert "guard tpot" in audit[0].comment, audit[0].comment
+    print(f"tpot guard: rolled back after {sent} requests: {audit[0].comment}")
+
+
 def test_a_class_with_two_pools_ends_on_the_good_one_and_leaves_it_when_it_degrades(pstack, routers,
                                                                                   extraction_prompts):
     """The policy prefers `poor` but allows `spare` (the distilled draft): the controller

@@ -11,7 +11,9 @@ import pytest
 from specserve.control.arms import Decision
 from specserve.control.arms import assess as assess_class
 from specserve.control.controller import estimate
-from specserve.control.guards import check_guards, promotion_due
+from specserve.control.guards import PLAIN as GUARD_PLAIN
+from specserve.control.guards import SLICE as GUARD_SLICE
+from specserve.control.guards import ArmOutcomes, check_guards, check_outcomes, promotion_due
 from specserve.control.policy import Policy
 from specserve.errors import InvalidRequest
 
@@ -87,3 +89,68 @@ def test_a_clean_slice_is_promoted_once_its_window_has_run_and_only_if_its_polic
     with pytest.raises(InvalidRequest, match="promote_after_s"):
         replace(promo, promote_after_s=-1.0).validate()
 
+
+
+# -- the outcome guards: the slice's TPOT p90 and error rate against the class's plain requests
+
+OUTCOMES = replace(SLICE, guard_min_speedup=0.0, guard_max_tpot_ratio=1.2, guard_max_error_rate=0.05)
+
+
+def _window(slice_tpots: list[float | None], plain_tpots: list[float | None], slice_failed: int = 0,
+            plain_failed: int = 0, now: float = 1000.0) -> tuple[object, object]:
+    out = ArmOutcomes()
+    for i, t in enumerate(slice_tpots):
+        out.record("c", GUARD_SLICE, now - 1, t, failed=i < slice_failed)
+    for i, t in enumerate(plain_tpots):
+        out.record("c", GUARD_PLAIN, now - 1, t, failed=i < plain_failed)
+    return out.window("c", GUARD_SLICE, now), out.window("c", GUARD_PLAIN, now)
+
+
+def test_the_window_reads_a_p90_and_an_error_rate():
+    slice_w, plain_w = _window([0.01 * i for i in range(1, 21)], [0.02] * 10, slice_failed=2)
+    # 20 slice requests, 2 failed: the p90 of the 18 others' TPOT (0.03 .. 0.20) is the 17th
+    assert (slice_w.requests, slice_w.error_rate) == (20, 0.1)
+    assert slice_w.tpot_p90 == pytest.approx(0.19)
+    assert (plain_w.requests, plain_w.tpot_p90, plain_w.error_rate) == (10, 0.02, 0.0)
+    old = ArmOutcomes(window_s=60.0)
+    old.record("c", GUARD_SLICE, 0.0, 0.5, failed=True)
+    assert old.window("c", GUARD_SLICE, 100.0).requests == 0  # outside the window: forgotten
+
+
+def test_a_slower_slice_trips_the_tpot_guard_a_faster_one_does_not():
+    tripped = check_outcomes(OUTCOMES, *_window([0.030] * 12, [0.020] * 12))
+    assert tripped is not None and tripped.guard == "tpot" and "1.50x" in tripped.reason
+    assert check_outcomes(OUTCOMES, *_window([0.023] * 12, [0.020] * 12)) is None  # 1.15x: under 1.2
+    assert check_outcomes(OUTCOMES, *_window([0.015] * 12, [0.020] * 12)) is None
+
+
+def test_a_failing_slice_trips_the_error_guard():
+    tripped = check_outcomes(OUTCOMES, *_window([0.02] * 20, [0.02] * 20, slice_failed=3, plain_failed=1))
+    assert tripped is not None and tripped.guard == "errors"  # 15 % against 5 %: 10 points over
+    assert check_outcomes(OUTCOMES, *_window([0.02] * 20, [0.02] * 20, slice_failed=2, plain_failed=1)) is None
+
+
+def test_the_outcome_guards_wait_for_both_arms_and_stay_off_at_zero():
+    assert check_outcomes(OUTCOMES, *_window([0.05] * 9, [0.02] * 20)) is None  # 9 slice requests
+    assert check_outcomes(OUTCOMES, *_window([0.05] * 20, [0.02] * 9)) is None  # 9 plain ones
+    off = replace(OUTCOMES, guard_max_tpot_ratio=0.0, guard_max_error_rate=0.0)
+    assert check_outcomes(off, *_window([0.05] * 20, [0.02] * 20, slice_failed=20)) is None
+    assert check_outcomes(replace(OUTCOMES, mode="enabled", slice_percent=0.0),
+                          *_window([0.05] * 20, [0.02] * 20)) is None
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    (dict(guard_max_tpot_ratio=0.5), "guard_max_tpot_ratio"),
+    (dict(guard_max_error_rate=1.5), "guard_max_error_rate"),
+])
+def test_outcome_guards_out_of_range_are_refused(fields, needle):
+    with pytest.raises(InvalidRequest, match=needle):
+        replace(OUTCOMES, **fields).validate()
+
+
+def test_the_outcome_guards_travel_through_the_admin_api():
+    from specserve.services.router.admin import policy_from_pb, policy_to_pb
+
+    back = policy_from_pb(policy_to_pb(OUTCOMES))
+    assert (back.guard_max_tpot_ratio, back.guard_max_error_rate) == (1.2, 0.05)
+    assert Policy.from_body(OUTCOMES.body()).guard_max_tpot_ratio == 1.2  # and through Redis

@@ -1,14 +1,18 @@
 """Rollout guards (ADR 0022): what moves a class in stage `slice` back to `shadow` by itself,
 and what promotes it to `enabled` after a clean window when its policy asks for that.
 
-A pure function of the class's policy and the controller's assessment, evaluated by every
-router as it plans the class's requests (services/router/planner.py); the rollback itself is a
-compare-and-set policy write by "controller", so of several routers that see the same
-statistics one writes it, and it is in the audit log. Torch- and Redis-free.
+A pure function of the class's policy, the controller's assessment and the router's window
+of the class's recent requests (`ArmOutcomes`: TPOT and errors of the slice against the plain
+requests), evaluated by every router as it plans the class's requests
+(services/router/planner.py); the rollback itself is a compare-and-set policy write by
+"controller", so of several routers that see the same statistics one writes it, and it is in
+the audit log. Torch- and Redis-free.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 
 from specserve.control.arms import Assessment
@@ -17,8 +21,72 @@ from specserve.control.policy import Policy
 
 @dataclass(frozen=True)
 class Tripped:
-    guard: str  # "speedup" | "acceptance": the metric's label
+    guard: str  # "speedup" | "acceptance" | "tpot" | "errors": the metric's label
     reason: str  # what the audit log and the log line say
+
+
+# the outcome guards' window: a router's last requests of a class per arm, within WINDOW_S,
+# and the fewest in each arm before they judge (a p90 of 10 requests is their slowest)
+WINDOW_REQUESTS, WINDOW_S, MIN_REQUESTS = 200, 600.0, 10
+SLICE, PLAIN = "slice", "plain"
+
+
+@dataclass(frozen=True)
+class ArmWindow:
+    requests: int
+    tpot_p90: float  # seconds; nan with fewer than two tokens in every request
+    error_rate: float
+
+
+class ArmOutcomes:
+    """A router's recent requests per (class, arm): when each ended, its TPOT (seconds a token
+    after the first; None below two tokens) and whether it failed. Arms: SLICE (a slice
+    request that speculated) and PLAIN (the class's requests outside the slice)."""
+
+    def __init__(self, window_requests: int = WINDOW_REQUESTS, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self._n = window_requests
+        self._arms: dict[tuple[str, str], deque[tuple[float, float | None, bool]]] = {}
+
+    def record(self, workload_class: str, arm: str, now: float, tpot_s: float | None, failed: bool) -> None:
+        q = self._arms.setdefault((workload_class, arm), deque(maxlen=self._n))
+        q.append((now, tpot_s, failed))
+
+    def window(self, workload_class: str, arm: str, now: float) -> ArmWindow:
+        q = self._arms.get((workload_class, arm), ())
+        recent = [(t, tpot, failed) for t, tpot, failed in q if now - t <= self.window_s]
+        tpots = sorted(tpot for _, tpot, failed in recent if tpot is not None and not failed)
+        p90 = tpots[min(len(tpots) - 1, math.ceil(0.9 * len(tpots)) - 1)] if tpots else math.nan
+        errors = sum(failed for _, _, failed in recent)
+        return ArmWindow(len(recent), p90, errors / len(recent) if recent else 0.0)
+
+    def forget(self, workload_class: str) -> None:
+        """A stage change starts the class's windows again (the slice's requests were another
+        stage's)."""
+        for arm in (SLICE, PLAIN):
+            self._arms.pop((workload_class, arm), None)
+
+
+def check_outcomes(policy: Policy, slice_w: ArmWindow, plain_w: ArmWindow) -> Tripped | None:
+    """A class in stage `slice`: its TPOT and error guards against its plain requests of the
+    same window (at the same load), once each arm has MIN_REQUESTS.
+
+    - tpot: the slice's TPOT p90 above `guard_max_tpot_ratio` x the plain requests' p90;
+    - errors: the slice's error rate above the plain requests' by more than
+      `guard_max_error_rate`."""
+    if policy.mode != "slice" or slice_w.requests < MIN_REQUESTS or plain_w.requests < MIN_REQUESTS:
+        return None
+    if policy.guard_max_tpot_ratio and slice_w.tpot_p90 > 0 and plain_w.tpot_p90 > 0:
+        ratio = slice_w.tpot_p90 / plain_w.tpot_p90
+        if ratio > policy.guard_max_tpot_ratio:
+            return Tripped("tpot", f"guard tpot: the slice's TPOT p90 {slice_w.tpot_p90 * 1e3:.1f} ms is {ratio:.2f}x "
+                                   f"the plain requests' {plain_w.tpot_p90 * 1e3:.1f} ms over {slice_w.requests} and "
+                                   f"{plain_w.requests} requests, above {policy.guard_max_tpot_ratio:.2f}x")
+    if policy.guard_max_error_rate and slice_w.error_rate - plain_w.error_rate > policy.guard_max_error_rate:
+        return Tripped("errors", f"guard errors: the slice's error rate {slice_w.error_rate:.1%} against the plain "
+                                 f"requests' {plain_w.error_rate:.1%} over {slice_w.requests} and {plain_w.requests} "
+                                 f"requests, above them by more than {policy.guard_max_error_rate:.1%}")
+    return None
 
 
 def check_guards(policy: Policy, a: Assessment, min_rounds: float) -> Tripped | None:

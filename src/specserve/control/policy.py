@@ -81,6 +81,11 @@ class Policy:
     # stage slice: promoted to enabled by itself once it has been clean this long since the
     # policy was last written (its guards measured and none tripped); 0 = promotion is explicit
     promote_after_s: float = 0.0
+    # guards against the class's plain requests of the same window (control/guards.py:
+    # ArmOutcomes): the slice's TPOT p90 over plain's above guard_max_tpot_ratio, or its error
+    # rate above plain's by more than guard_max_error_rate; 0 = that guard off
+    guard_max_tpot_ratio: float = 0.0
+    guard_max_error_rate: float = 0.0
     version: int = 0
     updated_by: str = ""
     updated_at: float = 0.0
@@ -129,6 +134,11 @@ class Policy:
             raise bad(f"promote_after_s must be in [0, 604800] (0 = promotion is explicit), got {self.promote_after_s}")
         if not (0 <= self.guard_min_accepted <= MAX_K and math.isfinite(self.guard_min_accepted)):
             raise bad(f"guard_min_accepted must be in [0, {MAX_K}] (0 = off), got {self.guard_min_accepted}")
+        if not (self.guard_max_tpot_ratio == 0 or 1 <= self.guard_max_tpot_ratio <= 100) \
+                or not math.isfinite(self.guard_max_tpot_ratio):
+            raise bad(f"guard_max_tpot_ratio must be 0 (off) or in [1, 100], got {self.guard_max_tpot_ratio}")
+        if not (0 <= self.guard_max_error_rate <= 1 and math.isfinite(self.guard_max_error_rate)):
+            raise bad(f"guard_max_error_rate must be in [0, 1] (0 = off), got {self.guard_max_error_rate}")
         if self.output_format not in OUTPUT_FORMATS:
             raise bad(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.output_format!r}")
         return self

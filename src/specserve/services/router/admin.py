@@ -38,7 +38,8 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
         adaptive_k=p.adaptive_k, k_min=p.k_min, k_max=p.k_max, max_prompt_tokens=p.max_prompt_tokens,
         safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, output_format=p.output_format,
         slice_percent=p.slice_percent, guard_min_speedup=p.guard_min_speedup,
-        guard_min_accepted=p.guard_min_accepted, promote_after_s=p.promote_after_s, version=p.version,
+        guard_min_accepted=p.guard_min_accepted, promote_after_s=p.promote_after_s,
+        guard_max_tpot_ratio=p.guard_max_tpot_ratio, guard_max_error_rate=p.guard_max_error_rate, version=p.version,
         updated_by=p.updated_by, updated_at=p.updated_at)
     if p.temperature_ceiling is not None:
         msg.temperature_ceiling = p.temperature_ceiling
@@ -49,7 +50,7 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
     if msg.mode not in PB_TO_MODE:
         raise InvalidRequest(f"policy mode is required: one of {', '.join(MODE_TO_PB)}")
     for name in ("safety_margin", "probe_fraction", "temperature_ceiling", "slice_percent", "guard_min_speedup",
-                 "guard_min_accepted", "promote_after_s"):
+                 "guard_min_accepted", "promote_after_s", "guard_max_tpot_ratio", "guard_max_error_rate"):
         value = getattr(msg, name)
         if not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number")
@@ -61,7 +62,8 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
                   probe_fraction=msg.probe_fraction, output_format=msg.output_format or "text",
                   slice_percent=msg.slice_percent,
                   guard_min_speedup=msg.guard_min_speedup if msg.HasField("guard_min_speedup") else 1.0,
-                  guard_min_accepted=msg.guard_min_accepted, promote_after_s=msg.promote_after_s)
+                  guard_min_accepted=msg.guard_min_accepted, promote_after_s=msg.promote_after_s,
+                  guard_max_tpot_ratio=msg.guard_max_tpot_ratio, guard_max_error_rate=msg.guard_max_error_rate)
 
 
 def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:

@@ -30,6 +30,9 @@ class SessionPlan:
     # K in [k_min, k_max] or plain, from its measured step cost (ADR 0014); choice.k starts it
     k_bounds: tuple[int, int] | None = None
     constraint: Constraint | None = None  # structured output (ADR 0017)
+    # a class in rollout stage slice (ADR 0022): "slice" for a request that speculates in the
+    # slice, "plain" for one outside it; its TPOT and outcome feed the outcome guards
+    guard_arm: str = ""
 
     @property
     def seed(self) -> int:

@@ -21,7 +21,7 @@ from specserve.control.arms import (
     request_reason,
 )
 from specserve.control.controller import Controller
-from specserve.control.guards import Tripped, check_guards, promotion_due
+from specserve.control.guards import PLAIN, SLICE, ArmOutcomes, Tripped, check_guards, check_outcomes, promotion_due
 from specserve.control.policy import Policy, PolicyCache, PolicyConflict
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL, drafts_from_prediction
 from specserve.services.router.classifier import CLASSES
@@ -41,6 +41,7 @@ class Planner:
         self.pools = set(pools)
         self.metrics = metrics
         self.rng = rng or random.Random()
+        self.outcomes = ArmOutcomes()  # the outcome guards' window of this router's requests
         self._warned: set[str] = set()
         self._moving: set[str] = set()  # classes whose stage change (rollback, promotion) is being written
         self._tasks: set[asyncio.Task] = set()
@@ -73,7 +74,8 @@ class Planner:
                         policy.workload_class, ", ".join(policy.pools))
         if assessment is not None:
             self._gauges(stats_class, assessment)
-            if source == "class" and (tripped := check_guards(policy, assessment, self.controller.min_rounds)):
+            tripped = check_guards(policy, assessment, self.controller.min_rounds) or self._outcome_guards(policy)
+            if source == "class" and tripped:
                 self._roll_back(policy, stats_class, tripped)
             elif source == "class" and (why := promotion_due(policy, assessment, self.controller.min_rounds,
                                                              time.time())):
@@ -87,11 +89,27 @@ class Planner:
         # sampled request, whose rounds must reproduce: arms._steady fixed its K)
         adaptive = policy.adaptive_k and choice.decision is Decision.SPECULATE and not choice.probe \
             and not choice.shadow and not req.facts.reproducible
+        guard_arm = ""
+        if policy.mode == "slice" and source == "class":
+            guard_arm = PLAIN if choice.decision is Decision.SLICE else SLICE if choice.arm == "speculative" else ""
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
                            policy.version, source, request_reason(choice, assessment),
                            req.prediction_ids if choice.pool == PREDICTION_POOL else (),
                            seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None,
-                           constraint=req.constraint)
+                           constraint=req.constraint, guard_arm=guard_arm)
+
+    def outcome(self, plan: SessionPlan, tpot_s: float | None, failed: bool) -> None:
+        """How a request of a class in stage slice ended (the service reports it): its TPOT
+        (None below two tokens) and whether it failed, for the outcome guards."""
+        if plan.guard_arm:
+            self.outcomes.record(plan.policy_class, plan.guard_arm, time.monotonic(), tpot_s, failed)
+
+    def _outcome_guards(self, policy: Policy) -> Tripped | None:
+        if policy.mode != "slice" or not (policy.guard_max_tpot_ratio or policy.guard_max_error_rate):
+            return None
+        now = time.monotonic()
+        return check_outcomes(policy, self.outcomes.window(policy.workload_class, SLICE, now),
+                              self.outcomes.window(policy.workload_class, PLAIN, now))
 
     async def effective(self, workload_class: str) -> tuple[Policy, str, str, Assessment]:
         """(policy, source, stats class, the controller's assessment from fresh statistics)."""
@@ -105,6 +123,7 @@ class Planner:
     def _roll_back(self, policy: Policy, stats_class: str, tripped: Tripped) -> None:
         """A rollout guard tripped (ADR 0022): the class goes back from slice to shadow."""
         def done() -> None:
+            self.outcomes.forget(policy.workload_class)
             self.metrics.rollbacks.labels(stats_class, tripped.guard).inc()
             log.warning("policy %r rolled back from slice to shadow: %s", policy.workload_class, tripped.reason)
 
@@ -113,6 +132,7 @@ class Planner:
     def _promote(self, policy: Policy, stats_class: str, why: str) -> None:
         """A slice clean for its policy's window (ADR 0022): the class is promoted to enabled."""
         def done() -> None:
+            self.outcomes.forget(policy.workload_class)
             self.metrics.promotions.labels(stats_class).inc()
             log.info("policy %r promoted from slice to enabled: %s", policy.workload_class, why)
 

@@ -7,13 +7,15 @@ the OpenAI HTTP API (openai_api.py) are both thin faces over it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from specserve.config import RouterSettings
 from specserve.drafters.prediction import prediction_usage
-from specserve.errors import Internal
+from specserve.errors import Internal, SpecserveError
 from specserve.model_info import ModelInfo
 from specserve.services.router.classifier import Classifier
+from specserve.services.router.plan import SessionPlan
 from specserve.services.router.planner import Planner
 from specserve.services.router.sessions import Opened, Sessions
 from specserve.services.router.validation import ValidRequest, parse
@@ -39,15 +41,22 @@ class GenerationService:
         raised: INVALID_ARGUMENT for a bad request, RESOURCE_EXHAUSTED when saturated, ..."""
         req = self._parse(request)
         with tracer().start_as_current_span("specserve.generate") as span:
-            opened = await self._open(req, span)
+            opened, plan = await self._open(req, span)
             tokens: list[int] = []
             text: list[str] = []
             reason = ""
-            async for chunk in self._follow(opened.session_id, 0):
-                tokens.extend(chunk.tokens)
-                text.append(self._text(chunk))
-                reason = chunk.finish_reason or reason
-            stats = await self._final_stats(opened, reason)
+            timer = _Tpot()
+            try:
+                async for chunk in self._follow(opened.session_id, 0):
+                    timer.chunk(chunk)
+                    tokens.extend(chunk.tokens)
+                    text.append(self._text(chunk))
+                    reason = chunk.finish_reason or reason
+                stats = await self._final_stats(opened, reason)
+            except SpecserveError:
+                self.planner.outcome(plan, None, failed=True)
+                raise
+            self.planner.outcome(plan, timer.tpot_s, failed=False)
             span.set_attributes({"specserve.finish_reason": reason, "specserve.emitted": len(tokens),
                                  "specserve.rounds": stats.rounds, "specserve.num_accepted": stats.accepted_tokens})
         return generation_pb2.GenerateResponse(session_id=opened.session_id, text="".join(text), token_ids=tokens,
@@ -58,15 +67,22 @@ class GenerationService:
         """The committed chunks as they land; the last carries the finish reason and stats."""
         req = self._parse(request)
         with tracer().start_as_current_span("specserve.generate") as span:
-            opened = await self._open(req, span)
-            async for chunk in self._follow(opened.session_id, 0):
-                msg = generation_pb2.GenerateChunk(session_id=opened.session_id, offset=chunk.offset,
-                                                   token_ids=chunk.tokens, text=self._text(chunk),
-                                                   finish_reason=chunk.finish_reason or "")
-                if chunk.finish_reason:
-                    msg.stats.CopyFrom(await self._final_stats(opened, chunk.finish_reason))
-                    span.set_attribute("specserve.finish_reason", chunk.finish_reason)
-                yield msg
+            opened, plan = await self._open(req, span)
+            timer = _Tpot()
+            try:
+                async for chunk in self._follow(opened.session_id, 0):
+                    timer.chunk(chunk)
+                    msg = generation_pb2.GenerateChunk(session_id=opened.session_id, offset=chunk.offset,
+                                                       token_ids=chunk.tokens, text=self._text(chunk),
+                                                       finish_reason=chunk.finish_reason or "")
+                    if chunk.finish_reason:
+                        msg.stats.CopyFrom(await self._final_stats(opened, chunk.finish_reason))
+                        span.set_attribute("specserve.finish_reason", chunk.finish_reason)
+                        self.planner.outcome(plan, timer.tpot_s, failed=False)
+                    yield msg
+            except SpecserveError:
+                self.planner.outcome(plan, None, failed=True)
+                raise
 
     async def cancel(self, session_id: str) -> bool:
         return await self.sessions.cancel(session_id)
@@ -101,12 +117,35 @@ class GenerationService:
         return parse(request, self.model, list(self.planner.pools), self.classifier, s.max_tokens_limit,
                      s.max_prompt_tokens)
 
-    async def _open(self, req: ValidRequest, span) -> Opened:
+    async def _open(self, req: ValidRequest, span) -> tuple[Opened, SessionPlan]:
         plan = await self.planner.plan(req)
         span.set_attributes({**plan.span_attributes(), "specserve.api": API.get()})
         opened = await self.sessions.open(req.request_id, req.prompt_ids, plan)
         span.set_attributes({"specserve.session_id": opened.session_id, "specserve.joined": opened.joined})
-        return opened
+        return opened, plan
+
+
+class _Tpot:
+    """A request's time per output token as its client saw it: from the first token's chunk to
+    the last, over the tokens after the first (what the rollout's TPOT guard compares)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+        self.tokens = 0
+
+    def chunk(self, chunk: Chunk) -> None:
+        if chunk.tokens:
+            now = time.monotonic()
+            self.first = now if self.first is None else self.first
+            self.last = now
+            self.tokens += len(chunk.tokens)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -100,6 +100,12 @@ def policy_set(
     promote_after: float | None = typer.Option(
         None, "--promote-after", help="Stage slice: promoted to enabled by itself after this many clean seconds "
         "(0: promotion is explicit)."),
+    guard_tpot: float | None = typer.Option(
+        None, "--guard-tpot", help="Stage slice: back to shadow when the slice's TPOT p90 exceeds this times the "
+        "class's plain requests' (e.g. 1.2; 0: off)."),
+    guard_errors: float | None = typer.Option(
+        None, "--guard-errors", help="Stage slice: back to shadow when the slice's error rate exceeds the plain "
+        "requests' by more than this (e.g. 0.02; 0: off)."),
     output_format: str | None = typer.Option(
         None, "--output-format", help="text | json_object: the class's output when a request names no constraint."),
     from_file: Path | None = typer.Option(None, "--file", help="A JSON policy (fields as in `policy get`)."),
@@ -131,7 +137,8 @@ def policy_set(
     _apply_options(policy, mode, pool, also_pools, k, temperature_ceiling, output_format,
                    {"k_min": k_min, "k_max": k_max, "max_prompt_tokens": max_prompt_tokens,
                     "safety_margin": margin, "probe_fraction": probe, "slice_percent": slice_percent,
-                    "promote_after_s": promote_after})
+                    "promote_after_s": promote_after, "guard_max_tpot_ratio": guard_tpot,
+                    "guard_max_error_rate": guard_errors})
     req = policy_pb2.SetPolicyRequest(policy=policy, comment=comment,
                                       expected_version=version if expected_version is None else expected_version)
     _echo_json(_policy_json(_call(stub.SetPolicy, req, md)))
