@@ -163,8 +163,9 @@ async def _read(store: SessionStore, hash_key: str, command: Callable[[Any], Any
                 raise
             # the slot moved, or its node died: one command through the cluster client follows
             # the redirection and re-reads the slots (it raises REDIS_DOWN while the cluster
-            # elects a replica: the reader rides that out), then the read is made again
-            await store._r.exists(hash_key)
+            # elects a replica: the reader rides that out), then the read is made again. (A
+            # one-key command: redis-py's EXISTS goes through a cluster pipeline instead.)
+            await store._r.hget(hash_key, "status")
             continue
         now = time.monotonic()
         if int(acked) >= store.replica_acks:
