@@ -46,7 +46,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x * _M1
     x = x ^ (x >> np.uint64(27))
     x = x * _M2
-    return x ^ (x >> np.uint64(31))
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
 
 def _as_u64(x: int | np.ndarray | list[int]) -> np.ndarray:

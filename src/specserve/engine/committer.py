@@ -44,7 +44,7 @@ class RedisCommitter:
         self._queue: asyncio.Queue[list[CommitRecord]] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> RedisCommitter:
         """Start the sending task (call on the event loop)."""

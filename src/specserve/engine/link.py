@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specserve.engine.drafting import Deliver
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
@@ -27,6 +28,9 @@ from specserve.serving.wire import sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specserve.worker.qcodec import q_from_proto
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("specserve.engine")
 
@@ -51,7 +55,7 @@ class _Replica:
         self.address = address
         self.up = False
         self.queue: asyncio.Queue[draft_pb2.LinkIn | None] = asyncio.Queue()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
 
 
 def replica_for(session_id: str, addresses: list[str]) -> str:
@@ -108,7 +112,7 @@ class RemoteDrafts:
     def outcome(self, outcome: Outcome) -> None:
         self.loop.call_soon_threadsafe(self._outcome, outcome)
 
-    def features(self, session_id: str, start: int, feats) -> None:
+    def features(self, session_id: str, start: int, feats: torch.Tensor) -> None:
         """The target's features of committed positions (loop thread): they leave the target's
         device here, once, as bf16 bytes, and go on the stream ahead of the round's outcome."""
         from specserve.drafters.eagle import features_to_wire
@@ -219,7 +223,7 @@ class RemoteDrafts:
             async for reply in call:
                 self._receive(reply)
 
-    async def _requests(self, queue: asyncio.Queue[draft_pb2.LinkIn | None]):
+    async def _requests(self, queue: asyncio.Queue[draft_pb2.LinkIn | None]) -> AsyncIterator[draft_pb2.LinkIn]:
         while (msg := await queue.get()) is not None:
             yield msg
 

@@ -165,10 +165,10 @@ class EngineLoop:
 
     # ---- what other threads call (posted; applied by the loop thread) ----
     def add(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, generated: Sequence[int] = (),
-            epoch: int = 0) -> Future:
+            epoch: int = 0) -> Future[EngineSession]:
         """Start (or adopt, after `generated` committed tokens) a session. The future gives
         the EngineSession once the loop has opened its KV, or the error (no KV room)."""
-        done: Future = Future()
+        done: Future[EngineSession] = Future()
         self._post("add", (session_id, list(prompt_ids), plan, list(generated), epoch, done))
         return done
 
@@ -351,7 +351,7 @@ class EngineLoop:
                     self._end(s, Status.CANCELLED, payload[1])
 
     def _open(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, generated: list[int], epoch: int,
-              done: Future) -> None:
+              done: Future[EngineSession]) -> None:
         if not done.set_running_or_notify_cancel():  # its caller gave up (a Start whose RPC was cancelled)
             return
         old = self.sessions.get(session_id)

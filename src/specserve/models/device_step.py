@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from specserve.models.runner import ModelRunner, Row
 
 log = logging.getLogger(__name__)
+# a projection: F.linear, or the oneDNN-packed one (models/runner.py: onednn_linear)
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # every width up to 8 exactly (a verify row of K drafts is K + 1 tokens: vLLM pads nothing
@@ -89,7 +91,7 @@ def _up(value: int, buckets: Sequence[int]) -> int | None:
 
 def attention_in(h: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 eps: float, hq: int, hkv: int, d: int, linear) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, hq: int, hkv: int, d: int, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer up to attention: h [T, H] -> q and k stacked, RoPE applied [T, Hq + Hkv, D],
     and v [T, Hkv, D]. The same ops as the eager forward's `_qkv` (q and k rotated in one
     pass: elementwise, the same values as apart)."""
@@ -106,14 +108,15 @@ def attention_in(h: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor, bqkv: 
 
 def attention_out(h: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None,
                   norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
-                  linear) -> torch.Tensor:
+                  linear: Linear) -> torch.Tensor:
     """A layer after attention: the output projection and residual, then the MLP and its
     residual; h [T, H], o [T, Hq D] -> the next h."""
     from specserve.models.runner import rms_norm
 
     h = h + linear(o, wo, bo)
     gate, up = linear(rms_norm(h, norm, eps), w_gate_up, None).chunk(2, dim=-1)
-    return h + linear(F.silu(gate) * up, w_down, None)
+    out: torch.Tensor = h + linear(F.silu(gate) * up, w_down, None)
+    return out
 
 
 class DeviceStep:
@@ -230,7 +233,7 @@ class DeviceStep:
         w, max_len, vocab = b.width, self.r.kv.max_len, self.r.vocab_size
         host = np.zeros(self.ints.shape[0], dtype=np.int64)
 
-        def put(name: str, values) -> None:
+        def put(name: str, values: Sequence[int] | np.ndarray) -> None:
             arr = np.asarray(values, dtype=np.int64).reshape(-1)
             host[self._at[name]:self._at[name] + arr.shape[0]] = arr
 
@@ -381,7 +384,7 @@ class DeviceStep:
         self.counts.capture_s += time.perf_counter() - t0
         return graph
 
-    def _capture(self, fn) -> torch.cuda.CUDAGraph:
+    def _capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
         """`fn` captured into a CUDA graph in the shared pool, after one warm-up run of it on a
         side stream (lazy initialisation stays out of the graph; `fn` must be idempotent: the
         replay computes the prepared step again)."""

@@ -77,7 +77,8 @@ class CachedLM:
         self.ids.extend(int(t) for t in new_ids)
         # on the host: the per-session path (architectures the batched runner does not serve)
         # reads its logits there, one copy per forward (ADR 0016)
-        return out.logits[0].float().cpu()
+        logits: torch.Tensor = out.logits[0].float().cpu()
+        return logits
 
     def reset(self) -> None:
         self.cache = None

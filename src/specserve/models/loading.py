@@ -31,8 +31,9 @@ class LoadedPair:
 def load_model(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Any Hugging Face causal LM by local path or hub id (nothing here forces a download:
     offline, a hub id only resolves from the local cache)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.eval()
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    return model
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -104,7 +104,7 @@ class Weights:
         return int(self.lm_head.shape[0])
 
 
-def rope_tables(config, max_positions: int,
+def rope_tables(config: Any, max_positions: int,
                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin' [max_positions, D] float32 as HF's rotary embedding computes them, with the
     first half of sin negated for `rotate`; computed on `device` (no host tensor is copied)."""
@@ -122,7 +122,7 @@ def rope_tables(config, max_positions: int,
     return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def load_weights(config, state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+def load_weights(config: Any, state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> Weights:
     """Weights from an HF config and state dict (`model.state_dict()` or a safetensors
     file's tensors). Biases and q/k norms are taken when the state dict has them."""
@@ -237,7 +237,8 @@ Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Ten
 
 def onednn_linear(x: torch.Tensor, m: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """F.linear on a weight packed by `pack_weights`."""
-    return torch.ops.mkldnn._linear_pointwise(x, m, b, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, m, b, "none", [], "")
+    return out
 
 
 def pack_weights(w: Weights) -> Weights | None:
@@ -252,7 +253,8 @@ def pack_weights(w: Weights) -> Weights | None:
         return None
 
     def pack(m: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(m, DEFAULT_TILE)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(m, DEFAULT_TILE)
+        return packed
 
     try:
         layers = [replace(lay, wqkv=pack(lay.wqkv), wo=pack(lay.wo), w_gate_up=pack(lay.w_gate_up),
@@ -416,7 +418,7 @@ class ModelRunner:
             out_eager = self._forward_eager(rows)
             self.last_features = self._eager_features
             return out_eager
-        feats: list = [None] * len(rows)
+        feats: list[Any] = [None] * len(rows)  # every row is filled below (bucketed or eager)
         short = [i for i, r in enumerate(rows) if len(r.tokens) <= ds.max_width]
         bucket = None
         if short:

@@ -43,7 +43,7 @@ from specserve.control.controller import Controller, ShadowLog
 from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.engine.committer import RedisCommitter
 from specserve.engine.drafting import DraftSource, PredictionDrafts
-from specserve.engine.loop import NOT_PAYING, EngineLoop, ModelStep, StepReport
+from specserve.engine.loop import NOT_PAYING, EngineLoop, StepReport
 from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan, EngineSession, Status
 from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
@@ -51,6 +51,7 @@ from specserve.params import GenerationParams
 from specserve.serving.metrics import RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.state.store import REDIS_DOWN, CommitStatus, SessionStatus, SessionStore, ride_out
+from specserve.step import ModelStep
 from specserve.structured.constraint import Constraint
 from specserve.worker import threads
 
