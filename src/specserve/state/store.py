@@ -34,7 +34,6 @@ Redis, under Sentinel, or on a Redis Cluster alike.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import re
@@ -47,6 +46,7 @@ from redis.asyncio import Redis
 from specserve.errors import InvalidRequest, RequestIdConflict, SessionNotFound
 from specserve.state import reading, scripts
 from specserve.state.connection import MAX_CONNECTIONS, REDIS_DOWN, connect, ride_out
+from specserve.state.nodes import ClusterNodes
 from specserve.state.records import (
     Chunk,
     CommitResult,
@@ -100,7 +100,7 @@ class SessionStore:
         # redis-py types its commands as sync | async unions; the client here is always async.
         self._r: Any = redis
         self._cluster = hasattr(redis, "get_node_from_key")  # a redis-py RedisCluster
-        self._nodes: dict[tuple[str, int], Any] = {}  # a cluster's nodes as plain clients (_scripts)
+        self._nodes = ClusterNodes(redis) if self._cluster else None  # its nodes as plain clients
         self.prefix = prefix
         self.ttl_s = ttl_s
         # register_script runs EVALSHA and reloads the script after a NOSCRIPT (Redis restart).
@@ -197,62 +197,23 @@ class SessionStore:
 
     async def _scripts(self, calls: Sequence[tuple[str, Any, list[str], list[Any]]]) -> list[Any]:
         """Script calls (session id, script, keys, args), answered in order: one pipeline on one
-        Redis. On a Cluster, one pipeline per node (redis-py's cluster pipeline refuses
-        scripts): the calls grouped by the node that owns their keys' slot, on a plain client
-        to that node, so a session's calls keep their order. A node's pipeline that fails
-        (its slots moved, the node died) is redone call by call on the cluster client, which
-        follows redirections and rides out an election: safe, as each call is idempotent (a
-        commit by its round id, a heartbeat, the stats)."""
-        if not self._cluster:
-            async with self._r.pipeline(transaction=False) as pipe:
-                for _, script, keys, args in calls:
-                    await script(keys=keys, args=args, client=pipe)
-                return await pipe.execute()
-        by_node: dict[tuple[str, int], list[int]] = {}
-        for i, (_, _, keys, _) in enumerate(calls):
-            node = self._r.get_node_from_key(keys[0])
-            by_node.setdefault((node.host, node.port), []).append(i)
-        out: list[Any] = [None] * len(calls)
-
-        async def on_node(address: tuple[str, int], indices: list[int]) -> None:
-            try:
-                async with self._node(address).pipeline(transaction=False) as pipe:
-                    for i in indices:
-                        _, script, keys, args = calls[i]
-                        await script(keys=keys, args=args, client=pipe)
-                    replies = await pipe.execute()
-                for i, reply in zip(indices, replies, strict=True):
-                    out[i] = reply
-            except Exception:
-                for i in indices:  # one by one on the cluster client (redirections, elections)
-                    _, script, keys, args = calls[i]
-                    out[i] = await script(keys=keys, args=args)
-
-        await asyncio.gather(*(on_node(a, ix) for a, ix in by_node.items()))
-        return out
+        Redis; on a Cluster, one per node (state/nodes.py)."""
+        if self._nodes is not None:
+            return await self._nodes.scripts(calls)
+        async with self._r.pipeline(transaction=False) as pipe:
+            for _, script, keys, args in calls:
+                await script(keys=keys, args=args, client=pipe)
+            return await pipe.execute()
 
     async def aclose(self) -> None:
         """Close the plain clients to a Cluster's nodes (the cluster client is the caller's)."""
-        nodes, self._nodes = self._nodes, {}
-        for client in nodes.values():
-            await client.aclose()
+        if self._nodes is not None:
+            await self._nodes.aclose()
 
     def node_client(self, key: str) -> Any:
-        """A Cluster: a plain client to the node that owns `key`'s slot, as far as the cluster
-        client knows."""
-        node = self._r.get_node_from_key(key)
-        return self._node((node.host, node.port))
-
-    def _node(self, address: tuple[str, int]) -> Any:
-        """A plain client to one cluster node (its pool kept), made like the cluster's own."""
-        client = self._nodes.get(address)
-        if client is None:
-            kwargs = dict(self._r.get_nodes()[0].connection_kwargs)
-            kwargs.update(host=address[0], port=address[1])
-            keep = ("host", "port", "password", "username", "decode_responses", "encoding", "socket_timeout",
-                    "socket_connect_timeout", "socket_keepalive", "protocol")
-            client = self._nodes[address] = Redis(**{k: v for k, v in kwargs.items() if k in keep})
-        return client
+        """A Cluster: a plain client to the node that owns `key`'s slot (state/nodes.py)."""
+        assert self._nodes is not None, "a Cluster's store only"
+        return self._nodes.client_for(key)
 
     async def mark_read(self, session_id: str) -> None:
         """A client is reading the session (it is not abandoned)."""
