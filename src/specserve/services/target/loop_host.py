@@ -31,7 +31,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -43,11 +43,12 @@ from specserve.control.controller import Controller, ShadowLog
 from specserve.drafters.prediction import PREDICTION_POOL
 from specserve.engine.committer import RedisCommitter
 from specserve.engine.drafting import DraftSource, PredictionDrafts
-from specserve.engine.loop import NOT_PAYING, EngineLoop, StepReport
+from specserve.engine.loop import EngineLoop, StepReport
 from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan, EngineSession, Status
 from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
 from specserve.params import GenerationParams
+from specserve.services.target.telemetry import Driven, RoundTelemetry
 from specserve.serving.metrics import RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.state.store import REDIS_DOWN, CommitStatus, SessionStatus, SessionStore, ride_out
@@ -86,21 +87,6 @@ def _retrieved(task: asyncio.Task) -> None:
         task.exception()
 
 
-@dataclass
-class _Driven:
-    """A session as the event loop side knows it."""
-
-    epoch: int
-    plan: EnginePlan
-    span: Any  # the session's `specserve.engine.session` span
-    started: float  # perf_counter at Start
-    first_round: float | None = None
-    resumed_after: int = 0  # committed tokens it continued after
-    shadow_of: str | None = None  # a twin: the served session's id
-    ended: EngineSession | None = None  # the engine's session, once it ended
-    ended_at: float = 0.0
-
-
 class LoopHost:
     def __init__(self, model: ModelStep, stops_for: Callable[[GenerationParams], StopChecker], store: SessionStore,
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
@@ -120,6 +106,7 @@ class LoopHost:
         self.loop = loop
         self.metrics = metrics or RoundMetrics()
         self.controller = controller
+        self.telemetry = RoundTelemetry(self.metrics, controller, kv_bytes_per_token)
         self.shadow_log = shadow_log
         self.kv_bytes_per_token = kv_bytes_per_token
         self.heartbeat_s = heartbeat_s
@@ -140,7 +127,7 @@ class LoopHost:
                                  on_step=self._on_step, summarize=self._summary, constrain=constrain,
                                  max_commit_lag=max_commit_lag, gather=gather, tree_width=tree_width)
         self.committer.on_acked = self.engine.acked
-        self.driving: dict[str, _Driven] = {}  # event-loop side: the sessions this incarnation drives
+        self.driving: dict[str, Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
         self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop
         self._stop = threading.Event()
@@ -225,7 +212,7 @@ class LoopHost:
                              "specserve.workload_class": plan.workload_class,
                              "specserve.draft_pool": plan.labels[1], "specserve.epoch": epoch,
                              "specserve.resumed_after": len(generated)})
-        self.driving[session_id] = _Driven(epoch, plan, span, time.perf_counter(), resumed_after=len(generated))
+        self.driving[session_id] = Driven(epoch, plan, span, time.perf_counter(), resumed_after=len(generated))
         self.carriers[session_id] = _carrier_of(span)
         try:
             with trace.use_span(span, end_on_exit=False):  # the draft links' opens join this trace
@@ -251,7 +238,7 @@ class LoopHost:
         span = tracer().start_span("specserve.shadow", context=trace.set_span_in_context(parent))
         span.set_attributes({"specserve.session_id": twin_id, "specserve.workload_class": plan.workload_class,
                              "specserve.draft_pool": twin.labels[1], "specserve.k": twin.k})
-        self.driving[twin_id] = _Driven(epoch, twin, span, time.perf_counter(), shadow_of=session_id)
+        self.driving[twin_id] = Driven(epoch, twin, span, time.perf_counter(), shadow_of=session_id)
         self.carriers[twin_id] = _carrier_of(span)
         try:
             with trace.use_span(span, end_on_exit=False):
@@ -325,69 +312,9 @@ class LoopHost:
             if d.first_round is None:
                 d.first_round = at
             if not session.plan.shadow:
-                self._count(session.plan, stats)
-            self._feed_controller(session.plan, stats)
-            self._round_span(d, session, stats, at, prefix_len)
-
-    def _count(self, plan: EnginePlan, r: RoundStats) -> None:
-        m, labels = self.metrics, plan.labels
-        m.target_passes.labels(*labels).inc()
-        m.output_tokens.labels(*labels).inc(r.emitted)
-        m.verify_latency.labels(*labels).observe(r.verify_ms / 1e3)
-        m.round_overhead.labels(*labels).observe(r.overhead_ms / 1e3)
-        if r.fallback_reason:
-            m.fallbacks.labels(*labels, r.fallback_reason).inc()
-        if r.k == 0:
-            return
-        m.draft_latency.labels(*labels).observe(r.draft_ms / 1e3)
-        m.accepted_drafts.labels(*labels).observe(r.accepted)
-        m.tree_size.labels(*labels).observe(r.tree_size)
-        if r.feature_bytes:
-            m.feature_bytes.labels(*labels).inc(r.feature_bytes)
-        if r.predraft:
-            m.predraft_rounds.labels(*labels, r.predraft).inc()
-        for i in range(r.k):
-            m.proposed.labels(*labels, str(i)).inc()
-            if i < r.accepted:
-                m.accepted.labels(*labels, str(i)).inc()
-        if r.rejected:
-            m.rollback_tokens.labels(*labels).inc(r.rejected)
-            m.rejected_kv_bytes.labels(*labels).inc(r.rejected * self.kv_bytes_per_token)
-
-    def _feed_controller(self, plan: EnginePlan, r: RoundStats) -> None:
-        """What the round cost, for the controller's per (class, pool) statistics: the step
-        it ran in (the batch cost at this load), its draft compute and the engine's own
-        Python. A round that asked for drafts and got none counts with 0 accepted."""
-        if self.controller is None or plan.pool == PREDICTION_POOL:
-            return  # a request's own prediction says nothing about the class's pools
-        if plan.pool and r.k_asked == 0:
-            # held plain by the engine (counted against its pool: Estimate.realized), or the
-            # budget's last token: nothing about the pool's drafts
-            if r.fallback_reason == NOT_PAYING:
-                self.controller.record_held(plan.stats_class or plan.workload_class, plan.pool)
-            return
-        drafted = bool(plan.pool) and not r.fallback_reason
-        self.controller.record(plan.stats_class or plan.workload_class, plan.pool, r.k_asked if plan.pool else 0,
-                               r.accepted if drafted else 0, r.draft_ms, r.verify_ms, r.overhead_ms, r.wait_ms)
-
-    @staticmethod
-    def _round_span(d: _Driven, session: EngineSession, r: RoundStats, at: float, prefix_len: int) -> None:
-        if not d.span.is_recording():
-            return
-        end = time.time_ns() - int((time.perf_counter() - at) * 1e9)
-        start = end - int((r.verify_ms + r.overhead_ms) * 1e6)
-        span = tracer().start_span("specserve.round", context=trace.set_span_in_context(d.span), start_time=start)
-        span.set_attributes({
-            "specserve.workload_class": session.plan.workload_class, "specserve.draft_pool": session.plan.labels[1],
-            "specserve.k": r.k, "specserve.num_accepted": r.accepted, "specserve.emitted": r.emitted,
-            "specserve.rejected_position": -1 if r.rejected_position is None else r.rejected_position,
-            "specserve.fallback_reason": r.fallback_reason, "specserve.draft_ms": r.draft_ms,
-            "specserve.verify_ms": r.verify_ms, "specserve.predraft": r.predraft,
-            "specserve.overhead_ms": r.overhead_ms, "specserve.prefix_len": prefix_len,
-            # a token tree's shape (ADR 0020): its drafts and depth (k); 0 for a chain
-            "specserve.tree_size": r.tree_size, "specserve.feature_bytes": r.feature_bytes,
-            "specserve.probe": r.probe})
-        span.end(end_time=end)
+                self.telemetry.count(session.plan, stats)
+            self.telemetry.feed_controller(session.plan, stats)
+            self.telemetry.round_span(d, session, stats, at, prefix_len)
 
     def _ended(self, session: EngineSession, at: float) -> None:
         self._drain_rounds()  # its last rounds first
@@ -409,7 +336,7 @@ class LoopHost:
         else:
             self.metrics.sessions_active.labels(*plan.labels).dec()
             if session.status is Status.FINISHED:
-                self._count_request(d, session)
+                self.telemetry.count_request(d, session)
             if session.status is Status.FAILED:
                 asyncio.ensure_future(self._fail(session.id, d.epoch, session.error))
         # Only an end of its own leaves the index: a session refused because another
@@ -433,16 +360,6 @@ class LoopHost:
         self.driving.pop(twin_id, None)
         asyncio.ensure_future(self._record_shadow(served, twin))
 
-    def _count_request(self, d: _Driven, s: EngineSession) -> None:
-        m, labels, n = self.metrics, s.plan.labels, s.n_generated
-        m.requests.labels(*labels, s.finish_reason or "").inc()
-        if d.first_round is not None:
-            m.ttft.labels(*labels).observe(d.first_round - d.started)
-            if n > 1:
-                m.tpot.labels(*labels).observe((d.ended_at - d.first_round) / (n - 1))
-        if n:
-            m.passes_per_token.labels(*labels).observe(len(s.rounds) / n)
-
     async def _redrive(self, session_id: str) -> None:
         """Redis came back shorter than this driver's commits (a restart's lost second, or a
         failover's unreplicated tail): still this driver's (a commit refused as STALE_LEN passed
@@ -464,7 +381,7 @@ class LoopHost:
         with contextlib.suppress(*REDIS_DOWN):
             await self.index.remove(session_id)
 
-    async def _record_shadow(self, served: _Driven, twin: _Driven) -> None:
+    async def _record_shadow(self, served: Driven, twin: Driven) -> None:
         run, shadow = served.ended, twin.ended
         assert run is not None and shadow is not None
         greedy = run.plan.params.sampling.temperature == 0
