@@ -153,7 +153,10 @@ def test_a_saturated_replica_refuses_sessions_to_plain_and_nothing_changes_in_th
         server, address = await _draft_server(draft_model, simulated_token_ms=20.0, max_queue=1)
         pool = RemoteDrafts([address], asyncio.get_running_loop(), VOCAB, predraft_branches=0).start()
         await _until(lambda: all(r.up for r in pool.replicas))
-        engine, stop, thread = _engine(target_model, {"small": pool})
+        # a target step of 100 ms (a simulated device): the admitted sessions' 20 ms drafts pay,
+        # so the engine's cost model speculates for them rather than holding them plain (on the
+        # CPU's real few-ms step it held them plain under load and the test read no drafts)
+        engine, stop, thread = _engine(target_model, {"small": pool}, step_ms=100.0)
         await _serve_prompts([(server, address)], pool, engine, stop, thread, 24)
         return engine, server.servicer.metrics
 
