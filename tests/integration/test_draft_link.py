@@ -141,6 +141,42 @@ def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(mode
     assert sum(r.accepted for r in trees) > 0
 
 
+def test_remote_ngram_replicas_draft_token_trees_from_their_matches(models, run):
+    """A remote n-gram replica asked for a tree (ADR 0020) answers with its own: the latest
+    matches of its longest suffix match with distinct next tokens, each continued, as
+    branches (drafts with parents). The prompt repeats (7, 8) before three different tokens,
+    so the first round's suffix (7, 8) has three continuations; the target verifies the tree,
+    and the greedy output is the target's alone."""
+    from specserve.drafters import NgramDrafter
+
+    target_model, _ = models
+    prompt = [7, 8, 1, 9, 7, 8, 2, 9, 7, 8, 3, 9, 7, 8]
+    engine0 = EngineLoop(make_target_step(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)), _stops)
+    engine0.add("r", prompt, EnginePlan(GenerationParams(max_tokens=16, seed=1)))
+    engine0.run_until_idle()
+    reference = engine0.ended["r"].generated
+
+    async def go():
+        server = grpc.aio.server()
+        servicer = DraftServicer(NgramDrafter(VOCAB), 8, batching=Batching(kv_budget_mb=8, max_sessions=8))
+        draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        pool = RemoteDrafts([address], asyncio.get_running_loop(), VOCAB).start()
+        await _until(lambda: all(r.up for r in pool.replicas))
+        engine, stop, thread = _engine(target_model, {"ngram": pool}, tree_width=3, tree_always=True)
+        engine.add("s0", prompt, EnginePlan(GenerationParams(max_tokens=16, num_draft_tokens=3, seed=1),
+                                            pool="ngram"))
+        await _finish([(server, address)], pool, engine, stop, thread, 1)
+        return engine
+
+    engine = run(go())
+    assert engine.ended["s0"].generated == reference
+    trees = [r for r in engine.ended["s0"].rounds if r.tree_size > r.k]  # drafts on more than one branch
+    assert trees, [(r.k, r.tree_size) for r in engine.ended["s0"].rounds]
+    assert trees[0].tree_size >= 3  # the first round: three branches below (7, 8)
+
+
 def test_a_saturated_replica_refuses_sessions_to_plain_and_nothing_changes_in_the_output(models, run):
     """Draft capacity (ADR 0021): one replica whose queue bound is 1 work item, its device
     slow (20 ms a draft step). Sessions opened while it is busy are refused at once: they

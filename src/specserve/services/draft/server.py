@@ -20,6 +20,7 @@ from typing import Any
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import SURE, Drafter, DraftProposal
+from specserve.drafters.ngram import NgramSession
 from specserve.errors import InvalidRequest, SessionNotFound
 from specserve.model_info import ModelInfo
 from specserve.params import check_k
@@ -153,7 +154,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         branches = min(request.predraft_branches, self.max_predraft_branches)
         first, parents = proposal, None  # (drafting ahead follows the chain's likely outcomes)
         if request.tree_width > 1 and sampling.greedy and grammar is None and prepared is None:
-            proposal, parents, more_s = await self._tree(seq, ids, first, k, sampling, seed)
+            proposal, parents, more_s = await self._tree(seq, ids, first, k, sampling, seed, request.tree_width)
             elapsed += more_s
         if branches and first.tokens:
             seq.extra.task = asyncio.create_task(self._draft_ahead(request.session_id, seq, ids, first, k,
@@ -164,11 +165,19 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         return response
 
     async def _tree(self, seq: WorkerSession, ids: list[int], first: DraftProposal, k: int,
-                    sampling: SamplingParams, seed: int) -> tuple[DraftProposal, list[int] | None, float]:
-        """A token tree of two first candidates (ADR 0020) where the draft is unsure of the
-        first token (its probability under SURE): the chain, then the draft's runner-up there
-        with its own greedy chain to depth k, drafted as a second block; the chain alone
-        elsewhere. (proposal, parents or None, the second block's cost in seconds.)"""
+                    sampling: SamplingParams, seed: int, width: int) -> tuple[DraftProposal, list[int] | None, float]:
+        """A token tree (ADR 0020). A model-free drafter (n-gram) gives its own: the latest
+        matches of its longest suffix match with distinct next tokens, up to `width` branches
+        (microseconds: no block to schedule). A model's is two first candidates where the draft
+        is unsure of the first token (its probability under SURE): the chain, then the draft's
+        runner-up there with its own greedy chain to depth k, drafted as a second block; the
+        chain alone elsewhere. (proposal, parents or None, the second block's cost in seconds.)"""
+        if isinstance(seq.handle, NgramSession):
+            found = seq.handle.propose_tree(ids, k, sampling, seed, width)
+            if found is None:
+                return first, None, 0.0
+            tokens, parents = found
+            return DraftProposal(tokens, None, first.dropped_on_reconcile), parents, 0.0
         if not first.tokens or not first.runner_up or first.runner_up[0] is None or not first.confidence \
                 or first.confidence[0][0] >= SURE or first.runner_up[0] == first.tokens[0]:
             return first, None, 0.0
