@@ -93,7 +93,7 @@ async def _arm(url: str, sessions: int, acks: int, seconds: float, round_tokens:
     wrong = sum(got[s] != final[s] or len(final[s]) != total for s in sids)
     out = {"sessions": sessions, "replica_acks": acks, "tokens": total * sessions, "wrong_streams": wrong,
            "delivery_ms_p50": 1e3 * _pct(delays, 0.5), "delivery_ms_p99": 1e3 * _pct(delays, 0.99),
-           "unreplicated_reads": store.unreplicated_reads}
+           "unreplicated_reads": store.replicas.unreplicated_reads}
     if kill_at is None:  # (after a failover the counts are another server's)
         calls = sum(v["calls"] for v in info1.values()) - sum(v["calls"] for v in info0.values())
         out["redis_calls_per_token"] = calls / (total * sessions)

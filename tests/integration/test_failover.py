@@ -166,7 +166,7 @@ def _run(topology, replica_acks: int, sampled: bool) -> dict:
                       default=0.0) for s in sids]
         return dict(sids=sids, hit=hit, got=got, served=served, on_primary=on_primary, on_replica=on_replica,
                     final=final, errors=errors, redriven=redriven, pauses=pauses,
-                    unreplicated=store.unreplicated_reads)
+                    unreplicated=store.replicas.unreplicated_reads)
 
     return asyncio.run(go())
 

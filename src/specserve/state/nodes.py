@@ -34,15 +34,15 @@ class ClusterNodes:
             client = self._clients[address] = Redis(**{k: v for k, v in kwargs.items() if k in _KEEP})
         return client
 
-    async def scripts(self, calls: Sequence[tuple[str, Any, list[str], list[Any]]]) -> list[Any]:
-        """Script calls (session id, script, keys, args), answered in order, as one pipeline
+    async def scripts(self, calls: Sequence[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Script calls (script, keys, args), answered in order, as one pipeline
         per node: grouped by the node that owns their keys' slot, so a session's calls keep
         their order. A node's pipeline that fails (its slots moved, the node died) is redone
         call by call on the cluster client, which follows redirections and rides out an
         election: safe, as each call is idempotent (a commit by its round id, a heartbeat,
         the stats)."""
         by_node: dict[tuple[str, int], list[int]] = {}
-        for i, (_, _, keys, _) in enumerate(calls):
+        for i, (_, keys, _) in enumerate(calls):
             node = self.cluster.get_node_from_key(keys[0])
             by_node.setdefault((node.host, node.port), []).append(i)
         out: list[Any] = [None] * len(calls)
@@ -51,14 +51,14 @@ class ClusterNodes:
             try:
                 async with self._client(address).pipeline(transaction=False) as pipe:
                     for i in indices:
-                        _, script, keys, args = calls[i]
+                        script, keys, args = calls[i]
                         await script(keys=keys, args=args, client=pipe)
                     replies = await pipe.execute()
                 for i, reply in zip(indices, replies, strict=True):
                     out[i] = reply
             except Exception:
                 for i in indices:  # one by one on the cluster client (redirections, elections)
-                    _, script, keys, args = calls[i]
+                    script, keys, args = calls[i]
                     out[i] = await script(keys=keys, args=args)
 
         await asyncio.gather(*(on_node(a, ix) for a, ix in by_node.items()))

@@ -83,7 +83,7 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
     before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1)
     start, last_id, catching_up = (as_str(before[0][0]) if before else "-"), "0-0", True
     marked = 0.0
-    confirmed = store.replica_acks > 0
+    confirmed = store.replicas.acks > 0
     while True:
         closed = False
         if not confirmed and time.monotonic() - marked >= 1.0:  # someone reads it: not abandoned
@@ -108,10 +108,11 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                 closed = True
         for entry_id, fields in entries:
             last_id = as_str(entry_id)
-            if _offset(fields) > pos:
+            entry = _entry(fields)
+            if entry.offset > pos:
                 raise _Reseek  # commits were lost and redone: find pos's chunk again
-            _check_redone(session_id, fields, pos, served, from_offset)
-            chunk = _chunk(fields, pos)
+            _check_redone(session_id, entry, pos, served, from_offset)
+            chunk = _from(entry, pos)
             if chunk is not None:
                 yield chunk
                 pos = chunk.offset + len(chunk.tokens)
@@ -134,32 +135,80 @@ def _xread(key: str, last_id: str, block_ms: int, client: Any) -> Any:
     return client.xread({key: last_id}, block=block_ms)
 
 
+class ReplicaAcks:
+    """How many replicas a read waits for (`acks`; 0 = none, one Redis), for how long
+    (`wait_s`), and the fallback when none answers: after one read waited `wait_s`, reads are
+    served unconfirmed (counted; `on_unreplicated` is the router's counter) and one read a
+    second probes whether replicas answer again. One per store: every reader of it shares it."""
+
+    def __init__(self, acks: int = 0, wait_s: float = 2.0) -> None:
+        if not isinstance(acks, int) or acks < 0:
+            raise InvalidRequest(f"store replica_acks must be an int >= 0, got {acks!r}")
+        self.acks = acks
+        self.wait_s = wait_s
+        self.unreplicated_reads = 0
+        self.on_unreplicated: Callable[[], None] | None = None
+        self._since: float | None = None  # no replica answered since then: reads unconfirmed
+        self._probe_at = 0.0
+
+    @property
+    def degraded(self) -> bool:
+        """No replica has answered lately: reads go unconfirmed, with a probe a second."""
+        return self._since is not None
+
+    def wait_ms(self, now: float) -> int | None:
+        """One WAIT's timeout for a read now; None: serve it unconfirmed, no WAIT."""
+        if self._since is None:
+            return max(1, min(500, int(self.wait_s * 1000)))
+        return _PROBE_MS if now >= self._probe_at else None
+
+    def acknowledged(self) -> None:
+        self._since = None
+
+    def unacknowledged(self, now: float, waited_s: float, probing: bool) -> bool:
+        """A read's WAIT came back short: True to serve it anyway (counted), False to read again."""
+        if not probing and waited_s < self.wait_s:
+            return False
+        if self._since is None:
+            self._since = now
+            log.warning("no Redis replica acknowledged reads for %.1f s: serving unreplicated (a failover "
+                        "now could take tokens back)", waited_s)
+        self._probe_at = now + _PROBE_EVERY_S
+        self.served_unconfirmed()
+        return True
+
+    def served_unconfirmed(self) -> None:
+        self.unreplicated_reads += 1
+        if self.on_unreplicated is not None:
+            self.on_unreplicated()
+
+
 async def _read(store: SessionStore, hash_key: str, command: Callable[[Any], Any]) -> Any:
-    """`command(client)`'s reply; under `replica_acks`, only once a replica acknowledged a
-    write issued after it on the same connection (the module's docstring). A primary left
-    without replicas (its only one failed over to it, or died) would stall every read: after
-    one read waited `replica_wait_s`, reads are served unconfirmed (counted) and a read a
-    second probes whether replicas answer again."""
-    if store.replica_acks <= 0:
+    """`command(client)`'s reply; under `store.replicas.acks`, only once a replica acknowledged
+    a write issued after it on the same connection (the module's docstring), unless no replica
+    answers for `wait_s` (ReplicaAcks)."""
+    replicas = store.replicas
+    if replicas.acks <= 0:
         return await command(store._r)
     since = time.monotonic()
     while True:
-        probing = store.unreplicated_since is not None
-        if probing and time.monotonic() < store.probe_at:
-            store.count_unreplicated()
+        probing = replicas.degraded
+        wait_ms = replicas.wait_ms(time.monotonic())
+        if wait_ms is None:
+            replicas.served_unconfirmed()
             return await command(store._r)
-        wait_ms = _PROBE_MS if probing else store.replica_wait_ms
         # on a Cluster: a plain client to the node that owns the session's slot (WAIT counts
         # that node's replicas; redis-py's cluster pipeline takes no scripts)
-        client = store.node_client(hash_key) if store._cluster else store._r
+        cluster = store._nodes
+        client = cluster.client_for(hash_key) if cluster is not None else store._r
         try:
             async with client.pipeline(transaction=False) as pipe:
                 command(pipe)
                 await store._mark_read(keys=[hash_key], client=pipe)
-                pipe.execute_command("WAIT", store.replica_acks, wait_ms)
+                pipe.execute_command("WAIT", replicas.acks, wait_ms)
                 reply, _, acked = await pipe.execute()
         except (MovedError, AskError, *REDIS_DOWN):
-            if not store._cluster:
+            if cluster is None:
                 raise
             # the slot moved, or its node died: one command through the cluster client follows
             # the redirection and re-reads the slots (it raises REDIS_DOWN while the cluster
@@ -168,37 +217,28 @@ async def _read(store: SessionStore, hash_key: str, command: Callable[[Any], Any
             await store._r.hget(hash_key, "status")
             continue
         now = time.monotonic()
-        if int(acked) >= store.replica_acks:
-            store.unreplicated_since = None
+        if int(acked) >= replicas.acks:
+            replicas.acknowledged()
             return reply
-        if probing or now - since >= store.replica_wait_s:
-            if store.unreplicated_since is None:
-                store.unreplicated_since = now
-                log.warning("no Redis replica acknowledged reads for %.1f s: serving unreplicated (a failover "
-                            "now could take tokens back)", now - since)
-            store.probe_at = now + _PROBE_EVERY_S
-            store.count_unreplicated()
-            return reply  # no replica for that long: serve (availability), counted
+        if replicas.unacknowledged(now, now - since, probing):
+            return reply  # no replica for that long: served (availability), counted
 
 
 _PROBE_MS, _PROBE_EVERY_S = 20, 1.0
 
 
-def _check_redone(session_id: str, fields: dict, pos: int, served: list[int], from_offset: int) -> None:
+def _check_redone(session_id: str, entry: Chunk, pos: int, served: list[int], from_offset: int) -> None:
     """A chunk that starts before `pos` was served in part already (commits lost with a Redis
     restart or an unreplicated failover, then driven again): its served part must be what the
     reader sent. Raised otherwise: the client saw tokens the store no longer holds."""
-    offset = _offset(fields)
-    if offset >= pos or offset < from_offset:
+    if entry.offset >= pos or entry.offset < from_offset:
         return
-    f = {as_str(k): as_str(v) for k, v in fields.items()}
-    tokens = [int(t) for t in f["tokens"].split(",")] if f["tokens"] else []
-    redone = tokens[: pos - offset]
-    sent = served[offset - from_offset : offset - from_offset + len(redone)]
+    redone = list(entry.tokens[: pos - entry.offset])
+    sent = served[entry.offset - from_offset : entry.offset - from_offset + len(redone)]
     if redone != sent:
         raise ServedTokensChanged(
-            f"session {session_id}: tokens {offset}..{offset + len(redone)} were served as {sent} and are now "
-            f"committed as {redone} (a Redis failover lost served commits; see ADR 0023)")
+            f"session {session_id}: tokens {entry.offset}..{entry.offset + len(redone)} were served as {sent} and "
+            f"are now committed as {redone} (a Redis failover lost served commits; see ADR 0023)")
 
 
 def _xread_entries(reply: Any) -> list:
@@ -210,21 +250,19 @@ def _xread_entries(reply: Any) -> list:
     return reply[0][1]
 
 
-def _offset(fields: dict) -> int:
-    return int(as_str(fields.get("offset", fields.get(b"offset", 0))))
-
-
-def _chunk(fields: dict, from_offset: int) -> Chunk | None:
-    """A stream entry as a Chunk from `from_offset` on; None if it lies wholly before it."""
+def _entry(fields: dict) -> Chunk:
+    """A stream entry, whole, at its own offset."""
     f = {as_str(k): as_str(v) for k, v in fields.items()}
-    offset = int(f["offset"])
     tokens = tuple(int(t) for t in f["tokens"].split(",")) if f["tokens"] else ()
-    finish = f.get("finish_reason") or None
-    error = f.get("error") or None
-    if offset >= from_offset:
-        return Chunk(offset, tokens, f["text"], finish, error=error)
-    if offset + len(tokens) <= from_offset and finish is None:
+    return Chunk(int(f["offset"]), tokens, f["text"], f.get("finish_reason") or None, error=f.get("error") or None)
+
+
+def _from(entry: Chunk, from_offset: int) -> Chunk | None:
+    """The entry from `from_offset` on; None if it lies wholly before it."""
+    if entry.offset >= from_offset:
+        return entry
+    if entry.offset + len(entry.tokens) <= from_offset and entry.finish_reason is None:
         return None
     # The reader resumed inside this chunk (or right after the last one, and this is the end).
-    tail = tokens[from_offset - offset :]
-    return Chunk(from_offset, tail, "", finish, partial=True, error=error)
+    return Chunk(from_offset, entry.tokens[from_offset - entry.offset :], "", entry.finish_reason, partial=True,
+                 error=entry.error)

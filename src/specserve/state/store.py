@@ -85,22 +85,13 @@ class SessionStore:
             raise InvalidRequest(f"store ttl_s must be a positive int of seconds, got {ttl_s!r}")
         if not lease_s > 0:
             raise InvalidRequest(f"store lease_s must be positive, got {lease_s!r}")
-        if not isinstance(replica_acks, int) or replica_acks < 0:
-            raise InvalidRequest(f"store replica_acks must be an int >= 0, got {replica_acks!r}")
         self.lease_s = lease_s
-        # readers serve what this many replicas acknowledged (state/reading.py; ADR 0023): 0 =
-        # at once (one Redis); after replica_wait_s without them, unreplicated (counted)
-        self.replica_acks = replica_acks
-        self.replica_wait_s = replica_wait_s
-        self.replica_wait_ms = max(1, min(500, int(replica_wait_s * 1000)))  # one WAIT's timeout
-        self.unreplicated_reads = 0
-        self.on_unreplicated: Callable[[], None] | None = None  # (the router's counter)
-        self.unreplicated_since: float | None = None  # no replica answered: reads unconfirmed
-        self.probe_at = 0.0
+        # readers serve what this many replicas acknowledged (state/reading.py; ADR 0023)
+        self.replicas = reading.ReplicaAcks(replica_acks, replica_wait_s)
         # redis-py types its commands as sync | async unions; the client here is always async.
         self._r: Any = redis
-        self._cluster = hasattr(redis, "get_node_from_key")  # a redis-py RedisCluster
-        self._nodes = ClusterNodes(redis) if self._cluster else None  # its nodes as plain clients
+        # a redis-py RedisCluster: its nodes as plain clients (None on one Redis)
+        self._nodes = ClusterNodes(redis) if hasattr(redis, "get_node_from_key") else None
         self.prefix = prefix
         self.ttl_s = ttl_s
         # register_script runs EVALSHA and reloads the script after a NOSCRIPT (Redis restart).
@@ -113,11 +104,6 @@ class SessionStore:
         self._stats: Any = redis.register_script(scripts.STATS)
         self._claim: Any = redis.register_script(scripts.CLAIM)
         self.running_keys = [f"{prefix}:running:{{{t:02x}}}" for t in range(TAGS)]
-
-    def count_unreplicated(self) -> None:
-        self.unreplicated_reads += 1
-        if self.on_unreplicated is not None:
-            self.on_unreplicated()
 
     @property
     def client(self) -> Any:
@@ -191,17 +177,18 @@ class SessionStore:
 
     async def heartbeats(self, sessions: Sequence[tuple[str, int]]) -> list[tuple[str, float]]:
         """`heartbeat` for many (session_id, epoch) at once: one pipeline."""
-        replies = await self._scripts([(sid, self._heartbeat, self._keys(sid),
-                                        [self.prefix, self.ttl_s, epoch, self.lease_s]) for sid, epoch in sessions])
+        calls = [(self._heartbeat, self._keys(sid), [self.prefix, self.ttl_s, epoch, self.lease_s])
+                 for sid, epoch in sessions]
+        replies = await self._scripts(calls)
         return [(as_str(status), float(as_str(unread))) for status, unread in replies]
 
-    async def _scripts(self, calls: Sequence[tuple[str, Any, list[str], list[Any]]]) -> list[Any]:
-        """Script calls (session id, script, keys, args), answered in order: one pipeline on one
-        Redis; on a Cluster, one per node (state/nodes.py)."""
+    async def _scripts(self, calls: Sequence[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """Script calls (script, keys, args), answered in order: one pipeline on one Redis; on a
+        Cluster, one per node (state/nodes.py)."""
         if self._nodes is not None:
             return await self._nodes.scripts(calls)
         async with self._r.pipeline(transaction=False) as pipe:
-            for _, script, keys, args in calls:
+            for script, keys, args in calls:
                 await script(keys=keys, args=args, client=pipe)
             return await pipe.execute()
 
@@ -210,21 +197,20 @@ class SessionStore:
         if self._nodes is not None:
             await self._nodes.aclose()
 
-    def node_client(self, key: str) -> Any:
-        """A Cluster: a plain client to the node that owns `key`'s slot (state/nodes.py)."""
-        assert self._nodes is not None, "a Cluster's store only"
-        return self._nodes.client_for(key)
-
     async def mark_read(self, session_id: str) -> None:
         """A client is reading the session (it is not abandoned)."""
         await self._mark_read(keys=self._keys(session_id)[:1])
 
     async def orphans(self, limit: int = 256) -> list[str]:
-        """Running sessions whose owner's lease has lapsed, from the `running` index; ids
-        whose session expired or closed are dropped from the index on the way."""
+        """Running sessions whose owner's lease has lapsed, from a random sample of the
+        `running` index (every reap another); ids whose session expired or closed are dropped
+        from the index on the way."""
+        # a random sample of each shard, about `limit` ids in all (not `limit` from each: a
+        # router with many sessions would read 256 x limit ids every reap)
+        each = -(-limit // TAGS) + 1
         async with self._r.pipeline(transaction=False) as pipe:
             for key in self.running_keys:
-                pipe.srandmember(key, limit)
+                pipe.srandmember(key, each)
             shards = await pipe.execute()
         ids = [as_str(m) for members in shards for m in members][:limit]
         if not ids:
@@ -280,11 +266,11 @@ class SessionStore:
         one batch land one after the other."""
         calls = [self._commit_call(r.session_id, r.expected_len, r.epoch, r.round_id, list(r.tokens), r.text,
                                    r.finish_reason) for r in rounds]
-        queued: list[tuple[str, Any, list[str], list[Any]]] = []
+        queued: list[tuple[Any, list[str], list[Any]]] = []
         for r, call in zip(rounds, calls, strict=True):
             if getattr(r, "stats", ""):
-                queued.append((r.session_id, self._stats, call["keys"][:1], [r.epoch, r.stats]))
-            queued.append((r.session_id, self._commit, call["keys"], call["args"]))
+                queued.append((self._stats, call["keys"][:1], [r.epoch, r.stats]))
+            queued.append((self._commit, call["keys"], call["args"]))
         replies = [x for x in await self._scripts(queued) if isinstance(x, list)]  # stats answer an integer
         return [CommitResult(CommitStatus(as_str(status)), int(length)) for status, length in replies]
 

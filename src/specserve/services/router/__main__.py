@@ -119,7 +119,7 @@ class Router:
         self.targets = TargetDirectory(redis, settings.key_prefix, settings.target_wait_s, settings.admission_wait_s,
                                        tls=tls)
         self.metrics = metrics = RouterMetrics()
-        store.on_unreplicated = metrics.unreplicated.inc
+        store.replicas.on_unreplicated = metrics.unreplicated.inc
         self.store = store
         self.policy_store = PolicyStore(redis, settings.key_prefix)
         self.policies = PolicyCache(self.policy_store, builtin_policy(settings), settings.policy_reload_s)
