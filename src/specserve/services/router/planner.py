@@ -74,12 +74,8 @@ class Planner:
                         policy.workload_class, ", ".join(policy.pools))
         if assessment is not None:
             self._gauges(stats_class, assessment)
-            tripped = check_guards(policy, assessment, self.controller.min_rounds) or self._outcome_guards(policy)
-            if source == "class" and tripped:
-                self._roll_back(policy, stats_class, tripped)
-            elif source == "class" and (why := promotion_due(policy, assessment, self.controller.min_rounds,
-                                                             time.time())):
-                self._promote(policy, stats_class, why)
+            if source == "class" and policy.mode == "slice":  # a rollout stage: its guards (ADR 0022)
+                self._stage(policy, stats_class, assessment)
         seed = req.params.seed if req.params.seed is not None else fresh_seed()
         params = replace(req.params, num_draft_tokens=choice.k, seed=seed)
         self.metrics.classified.labels(stats_class, req.class_reason.split(":")[0]).inc()
@@ -104,12 +100,18 @@ class Planner:
         if plan.guard_arm:
             self.outcomes.record(plan.policy_class, plan.guard_arm, time.monotonic(), tpot_s, failed)
 
-    def _outcome_guards(self, policy: Policy) -> Tripped | None:
-        if policy.mode != "slice" or not (policy.guard_max_tpot_ratio or policy.guard_max_error_rate):
-            return None
-        now = time.monotonic()
-        return check_outcomes(policy, self.outcomes.window(policy.workload_class, SLICE, now),
-                              self.outcomes.window(policy.workload_class, PLAIN, now))
+    def _stage(self, policy: Policy, stats_class: str, assessment: Assessment) -> None:
+        """A class in stage slice: back to shadow if a guard trips, else to enabled if its
+        clean window has run."""
+        tripped = check_guards(policy, assessment, self.controller.min_rounds)
+        if tripped is None and (policy.guard_max_tpot_ratio or policy.guard_max_error_rate):
+            now = time.monotonic()
+            tripped = check_outcomes(policy, self.outcomes.window(policy.workload_class, SLICE, now),
+                                     self.outcomes.window(policy.workload_class, PLAIN, now))
+        if tripped is not None:
+            self._roll_back(policy, stats_class, tripped)
+        elif why := promotion_due(policy, assessment, self.controller.min_rounds, time.time()):
+            self._promote(policy, stats_class, why)
 
     async def effective(self, workload_class: str) -> tuple[Policy, str, str, Assessment]:
         """(policy, source, stats class, the controller's assessment from fresh statistics)."""
