@@ -242,14 +242,7 @@ class LocalRedisHA:
         primary (CLIENT KILL TYPE replica), so that nothing the primary writes from now on
         reaches it, until `resume_replica`. Killing the primary in between makes the sentinels
         promote a replica that lacks those writes: real replication lag, made certain."""
-        import redis
-
-        os.kill(self.replica.pid, signal.SIGSTOP)
-        client = redis.Redis(port=self.primary.port, password=self.password or None, socket_timeout=5)
-        try:
-            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
-        finally:
-            client.close()
+        _cut(self.replica, self.primary, self.password)
 
     def resume_replica(self) -> None:
         os.kill(self.replica.pid, signal.SIGCONT)
@@ -343,9 +336,7 @@ class LocalRedisCluster:
         """`LocalRedisHA.cut_replication` for one master: its replica stopped (SIGSTOP) and the
         link cut on the master. Returns the replica (`resume` continues it)."""
         replica = self.replica_of(master)
-        os.kill(replica.pid, signal.SIGSTOP)
-        with _cluster_client(master.port, self.password) as c:
-            c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        _cut(replica, master, self.password)
         return replica
 
     @staticmethod
@@ -354,23 +345,26 @@ class LocalRedisCluster:
 
     def role(self, node: LocalRedis) -> str:
         """"master" or "slave", as the node says (a replica can have been promoted)."""
-        import redis
-
-        client = redis.Redis(port=node.port, password=self.password or None, socket_timeout=2)
-        try:
-            return client.info("replication")["role"]
-        finally:
-            client.close()
+        with _client(node.port, self.password) as c:
+            return c.info("replication")["role"]
 
 
-def _cluster_client(port: int, password: str):  # (a sync client to one node)
+def _client(port: int, password: str):  # (a sync client to one server)
     import redis
 
-    return redis.Redis(port=port, password=password or None, socket_timeout=2)
+    return redis.Redis(port=port, password=password or None, socket_timeout=5)
+
+
+def _cut(replica: LocalRedis, primary: LocalRedis, password: str) -> None:
+    """The replica stopped (SIGSTOP) and its link cut on the primary: what the primary writes
+    from now on reaches no replica (`cut_replication`)."""
+    os.kill(replica.pid, signal.SIGSTOP)
+    with _client(primary.port, password) as c:
+        c.execute_command("CLIENT", "KILL", "TYPE", "replica")
 
 
 def _master_for_slot(cluster: LocalRedisCluster, slot: int) -> LocalRedis:
-    with _cluster_client(cluster.nodes[0].port, cluster.password) as c:
+    with _client(cluster.nodes[0].port, cluster.password) as c:
         for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
             if start <= slot <= end:
                 port = int(master[1])
@@ -379,7 +373,7 @@ def _master_for_slot(cluster: LocalRedisCluster, slot: int) -> LocalRedis:
 
 
 def _replica_of(cluster: LocalRedisCluster, master: LocalRedis) -> LocalRedis:
-    with _cluster_client(master.port, cluster.password) as c:
+    with _client(master.port, cluster.password) as c:
         info = c.info("replication")
     port = int(info["slave0"]["port"])
     return next(n for n in cluster.nodes if n.port == port)
