@@ -37,8 +37,9 @@ import specserve.device as device_module
 import specserve.worker.model_step as model_step_module
 from specserve.algorithm.rejection import SparseQ
 from specserve.drafters.hf import HFDrafter
-from specserve.models.device_step import Bucket, DeviceStep
+from specserve.models.device_step import DeviceStep
 from specserve.models.runner import ModelRunner, Row
+from specserve.models.step_buckets import Bucket
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
 from specserve.step import Step, StepRow

@@ -4,13 +4,14 @@ prepared on the host and run on the device, replayed from a CUDA graph per bucke
 A step of short rows (each at most `max_width` tokens: a plain token, the last token + K
 drafts, a draft's new committed tokens or its own pick) is laid out as a bucket of
 (rows R, width W, span S): every row padded to W tokens, the batch to R rows, and each row
-attending to the first S positions of its KV slot, S at least its length after the step.
+attending to the first S positions of its KV slot, S at least its length after the step
+(the ladders of sizes: `step_buckets.py`).
 
-- `prepare(rows)` is the host's part: the bucket, then every number the forward needs
-  (token ids, positions, the KV slot each token writes and each row reads, the rows' cached
-  lengths, where each row's judged positions are) written into one host array and copied into
-  persistent device buffers in one non-blocking copy (tokens already on the device, a draft's
-  picks, are put in place there). Nothing on the device is read.
+- `prepare(rows)` is the host's part (`step_inputs.py`): the bucket, then every number the
+  forward needs (token ids, positions, the KV slot each token writes and each row reads, the
+  rows' cached lengths, where each row's judged positions are) written into one host array and
+  copied into persistent device buffers in one non-blocking copy (tokens already on the device,
+  a draft's picks, are put in place there). Nothing on the device is read.
 - `run(bucket)` is the device's part: a pure tensor function of those buffers whose shapes
   depend on the bucket alone (no `.item()`, no branch on data, no host tensor): embed, the
   layers with attention over the rows' slots under a mask built from the lengths and a per-row
@@ -19,7 +20,8 @@ attending to the first S positions of its KV slot, S at least its length after t
   judged positions against the tokens after them) into a persistent verdict buffer.
 - On CUDA (`graphs=True`), `run` is captured once per bucket into a CUDA graph (lazily, on
   the first step of that bucket, or up front by `capture`) and replayed; graphs share one
-  memory pool. Elsewhere, or past `max_graphs`, `run` runs eagerly: the same function.
+  memory pool (`step_graphs.py`). Elsewhere, or past `max_graphs`, `run` runs eagerly: the
+  same function.
 
 Padding never touches a session's KV: padding tokens write into a scratch slot the step keeps
 for itself, and padding rows read it. `tests/unit/test_device_step.py` holds the graph-safety
@@ -29,64 +31,26 @@ device, and the exactness checks against the eager forward.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specserve.algorithm.rejection import greedy_judge
 from specserve.algorithm.sampling import draft_heads
-from specserve.device import copy_in, to_device
-from specserve.errors import InvalidRequest
+from specserve.device import to_device
+from specserve.models.step_buckets import Bucket, bucket_ladders, round_up
+from specserve.models.step_graphs import StepCounts, StepGraphs
+from specserve.models.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from specserve.models.runner import ModelRunner, Row
 
-log = logging.getLogger(__name__)
 # a projection: F.linear, or the oneDNN-packed one (models/runner.py: onednn_linear)
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# every width up to 8 exactly (a verify row of K drafts is K + 1 tokens: vLLM pads nothing
-# there either), then coarser
-WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
-MIN_SPAN = 128  # key spans: 128, 256, 512, ... up to the slot length
 SCRATCH = "\0device-step-scratch"
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    rows: int  # R
-    width: int  # W: tokens per row
-    span: int  # S: key positions each row attends over
-
-    @property
-    def tokens(self) -> int:
-        return self.rows * self.width
-
-
-@dataclass
-class StepCounts:
-    """What ran how: decode/verify steps replayed from a graph, run eagerly through the same
-    fixed shapes (no graphs: the CPU, `cuda_graphs: off`, or past `max_graphs`), or through
-    the eager variable-shape forward because they fit no bucket (more rows than the largest)."""
-
-    replayed: int = 0
-    eager: int = 0
-    unbucketed: int = 0
-    captured: int = 0
-    capture_s: float = 0.0
-    chains: int = 0  # a draft's positions run as one chain (`run_chain`; its positions count above too)
-    by_bucket: dict[Bucket, int] = field(default_factory=dict)
-
-
-def _up(value: int, buckets: Sequence[int]) -> int | None:
-    return next((b for b in buckets if b >= value), None)
 
 
 def attention_in(h: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
@@ -120,7 +84,9 @@ def attention_out(h: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, bo: torch.
 
 
 class DeviceStep:
-    """The fixed-shape step of one `ModelRunner` (which owns the weights and KV)."""
+    """The fixed-shape step of one `ModelRunner` (which owns the weights and KV): its buckets,
+    its device buffers and run (here), its host-written inputs (`StepInputs`) and its CUDA
+    graphs (`StepGraphs`)."""
 
     def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
                  max_graphs: int = 512, compile: bool | str = False, heads: bool = False) -> None:
@@ -132,32 +98,14 @@ class DeviceStep:
         # compiled (torch.compile, dynamic shapes): no bucket of 1 row or 1 token, so one compiled
         # program serves every bucket (a size of 1 would be specialised: a compile of its own)
         least = 2 if compile and compile != "pieces" else 1
-        self.row_buckets = tuple(b for b in ROW_BUCKETS if least <= b < max_rows) + (max(max_rows, least),)
-        self.width_buckets = tuple(b for b in WIDTH_BUCKETS if least <= b < max_width) + (max(max_width, least),)
-        self.max_rows, self.max_width = max_rows, max_width
         max_len = runner.kv.max_len
-        spans, s = [], MIN_SPAN
-        while s < max_len:
-            spans.append(s)
-            s *= 2
-        self.span_buckets = tuple(spans) + (max_len,)
-        self.graphs_on = graphs and self.device.type == "cuda"
-        self.max_graphs = max_graphs
-        self.counts = StepCounts()
+        self.row_buckets, self.width_buckets, self.span_buckets = bucket_ladders(max_rows, max_width, max_len, least)
+        self.max_rows, self.max_width = max_rows, max_width
+        self.step_graphs = StepGraphs(self.device, graphs and self.device.type == "cuda", max_graphs)
         self.scratch = runner.kv.allocate(SCRATCH)  # padding writes here (one slot of the budget)
-
-        t, r, w = max_rows * max_width, max_rows, max_width
         # one int64 buffer, its fields at fixed offsets: one copy in per step, fixed addresses
-        # pos: a token's rotary position; at: the slot position its KV goes to (start + i: they
-        # differ in a token tree, whose tokens sit in order but rotate by depth)
-        self._fields = {"ids": t, "pos": t, "at": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t,
-                        "ndraft": r, "kleft": r}
-        self._at: dict[str, int] = {}
-        at = 0
-        for name, n in self._fields.items():
-            self._at[name] = at
-            at += n
-        self.ints = torch.zeros(at, dtype=torch.long, device=self.device)
+        self.inputs = StepInputs(max_rows, max_width, self.scratch, max_len, runner.vocab_size, self.device)
+        t, r, w = max_rows * max_width, max_rows, max_width
         self.keys_at = torch.arange(max_len, dtype=torch.long, device=self.device)  # key positions
         self.neg_inf = torch.full((), float("-inf"), dtype=runner.w.embed.dtype, device=self.device)
         # the rows' block masks: [R, W, W] bool, query i sees new token j; causal unless a step says otherwise
@@ -178,24 +126,43 @@ class DeviceStep:
         self.chain_picks = torch.zeros(self.max_chain, r, dtype=torch.long, device=self.device)
         self.chain_heads = torch.zeros(self.max_chain, r, 4, dtype=torch.float64, device=self.device)
         self.chain_base = torch.zeros(5, r, dtype=torch.long, device=self.device)
-        self.chain_graphs: dict[tuple[Bucket, int], torch.cuda.CUDAGraph] = {}
         self._run = self.run
         self._pre, self._post = attention_in, attention_out
         if compile:
-            import torch._dynamo as dynamo
-
-            # one compiled program per step object (its buffers are guarded): room for several
-            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
-            if compile == "pieces":  # a layer's two pointwise-heavy pieces, one program for every layer
-                self._pre = torch.compile(attention_in, dynamic=True)
-                self._post = torch.compile(attention_out, dynamic=True)
-            else:
-                self._run = torch.compile(self.run, dynamic=True)
-        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
-        self._pool: Any = None  # the graphs' shared memory pool
+            self._compile(compile)
         if runner.feature_layers:
             self.keep_features()
         self.last: Bucket | None = None
+
+    def _compile(self, how: bool | str) -> None:
+        """torch.compile the run whole, or a layer's two pieces around attention ("pieces")."""
+        import torch._dynamo as dynamo
+
+        # one compiled program per step object (its buffers are guarded): room for several
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        if how == "pieces":  # a layer's two pointwise-heavy pieces, one program for every layer
+            self._pre = torch.compile(attention_in, dynamic=True)
+            self._post = torch.compile(attention_out, dynamic=True)
+        else:
+            self._run = torch.compile(self.run, dynamic=True)
+
+    @property
+    def ints(self) -> torch.Tensor:
+        """The step's int buffer (`StepInputs.buffer`): every number a run reads but the masks."""
+        return self.inputs.buffer
+
+    @property
+    def counts(self) -> StepCounts:
+        return self.step_graphs.counts
+
+    @property
+    def graphs(self) -> dict[Bucket, torch.cuda.CUDAGraph]:
+        """The captured graphs of plain steps, by bucket (a draft's chains have their own)."""
+        return self.step_graphs.graphs
+
+    @property
+    def graphs_on(self) -> bool:
+        return self.step_graphs.on
 
     def keep_features(self) -> None:
         """Write the runner's `feature_layers` outputs of every token to `features` in each
@@ -208,79 +175,35 @@ class DeviceStep:
 
     def field(self, name: str, n: int) -> torch.Tensor:
         """The first `n` entries of one field of the int buffer (a view: a fixed address)."""
-        at = self._at[name]
-        return self.ints[at:at + n]
+        return self.inputs.field(name, n)
 
     # ---- the host's part -------------------------------------------------------------------
 
     def bucket_for(self, rows: Sequence[Row], starts: Sequence[int]) -> Bucket | None:
         """The smallest bucket that holds these rows, or None (then the eager forward runs)."""
-        r = _up(len(rows), self.row_buckets)
-        w = _up(max(len(row.tokens) for row in rows), self.width_buckets)
+        r = round_up(len(rows), self.row_buckets)
+        w = round_up(max(len(row.tokens) for row in rows), self.width_buckets)
         if r is None or w is None:
             return None
-        s = _up(max(st + len(row.tokens) for row, st in zip(rows, starts, strict=True)), self.span_buckets)
+        s = round_up(max(st + len(row.tokens) for row, st in zip(rows, starts, strict=True)), self.span_buckets)
         return None if s is None else Bucket(r, w, s)
 
     def prepare(self, rows: Sequence[Row], slots: Sequence[int], starts: Sequence[int], b: Bucket,
                 masks: Sequence[torch.Tensor | None] | None = None,
                 depths: Sequence[Sequence[int] | None] | None = None,
                 chain: Sequence[int] | None = None) -> None:
-        """Write the step's numbers into the device buffers (one copy in, no wait). `masks`:
-        per row an [n, n] bool block mask over its new tokens (a token tree), None = causal;
-        `depths`: per row its tokens' positions after the row's start (a tree's depths; None:
-        0, 1, 2, ...). Token i still takes slot position start + i: the mask says who sees it."""
-        w, max_len, vocab = b.width, self.r.kv.max_len, self.r.vocab_size
-        host = np.zeros(self.ints.shape[0], dtype=np.int64)
+        """Write the step's numbers into the device buffers (one copy in, no wait: `StepInputs`).
+        `masks`: per row an [n, n] bool block mask over its new tokens (a token tree), None =
+        causal; `depths`: per row its tokens' positions after the row's start (a tree's depths;
+        None: 0, 1, 2, ...). Token i still takes slot position start + i: the mask says who
+        sees it. `chain`: per row, the chain positions it drafts (`run_chain`)."""
+        self.inputs.write(rows, slots, starts, b, depths, chain)
+        self._set_block_masks(masks)
+        self.last = b
 
-        def put(name: str, values: Sequence[int] | np.ndarray) -> None:
-            arr = np.asarray(values, dtype=np.int64).reshape(-1)
-            host[self._at[name]:self._at[name] + arr.shape[0]] = arr
-
-        lane = np.arange(w)
-        pos = np.minimum(np.tile(lane, b.rows), max_len - 1)  # padding rows: positions 0..W-1 of the scratch slot
-        wslot = np.full(b.tokens, self.scratch)
-        ids = np.zeros(b.tokens, dtype=np.int64)
-        rslot = np.full(b.rows, self.scratch)
-        start = np.zeros(b.rows, dtype=np.int64)
-        jpos = np.repeat(np.arange(b.rows) * w, w)  # [R * W]
-        ndraft = np.zeros(b.rows, dtype=np.int64)
-        on_device: list[tuple[int, torch.Tensor]] = []
-        for i, (row, slot, st) in enumerate(zip(rows, slots, starts, strict=True)):
-            n, base = len(row.tokens), i * w
-            pos[base:base + w] = np.minimum(st + lane, max_len - 1)  # padding tokens: clamped, scratch slot
-            wslot[base:base + n] = slot
-            rslot[i], start[i] = slot, st
-            if isinstance(row.tokens, torch.Tensor):
-                on_device.append((base, row.tokens))
-            else:
-                toks = np.asarray(row.tokens, dtype=np.int64)
-                if toks.min() < 0 or toks.max() >= vocab:
-                    raise InvalidRequest(f"a token id is outside the vocabulary (size {vocab})")
-                ids[base:base + n] = toks
-            c = n if row.num_logits is None else max(0, min(row.num_logits, n))
-            first = base + n - max(c, 1)
-            jpos[base:base + w] = first + np.minimum(lane, max(c, 1) - 1)
-            ndraft[i] = max(c - 1, 0)
-        dst = [base + j for base, t in on_device for j in range(t.shape[0])]
-        put("ids", ids)
-        put("at", pos)
-        for i, (row, st) in enumerate(zip(rows, starts, strict=True)):
-            if depths is not None and depths[i] is not None:
-                pos[i * w:i * w + len(row.tokens)] = st + np.asarray(depths[i], dtype=np.int64)
-        put("pos", pos)
-        put("wslot", wslot)
-        put("dst", dst)
-        put("rslot", rslot)
-        put("start", start)
-        put("jpos", jpos)
-        put("ndraft", ndraft)
-        if chain is not None:  # per row, the chain positions it drafts (`run_chain`)
-            put("kleft", list(chain))
-        copy_in(self.ints, host)
-        if on_device:  # a draft's picks, fed from where they are
-            picks = torch.cat([t.to(dtype=torch.long).view(-1) for _, t in on_device])
-            self.field("ids", b.tokens).index_copy_(0, self.field("dst", len(dst)), picks)
+    def _set_block_masks(self, masks: Sequence[torch.Tensor | None] | None) -> None:
+        """The rows' block masks into `within`: written only where this step or the one before
+        had a custom one (a causal step after a causal step copies nothing)."""
         custom = masks is not None and any(m is not None for m in masks)
         if custom or self._custom_mask:
             within = self.causal.expand(self.max_rows, self.max_width, self.max_width).clone()
@@ -290,7 +213,6 @@ class DeviceStep:
                     within[i, :n, :n] = to_device(m, self.device, torch.bool)
             self.within.copy_(within)
             self._custom_mask = custom
-        self.last = b
 
     # ---- the device's part -----------------------------------------------------------------
 
@@ -358,56 +280,6 @@ class DeviceStep:
         for i, f in enumerate((ids, pos, at, start, wslot)):
             f.copy_(base[i])
 
-    def launch_chain(self, b: Bucket, steps: int) -> None:
-        """`run_chain`, replayed from its graph (one per bucket and length) where graphs are on."""
-        if steps > self.max_chain:
-            raise ValueError(f"a chain of {steps} positions: at most {self.max_chain}")
-        self.counts.by_bucket[b] = self.counts.by_bucket.get(b, 0) + steps
-        self.counts.chains += 1
-        graph = self._chain_graph(b, steps) if self.graphs_on else None
-        if graph is None:
-            self.counts.eager += steps
-            self.run_chain(b, steps)
-            return
-        self.counts.replayed += steps
-        graph.replay()
-
-    def _chain_graph(self, b: Bucket, steps: int) -> torch.cuda.CUDAGraph | None:
-        key = (b, steps)
-        graph = self.chain_graphs.get(key)
-        if graph is not None or len(self.graphs) + len(self.chain_graphs) >= self.max_graphs:
-            return graph
-        t0 = time.perf_counter()
-        graph = self._capture(lambda: self.run_chain(b, steps))
-        self.chain_graphs[key] = graph
-        self.counts.captured += 1
-        self.counts.capture_s += time.perf_counter() - t0
-        return graph
-
-    def _capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-        """`fn` captured into a CUDA graph in the shared pool, after one warm-up run of it on a
-        side stream (lazy initialisation stays out of the graph; `fn` must be idempotent: the
-        replay computes the prepared step again)."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        # capture_begin/end, not `torch.cuda.graph`: that context collects Python's garbage and
-        # empties the allocator's cache at every capture (tens of ms each); `capture` does it once
-        graph = torch.cuda.CUDAGraph()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = graph.pool()
-        return graph
-
     def _mask(self, b: Bucket) -> torch.Tensor:
         """[R, 1, G W, S] additive, in the model's dtype (0 where seen, -inf elsewhere, made
         once a step rather than converted from bool by every layer's attention): query i of
@@ -440,26 +312,13 @@ class DeviceStep:
     def launch(self, b: Bucket) -> None:
         """Run the prepared bucket: its graph's replay where graphs are on (captured now if
         this is the bucket's first step), else `run` eagerly."""
-        self.counts.by_bucket[b] = self.counts.by_bucket.get(b, 0) + 1
-        graph = self._graph(b) if self.graphs_on else None
-        if graph is None:
-            self.counts.eager += 1
-            self._run(b)
-            return
-        self.counts.replayed += 1
-        graph.replay()
+        self.step_graphs.launch(b, lambda: self._run(b))
 
-    def _graph(self, b: Bucket) -> torch.cuda.CUDAGraph | None:
-        graph = self.graphs.get(b)
-        if graph is not None or len(self.graphs) >= self.max_graphs:
-            return graph
-        t0 = time.perf_counter()
-        # its warm-up run computes the prepared step, which the replay then computes again
-        graph = self._capture(lambda: self._run(b))
-        self.graphs[b] = graph
-        self.counts.captured += 1
-        self.counts.capture_s += time.perf_counter() - t0
-        return graph
+    def launch_chain(self, b: Bucket, steps: int) -> None:
+        """`run_chain`, replayed from its graph (one per bucket and length) where graphs are on."""
+        if steps > self.max_chain:
+            raise ValueError(f"a chain of {steps} positions: at most {self.max_chain}")
+        self.step_graphs.launch_chain(b, steps, lambda: self.run_chain(b, steps))
 
     def dummy(self, b: Bucket) -> None:
         """Prepare a step of padding rows only (the scratch slot): for capturing up front."""
@@ -469,26 +328,7 @@ class DeviceStep:
         """Capture graphs for `buckets` (the shortest spans and narrowest rows first: what
         serving meets most) until `budget_s` is spent; returns how many were captured. Logged.
         The rest are captured when a step first needs them."""
-        if not self.graphs_on:
-            return 0
-        import gc
-
-        gc.collect()
-        torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        done = 0
-        for b in sorted(set(buckets), key=lambda x: (x.span, x.width, x.rows)):  # the common ones first
-            if time.perf_counter() - t0 > budget_s or len(self.graphs) >= self.max_graphs:
-                break
-            if b in self.graphs:
-                continue
-            self.dummy(b)
-            self._graph(b)
-            done += 1
-        torch.cuda.synchronize(self.device)
-        log.info("captured %d CUDA graphs in %.1f s (budget %.0f s; %d buckets asked)", done,
-                 time.perf_counter() - t0, budget_s, len(set(buckets)))
-        return done
+        return self.step_graphs.capture(buckets, budget_s, self.dummy, lambda b: self._run(b))
 
     def startup_buckets(self) -> list[Bucket]:
         """What start-up captures: every row count, plain and verify rows of K <= 4 (the
@@ -497,6 +337,6 @@ class DeviceStep:
 
     def buckets(self, widths: Sequence[int], max_span: int | None = None) -> list[Bucket]:
         """Every (rows, width, span) bucket for these widths, spans up to `max_span`."""
-        ws = sorted({_up(x, self.width_buckets) or self.max_width for x in widths})
+        ws = sorted({round_up(x, self.width_buckets) or self.max_width for x in widths})
         spans = [s for s in self.span_buckets if max_span is None or s <= max(max_span, self.span_buckets[0])]
         return [Bucket(r, w, s) for r in self.row_buckets for w in ws for s in spans]

@@ -29,6 +29,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from specserve.device import to_device
 from specserve.errors import InvalidRequest
 from specserve.models.kv_slots import KVLayout, KVSlots
+from specserve.models.row_attention import attend_row, attend_short_rows, row_mask
 
 if TYPE_CHECKING:
     from specserve.models.device_step import DeviceStep
@@ -500,7 +501,7 @@ class ModelRunner:
         short = ShortRows.of(slots, starts, offsets, sizes, self.device) if self.short_rows else None
         if any(r.mask is not None for r in rows):  # a token tree attends alone, under its block mask
             short = None
-        masks = [None if short is not None and n <= SHORT_ROW else self._mask(start, n, r.mask)
+        masks = [None if short is not None and n <= SHORT_ROW else row_mask(start, n, r.mask, self.device)
                  for r, start, n in zip(rows, starts, sizes, strict=True)]
         hq, hkv = self.w.num_heads, self.w.num_kv_heads
 
@@ -513,9 +514,9 @@ class ModelRunner:
             o = torch.zeros(mp, hq * self.w.head_dim, dtype=h.dtype, device=self.device)
             for slot, start, off, n, mask in zip(slots, starts, offsets, sizes, masks, strict=True):
                 if short is None or n > SHORT_ROW:
-                    o[off:off + n] = self._attend(li, slot, start + n, q[off:off + n], mask)
+                    o[off:off + n] = attend_row(self.kv, li, slot, start + n, q[off:off + n], mask)
             if short is not None:
-                o.index_copy_(0, short.tokens, self._attend_short(li, short, q))
+                o.index_copy_(0, short.tokens, attend_short_rows(self.kv, li, short, q))
             for t in self._tiles(mp):
                 self._mlp_block(layer, h[t], o[t])
             if li in self.feature_layers:
@@ -561,43 +562,6 @@ class ModelRunner:
             out[t, :hq + hkv] = rotate(qkv[:, :hq + hkv], cos[t], sin[t])
             out[t, hq + hkv:] = qkv[:, hq + hkv:]
         return out
-
-    def _mask(self, start: int, n: int, block: torch.Tensor | None = None) -> torch.Tensor | None:
-        """[n, start + n] bool: query i sees keys 0 .. start + i, or, with a `block` mask over
-        the row's new tokens [n, n], the keys before the row and the new ones it allows (None:
-        no mask needed)."""
-        if block is not None:
-            seen = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
-            seen[:, start:] = to_device(block, self.device, torch.bool)
-            return seen
-        if n == 1 or start == 0:
-            return None
-        keys = torch.arange(start + n, device=self.device)
-        return keys[None, :] <= (start + torch.arange(n, device=self.device))[:, None]
-
-    def _attend(self, layer: int, slot: int, length: int, q: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """One row's attention over its own slot: q [n, Hq, D] -> [n, Hq D]."""
-        n, hq, d = q.shape
-        keys, values = self.kv.read(layer, slot, length)  # [Hkv, L, D] each
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-            is_causal=n > 1 and mask is None, scale=d ** -0.5, enable_gqa=hq != keys.shape[0],
-        )  # [1, Hq, n, D]
-        return out[0].transpose(0, 1).reshape(n, hq * d)
-
-    def _attend_short(self, layer: int, rows: ShortRows, q: torch.Tensor) -> torch.Tensor:
-        """The short rows' attention in one call (exact_batching "fast"): each row's queries
-        padded to the longest short row, its keys to the longest slot length among them,
-        masked. q [Mp, Hq, D] -> [len(rows.tokens), Hq D], in `rows.tokens` order."""
-        hq, d = q.shape[1], q.shape[2]
-        keys, values = self.kv.read_many(layer, rows.slots, rows.keys)  # [B, Hkv, L, D]
-        qp = q.new_zeros(rows.slots.shape[0] * rows.width, hq, d)
-        qp.index_copy_(0, rows.padded, q.index_select(0, rows.tokens))
-        qp = qp.view(-1, rows.width, hq, d).transpose(1, 2)  # [B, Hq, W, D]
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=rows.mask, scale=d ** -0.5,
-                                             enable_gqa=hq != keys.shape[1])  # [B, Hq, W, D]
-        return out.transpose(1, 2).reshape(-1, hq * d).index_select(0, rows.padded)
 
     def _mlp_block(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> None:
         """h [T, H] (a view of the residual stream, updated in place), o [T, Hq D]."""

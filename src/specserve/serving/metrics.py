@@ -65,6 +65,13 @@ class RoundMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        self._round_metrics(r)
+        self._latency_metrics(r)
+        self._engine_metrics(r)
+        self._tree_and_shadow_metrics(r)
+
+    def _round_metrics(self, r: CollectorRegistry) -> None:
+        """What the rounds yield: drafts proposed and accepted, target passes, output tokens."""
         self.accepted_drafts = Histogram(
             "specserve_accepted_drafts", "Draft tokens accepted per speculative round.", LABELS,
             buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32), registry=r)
@@ -77,6 +84,9 @@ class RoundMetrics:
         self.passes_per_token = Histogram(
             "specserve_target_passes_per_token", "Target passes per output token, per request.", LABELS,
             buckets=(0.1, 0.15, 0.2, 0.25, 0.33, 0.5, 0.67, 0.8, 1.0), registry=r)
+
+    def _latency_metrics(self, r: CollectorRegistry) -> None:
+        """Where a request's and a round's time goes."""
         self.tpot = Histogram("specserve_tpot_seconds", "Time per output token after the first, per request.",
                               LABELS, buckets=_MS, registry=r)
         self.ttft = Histogram("specserve_ttft_seconds", "Time to the first committed token.", LABELS,
@@ -91,6 +101,9 @@ class RoundMetrics:
             "specserve_round_overhead_seconds",
             "The engine's own Python per step (schedule + settle), beside the forward.",
             LABELS, buckets=_MS, registry=r)
+
+    def _engine_metrics(self, r: CollectorRegistry) -> None:
+        """The engine's waste and fallbacks, the sessions it drives, its K choice, finished requests."""
         self.rollback_tokens = Counter("specserve_rollback_tokens", "Rejected draft positions rolled back.",
                                        LABELS, registry=r)
         self.rejected_kv_bytes = Counter("specserve_rejected_kv_bytes", "Target KV bytes computed for rejected drafts.",
@@ -106,14 +119,16 @@ class RoundMetrics:
                                   (*LABELS, "k"), registry=r)
         self.requests = Counter("specserve_requests", "Finished requests by finish reason.", (*LABELS, "finish_reason"),
                                 registry=r)
-        # alerting signal (deploy/prometheus): drafting-ahead hits
-        # token trees and feature-level drafters (ADR 0020)
+
+    def _tree_and_shadow_metrics(self, r: CollectorRegistry) -> None:
+        """Token trees and feature-level drafters (ADR 0020), drafting ahead, and shadow twins."""
         self.tree_size = Histogram(
             "specserve_tree_size", "Draft tokens of a round's token tree (0: a chain).", LABELS,
             buckets=(0, 2, 4, 6, 8, 12, 16, 24, 32), registry=r)
         self.feature_bytes = Counter(
             "specserve_feature_bytes", "Bytes of target features handed to a feature-level draft pool (eagle).",
             LABELS, registry=r)
+        # alerting signal (deploy/prometheus): drafting-ahead hits
         self.predraft_rounds = Counter(
             "specserve_predraft_rounds", "Speculative rounds whose block was drafted ahead (source: pushed|cached).",
             (*LABELS, "source"), registry=r)
