@@ -34,6 +34,7 @@ from specserve.engine.eagle_local import EagleLocalDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan
+from specserve.engine.speculation import SpeculationSettings
 from specserve.models.loading import load_pair
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams, SamplingParams
@@ -57,7 +58,7 @@ def cell(model, pair, head, parts, arm: str, prompts: list[list[int]], max_token
     source = _source(arm, pair, head, parts)
     stops = lambda params: StopChecker(frozenset(), params.stop, lambda ids: "")  # noqa: E731
     loop = EngineLoop(model, stops, {"pool": source} if source else {}, budget=Budget(max_batch=64),
-                      tree_width=2 if arm == "eagle-tree" else 1, tree_always=True)
+                      speculation=SpeculationSettings(tree_width=2 if arm == "eagle-tree" else 1, tree_always=True))
     eos = pair.target.generation_config.eos_token_id
     sampling = SamplingParams(banned_token_ids=(eos,) if eos is not None else ())
     t0 = time.perf_counter()

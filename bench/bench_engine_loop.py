@@ -56,6 +56,7 @@ from specserve.algorithm.stops import StopChecker
 from specserve.engine.loop import EngineLoop
 from specserve.engine.scheduler import Budget
 from specserve.engine.session import DraftBlock, EnginePlan, EngineSession, Outcome
+from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.serving.busy import BusyMeter
@@ -114,7 +115,7 @@ class SyntheticDrafts:
         return False
 
     def open(self, session: EngineSession) -> None:
-        self._draft(session.id, len(session.generated), session.k_wanted)
+        self._draft(session.id, len(session.generated), session.k_next)
 
     def outcome(self, o: Outcome) -> None:
         self._draft(o.session_id, o.committed_len - self.prompt_len[o.session_id], o.k, o.width)
@@ -221,8 +222,8 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
         return ms
 
     return EngineLoop(model, _stops, sources, budget=Budget(max_batch=64, max_batched_tokens=4096),
-                      block_wait_max_s=0.05, simulated_step_ms=step_ms if profile else None, gather=gather,
-                      tree_width=tree_width)
+                      speculation=SpeculationSettings(block_wait_max_s=0.05, gather=gather, tree_width=tree_width),
+                      simulated_step_ms=step_ms if profile else None)
 
 
 def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
@@ -284,8 +285,8 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
             "mean_k": statistics.mean(r.k for r in rounds),
             "tokens_per_pass": sum(r.emitted for r in rounds) / max(len(rounds), 1),
             "tree_share": sum(r.tree_size > 0 for r in rounds) / max(len(rounds), 1),
-            "estimates": loop.estimates.get(("code", "syn"), {}),
-            "draft_latency_ms_per_token": loop.draft_latency.get("syn", 0.0) * 1e3}
+            "estimates": loop.speculation.estimates.get(("code", "syn"), {}),
+            "draft_latency_ms_per_token": loop.speculation.measured.draft_latency.get("syn", 0.0) * 1e3}
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from specserve.engine.drafting import DRAFT_UNAVAILABLE
 from specserve.engine.link import RemoteDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
+from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.services.draft.server import DraftServicer
@@ -53,8 +54,8 @@ def _engine(target_model, sources, step_ms: float = 0.0, **kw) -> tuple[EngineLo
     """The engine on its own thread; `step_ms`: a slower simulated target device, so the
     draft (here the target's twin) is cheap next to a target step, as a real draft is."""
     engine = EngineLoop(make_target_step(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)),
-                        _stops, sources, block_wait_max_s=0.05,
-                        simulated_step_ms=(lambda step, out: step_ms) if step_ms else None, **kw)
+                        _stops, sources, speculation=SpeculationSettings(block_wait_max_s=0.05, **kw),
+                        simulated_step_ms=(lambda step, out: step_ms) if step_ms else None)
     stop = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
     thread.start()

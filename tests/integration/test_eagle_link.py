@@ -26,6 +26,7 @@ from specserve.engine.eagle_local import EagleLocalDrafts
 from specserve.engine.link import RemoteDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
+from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams, SamplingParams
 from specserve.services.draft.server import DraftServicer
@@ -96,7 +97,8 @@ async def _remote(head, target_dir, target, **pool_args):
     pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB, wants_features=True,
                         timeout_s=5.0, **pool_args).start()
     await _until(lambda: all(r.up for r in pool.replicas))
-    engine = EngineLoop(_model(target, head), _stops, {"eagle": pool}, block_wait_max_s=1.0, exact_wait_s=8.0)
+    engine = EngineLoop(_model(target, head), _stops, {"eagle": pool},
+                        speculation=SpeculationSettings(block_wait_max_s=1.0, exact_wait_s=8.0))
     stop = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
     thread.start()

@@ -17,6 +17,7 @@ from specserve.engine.committer import RedisCommitter
 from specserve.engine.drafting import LocalDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan, Status
+from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.worker.model_step import Batching, make_target_step
@@ -45,7 +46,8 @@ class Driver:
         self.committer = RedisCommitter(store, aloop, self._refused).start()
         self.engine = EngineLoop(make_target_step(target, Batching(kv_budget_mb=8, max_sessions=8, prefill_chunk=16)),
                                  lambda p: StopChecker(frozenset(), p.stop, _decode),
-                                 {"small": LocalDrafts(drafter)}, committer=self.committer, max_commit_lag=2)
+                                 {"small": LocalDrafts(drafter)}, committer=self.committer,
+                                 speculation=SpeculationSettings(max_commit_lag=2))
         self.committer.on_acked = self.engine.acked
         self.widest_lag = 0  # the most rounds of one session handed over and not yet answered
         self.engine.on_step = lambda report: setattr(self, "widest_lag", max(

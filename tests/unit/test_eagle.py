@@ -32,6 +32,7 @@ from specserve.drafters.eagle import (
 from specserve.engine.eagle_local import EagleLocalDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
+from specserve.engine.speculation import SpeculationSettings
 from specserve.models.runner import ModelRunner, Row
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams, SamplingParams
@@ -248,7 +249,7 @@ def test_eagle_local_trees_are_verified_and_lossless(demo_pair, fixed, one_threa
     model.keep_features(head.cfg.feature_layers)
     source = _Recording(head, TargetParts(demo_pair.target, head.cfg.feature_layers))
     stops = lambda params: StopChecker(frozenset(), params.stop, lambda ids: "")  # noqa: E731
-    loop = EngineLoop(model, stops, {"eagle": source}, tree_width=2, tree_always=True)
+    loop = EngineLoop(model, stops, {"eagle": source}, speculation=SpeculationSettings(tree_width=2, tree_always=True))
     prompt = demo_pair.tokenizer.encode("def add(a, b):\n    return")
     loop.add("s", prompt, EnginePlan(GenerationParams(max_tokens=32, num_draft_tokens=3, seed=3), pool="eagle"))
     loop.run_until_idle()

@@ -25,6 +25,7 @@ from specserve.engine.drafting import DRAFT_UNAVAILABLE, LocalDrafts
 from specserve.engine.loop import NOT_PAYING, EngineLoop
 from specserve.engine.scheduler import DRAFT_LATE, Budget
 from specserve.engine.session import DraftBlock, EnginePlan, Status
+from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams
 from specserve.worker.model_step import BatchedTarget, Batching, make_target_step
@@ -61,7 +62,8 @@ def _loop(pair, sources=None, budget=CHUNKED, **kw) -> EngineLoop:
     assert isinstance(model, BatchedTarget)
     if sources is None:
         sources = {"small": LocalDrafts(drafter), "ngram": LocalDrafts(NgramDrafter(VOCAB))}
-    return EngineLoop(model, _stops, sources, budget=budget, **kw)
+    knobs = {k: kw.pop(k) for k in list(kw) if k in SpeculationSettings.__dataclass_fields__}
+    return EngineLoop(model, _stops, sources, budget=budget, speculation=SpeculationSettings(**knobs), **kw)
 
 
 def _plans(temperature: float) -> list[EnginePlan]:
@@ -204,14 +206,14 @@ def test_a_blocks_drafting_time_is_taken_at_its_arrival_late_blocks_included(pai
     held.deliver(DraftBlock("s", n, s.committed.hash_at(n), (1, 2)))  # lands 4 ms after the ask
     now[0] = 0.020
     loop._drain()  # applied at the step boundary, 20 ms after the ask
-    assert loop.draft_latency["small"] == pytest.approx(0.002)  # per draft token
+    assert loop.speculation.measured.draft_latency["small"] == pytest.approx(0.002)  # per draft token
     # an earlier ask whose block comes after the session moved on: stale, but timed
     s.asks[n - 1] = 0.010
     held.deliver(DraftBlock("s", n - 1, s.committed.hash_at(n - 1), (1, 2)))
     now[0] = 0.050
     held.deliver(DraftBlock("s", n + 1, s.committed.hash_at(n), (3, 4), predrafted=True))  # not asked for
     loop._drain()
-    assert loop.draft_latency["small"] == pytest.approx(0.8 * 0.002 + 0.2 * 0.005)
+    assert loop.speculation.measured.draft_latency["small"] == pytest.approx(0.8 * 0.002 + 0.2 * 0.005)
     assert s.asks == {}
 
 
@@ -238,7 +240,7 @@ def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather
     n = len(a.committed)
     held.deliver(DraftBlock("a", n, a.committed.hash_at(n), (1, 2)))
     loop._drain()
-    loop.draft_latency["small"], loop.step_ms = 0.002, 7.0
+    loop.speculation.measured.draft_latency["small"], loop.speculation.measured.step_ms = 0.002, 7.0
     a.expected_emitted = b.expected_emitted = 2.5  # a block is worth waiting 1.5 steps for
     now[0] = 0.001
     report = loop.step()
@@ -269,12 +271,12 @@ def test_the_k_choice_prices_a_rounds_wait_as_the_schedule_runs_it(pair, gather)
                       workload_class="code", adaptive=True, k_min=1, k_max=1)
     loop.add("s", PROMPTS[1], plan)
     loop._drain()
-    table = loop._acceptance(loop.sessions["s"])
+    table = loop.speculation.acceptance_of(loop.sessions["s"])
     table.reached, table.accepted = [100.0], [70.0]  # α ≈ 0.7 at the first position
-    loop.draft_latency["small"] = 0.003
-    loop.cost.coef = np.array([0.007, 0.0, 0.0])  # a memory-bound step: 7 ms whatever it holds
-    k = loop._best_k(loop.sessions["s"], batch=16, step_s=0.007)
-    s1 = loop.estimates[("code", "small")][1]
+    loop.speculation.measured.draft_latency["small"] = 0.003
+    loop.speculation.cost.coef = np.array([0.007, 0.0, 0.0])  # a memory-bound step: 7 ms whatever it holds
+    k = loop.speculation.best_k(loop.sessions["s"], batch=16, step_s=0.007)
+    s1 = loop.speculation.estimates[("code", "small")][1]
     if gather:
         assert k == 1 and s1 == pytest.approx(1.7 * 7 / 10, abs=0.03)
     else:
@@ -445,7 +447,7 @@ def test_the_engine_turns_speculation_off_where_it_does_not_pay_and_keeps_it_whe
         loop = _loop(pair, {"small": LocalDrafts(drafter)})
         plan = EnginePlan(params, pool="small", workload_class="code", adaptive=True)
         assert _run(loop, [("s", PROMPTS[4], plan)])["s"] == plain
-        outcomes[name] = (loop.ended["s"].rounds, loop.estimates[("code", "small")])
+        outcomes[name] = (loop.ended["s"].rounds, loop.speculation.estimates[("code", "small")])
     rounds, estimates = outcomes["unrelated"]
     assert sum(r.fallback_reason == "speculation_not_paying" for r in rounds) >= len(rounds) // 2
     assert max(estimates.values()) <= 1.05  # its own estimates: no K beats plain by the margin
@@ -558,20 +560,21 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     # the walk went through the second first candidate (9): a sibling hit; the chain's table
     # hears that its own first candidate was rejected
     for _ in range(20):
-        assert loop._observe_tree(g, *tree, Verdict(2, [9, 10, 3], 2)) == 0
-    assert loop._siblings(g).rate() > 0.9
-    trials = loop._siblings(g).trials
-    assert loop._observe_tree(g, *tree, Verdict(3, [5, 6, 7, 3], 3)) == 3  # through the first: not a trial
-    assert loop._siblings(g).trials == trials
-    loop.cost.coef = np.array([0.010, 0.0005, 0.0])  # memory-bound: tokens cost nothing
-    assert loop._width(g, 4) == 2
-    assert loop._width(t, 4) == 1  # sampled: chains (they carry q; a tree's coins differ)
-    assert loop._width(g, 0) == 1
-    loop.cost.coef = np.array([0.001, 0.0, 0.004])  # every token fed costs 4x the step's fixed part
-    assert loop._width(g, 4) == 1
-    loop.cost.coef = np.array([0.010, 0.0005, 0.0])
-    loop.siblings.clear()
+        assert loop.speculation.observe_tree(g, *tree, Verdict(2, [9, 10, 3], 2)) == 0
+    assert loop.speculation.siblings_of(g).rate() > 0.9
+    trials = loop.speculation.siblings_of(g).trials
+    assert loop.speculation.observe_tree(g, *tree, Verdict(3, [5, 6, 7, 3], 3)) == 3  # through the first: not a trial
+    assert loop.speculation.siblings_of(g).trials == trials
+    loop.speculation.cost.coef = np.array([0.010, 0.0005, 0.0])  # memory-bound: tokens cost nothing
+    assert loop.speculation.width(g, 4, len(loop.sessions)) == 2
+    # sampled: chains (they carry q; a tree's coins differ)
+    assert loop.speculation.width(t, 4, len(loop.sessions)) == 1
+    assert loop.speculation.width(g, 0, len(loop.sessions)) == 1
+    loop.speculation.cost.coef = np.array([0.001, 0.0, 0.004])  # every token fed costs 4x the step's fixed part
+    assert loop.speculation.width(g, 4, len(loop.sessions)) == 1
+    loop.speculation.cost.coef = np.array([0.010, 0.0005, 0.0])
+    loop.speculation.siblings.clear()
     for _ in range(60):
-        loop._observe_tree(g, *tree, Verdict(0, [3], 0))  # the siblings never hold the token
-    assert loop._width(g, 4) == 1
-    assert _loop(pair)._width(g, 4) == 1  # tree_width 1 (the default): chains
+        loop.speculation.observe_tree(g, *tree, Verdict(0, [3], 0))  # the siblings never hold the token
+    assert loop.speculation.width(g, 4, len(loop.sessions)) == 1
+    assert _loop(pair).speculation.width(g, 4, 1) == 1  # tree_width 1 (the default): chains

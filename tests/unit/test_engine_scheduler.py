@@ -65,7 +65,7 @@ def test_a_block_longer_than_the_budget_allows_counts_only_the_drafts_the_round_
     s = _session("a", k=4, max_tokens=3, generated=(5,))  # 2 tokens left -> K = 1
     s.offer(_block(s, tokens=(9, 9, 9, 9)))
     (row,) = schedule([s], 0.0, Budget(), wait).rows
-    assert s.k_wanted == 1 and row.tokens == 2
+    assert s.k_next == 1 and row.tokens == 2
 
 
 def test_a_session_waits_for_its_late_block_within_the_bound_then_runs_plain():

@@ -18,6 +18,7 @@ from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.engine.drafting import LocalDrafts
 from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
+from specserve.engine.speculation import SpeculationSettings
 from specserve.errors import InvalidRequest
 from specserve.model_info import ModelInfo
 from specserve.params import GenerationParams
@@ -55,7 +56,8 @@ def _loop(demo_pair, target_model, cache, forced=True, sources=None, **kw) -> En
                       {"small": LocalDrafts(HFDrafter(demo_pair.draft)),
                        "ngram": LocalDrafts(NgramDrafter(target_model.vocab_size))},
                       constrain=lambda c: ConstrainedRow(cache.compile(c), cache.vocab_size, target_model.vocab_size,
-                                                         forced_drafts=forced, encode=encode), **kw)
+                                                         forced_drafts=forced, encode=encode),
+                      speculation=SpeculationSettings(**kw))
 
 
 def _reference(demo_pair, target_model, cache, ids: list[int], c: Constraint, max_tokens: int) -> list[int]:

@@ -214,12 +214,14 @@ def test_local_small_and_ngram_pools_propose_trees_and_stay_lossless(demo_pair, 
     from specserve.engine.drafting import LocalDrafts
     from specserve.engine.loop import EngineLoop
     from specserve.engine.session import EnginePlan
+    from specserve.engine.speculation import SpeculationSettings
     from specserve.params import GenerationParams
 
     drafter = HFDrafter(demo_pair.draft) if pool == "small" else NgramDrafter(demo_pair.target.config.vocab_size)
     model = make_target_step(TargetModel(demo_pair.target), Batching(max_sessions=2, max_len=512))
     stops = lambda params: StopChecker(frozenset(), params.stop, lambda ids: "")  # noqa: E731
-    loop = EngineLoop(model, stops, {pool: LocalDrafts(drafter)}, tree_width=2, tree_always=True)
+    loop = EngineLoop(model, stops, {pool: LocalDrafts(drafter)},
+                      speculation=SpeculationSettings(tree_width=2, tree_always=True))
     # (n-gram: after "x =" the prompt has " 1" once and " 3" once: two continuations)
     text = "x = 1\ny = 2\nx = 3\ny = 4\nx =" if pool == "ngram" else "class Stack:\n    def push(self, item):\n"
     prompt = demo_pair.tokenizer.encode(text)

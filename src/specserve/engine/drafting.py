@@ -13,7 +13,7 @@ stream (`Draft.Link`) is the remote source.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specserve.engine.session import DraftBlock, EngineSession, Outcome
@@ -91,7 +91,7 @@ class LocalDrafts:
 
     def open(self, session: EngineSession) -> None:
         local = self.sessions[session.id] = _Local(session, self.drafter.start(), self._grammar(session))
-        self._propose(session.id, local, session.k_wanted)
+        self._propose(session.id, local, session.k_next)
 
     def _grammar(self, session: EngineSession) -> Any:
         g = session.grammar
@@ -143,4 +143,50 @@ class PredictionDrafts(LocalDrafts):
 
         drafter = PredictionDrafter(session.plan.prediction, session.prompt_len)
         local = self.sessions[session.id] = _Local(session, drafter.start(), self._grammar(session))
-        self._propose(session.id, local, session.k_wanted)
+        self._propose(session.id, local, session.k_next)
+
+
+class DraftPools:
+    """The engine's draft sources, by pool, as a session's rounds need them."""
+
+    def __init__(self, sources: Mapping[str, DraftSource], deliver: Deliver) -> None:
+        self.sources = dict(sources)
+        for source in self.sources.values():
+            source.attach(deliver)
+
+    def of(self, s: EngineSession) -> DraftSource | None:
+        """The session's pool's source (None: plain, or a pool this engine has no source for)."""
+        return self.sources.get(s.plan.pool or "")
+
+    def live(self, s: EngineSession) -> bool:
+        source = self.of(s)
+        return source is not None and source.drafts_for(s.id)
+
+    def can_draft(self, s: EngineSession) -> bool:
+        """Whether a row of the session may wait for a block. An exact session also waits
+        while its pool has no live replica (a restarted target's links still connecting, a
+        failover), up to `exact_wait_s`: a plain round would change its sample path. It waits
+        once per outage (not when its last round already ran plain for want of a replica),
+        and not for a pool that refused it."""
+        source = self.of(s)
+        if source is None:
+            return False
+        if source.drafts_for(s.id):
+            return True
+        waited = bool(s.rounds) and s.rounds[-1].fallback_reason == DRAFT_UNAVAILABLE
+        return s.plan.exact and not waited and not source.refused(s.id)
+
+    def wants_features(self, s: EngineSession) -> bool:
+        """The pool drafts from the target's features (ADR 0020): its rows return them."""
+        return bool(getattr(self.of(s), "wants_features", False))
+
+    def features(self, s: EngineSession, start: int, features: Any) -> None:
+        """The target's features for a session's positions from `start`, to a pool that drafts from them."""
+        source = self.of(s)
+        if source is not None and hasattr(source, "features"):
+            source.features(s.id, start, features)
+
+    def close(self, s: EngineSession) -> None:
+        source = self.of(s)
+        if source is not None:
+            source.close(s.id)

@@ -48,6 +48,7 @@ class _Session:
     # a feature pool's sessions (ADR 0020): the target's features of the committed positions as
     # sent, kept to open the session on another replica after a failover
     features: list[draft_pb2.Features] = field(default_factory=list)
+    draft_priority: int = 0  # its class's (ADR 0021): a saturated replica sheds the lowest first
 
 
 class _Replica:
@@ -106,7 +107,8 @@ class RemoteDrafts:
         sampling = sampling_to_proto(session.plan.params.sampling)
         c = session.plan.constraint
         constraint = (c.kind, c.value, session.prompt_len) if c is not None else ("", "", 0)
-        args = (session.id, list(session.committed.ids), sampling, session.plan.seed, session.k_wanted, constraint)
+        args = (session.id, list(session.committed.ids), sampling, session.plan.seed, session.k_next, constraint,
+                session.plan.draft_priority)
         self.loop.call_soon_threadsafe(self._open, *args)
 
     def outcome(self, outcome: Outcome) -> None:
@@ -142,8 +144,9 @@ class RemoteDrafts:
                 await asyncio.gather(r.task, return_exceptions=True)
 
     def _open(self, sid: str, ids: list[int], sampling: common_pb2.SamplingParams, seed: int, k: int,
-              constraint: tuple[str, str, int] = ("", "", 0)) -> None:
-        s = self.sessions[sid] = _Session(CommittedPrefix(ids), sampling, seed, k, constraint)
+              constraint: tuple[str, str, int] = ("", "", 0), draft_priority: int = 0) -> None:
+        s = self.sessions[sid] = _Session(CommittedPrefix(ids), sampling, seed, k, constraint,
+                                          draft_priority=draft_priority)
         self._place(sid, s)
 
     def _place(self, sid: str, s: _Session) -> None:
@@ -155,7 +158,8 @@ class RemoteDrafts:
                 session_id=sid, committed=s.prefix.ids, sampling=s.sampling, seed=s.seed, k=s.k,
                 predraft_branches=0 if self.wants_features else self.predraft_branches,
                 constraint_kind=s.constraint[0], constraint_value=s.constraint[1], prompt_len=s.constraint[2],
-                features_through=s.features[-1].start + s.features[-1].rows if s.features else 0),
+                features_through=s.features[-1].start + s.features[-1].rows if s.features else 0,
+                draft_priority=s.draft_priority),
                 trace_context=self.carrier_for(sid)))
             for f in s.features:  # a feature pool's session opened elsewhere: what it had so far
                 s.replica.queue.put_nowait(draft_pb2.LinkIn(features=draft_pb2.LinkFeatures(session_id=sid,

@@ -95,7 +95,7 @@ def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[Engin
     if pending > chunk:  # a chunk that does not reach the end of the prompt: no logits needed
         return Row(s, None, chunk)
     feed = max(pending, 1)
-    k = s.k_wanted
+    k = s.k_next
     if k == 0 or not can_draft(s):
         return Row(s, None, feed)
     if s.declined(s.block):

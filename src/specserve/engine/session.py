@@ -46,6 +46,7 @@ class EnginePlan:
     k_min: int = 1  # adaptive: the least K a speculative round verifies (the policy's bound)
     k_max: int = 0  # adaptive: the most; params.num_draft_tokens is the K the first round starts at
     constraint: Constraint | None = None  # structured output (ADR 0017): the target masks every position
+    draft_priority: int = 0  # its class's (ADR 0021): a saturated draft replica sheds the lowest first
 
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> EnginePlan:
@@ -59,7 +60,8 @@ class EnginePlan:
                    d.get("stats_class") or d.get("workload_class", ""), tuple(d.get("prediction") or ()),
                    d.get("shadow_pool") or None, seeded=bool(d.get("seeded")),
                    k_min=int(d.get("k_min") or 1), k_max=int(d.get("k_max") or 0),
-                   constraint=Constraint.decode(d.get("constraint")))
+                   constraint=Constraint.decode(d.get("constraint")),
+                   draft_priority=int(d.get("draft_priority") or 0))
 
     @property
     def exact(self) -> bool:
@@ -200,7 +202,7 @@ class EngineSession:
         return self.status is Status.RUNNING
 
     @property
-    def k_wanted(self) -> int:
+    def k_next(self) -> int:
         """Drafts the next round may verify (0: a plain round)."""
         k = self.plan.k if self.k_choice is None else min(self.k_choice, self.plan.k)
         return draft_budget(k, self.n_generated, self.plan.params.max_tokens)

@@ -158,6 +158,7 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     from specserve.engine.drafting import LocalDrafts
     from specserve.engine.link import RemoteDrafts
     from specserve.engine.scheduler import Budget
+    from specserve.engine.speculation import SpeculationSettings
     from specserve.model_info import ModelInfo
     from specserve.services.target.loop_host import LoopHost
     from specserve.serving.metrics import RoundMetrics
@@ -191,13 +192,15 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     return LoopHost(engine, stops_for, store, s.name, sources, loop,
                       budget=Budget(max_batch=s.max_batch, max_batched_tokens=s.max_batched_tokens,
                                     prefill_chunk=s.prefill_chunk),
-                      block_wait_max_s=s.block_wait_ms / 1e3, redis_outage_s=s.redis_outage_s,
+                      speculation=SpeculationSettings(block_wait_max_s=s.block_wait_ms / 1e3,
+                                                      max_commit_lag=s.max_commit_lag, gather=s.gather_rows,
+                                                      tree_width=s.tree_width),
+                      redis_outage_s=s.redis_outage_s,
                       simulated_step_ms=s.simulated_pass_ms, metrics=RoundMetrics(metrics.registry),
                       controller=controller, shadow_log=ShadowLog(store.client, s.key_prefix, s.stats_ttl_s),
                       kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
-                      worker_metrics=metrics, constrain=constrain, max_commit_lag=s.max_commit_lag,
-                      gather=s.gather_rows, tree_width=s.tree_width, model_thread=model_thread,
+                      worker_metrics=metrics, constrain=constrain, model_thread=model_thread,
                       on_loop_failure=_exit_for_a_restart)
 
 

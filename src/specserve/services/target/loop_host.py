@@ -46,9 +46,11 @@ from specserve.engine.drafting import DraftSource, PredictionDrafts
 from specserve.engine.loop import EngineLoop, StepReport
 from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan, EngineSession, Status
+from specserve.engine.speculation import SpeculationSettings
 from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
 from specserve.params import GenerationParams
-from specserve.services.target.telemetry import Driven, RoundTelemetry
+from specserve.services.target.shadow import SHADOW_SUFFIX, record_shadow, twins_ended
+from specserve.services.target.telemetry import Driven, RoundTelemetry, worker_step
 from specserve.serving.metrics import RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.state.store import REDIS_DOWN, CommitStatus, SessionStatus, SessionStore, ride_out
@@ -57,9 +59,6 @@ from specserve.structured.constraint import Constraint
 from specserve.worker import threads
 
 log = logging.getLogger("specserve.target")
-
-SHADOW_SUFFIX = "-shadow"
-
 
 class SessionIndex:
     """This target's sessions in Redis: the set a restarted incarnation adopts from."""
@@ -90,13 +89,13 @@ def _retrieved(task: asyncio.Task) -> None:
 class LoopHost:
     def __init__(self, model: ModelStep, stops_for: Callable[[GenerationParams], StopChecker], store: SessionStore,
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
-                 budget: Budget | None = None, block_wait_max_s: float = 0.005, redis_outage_s: float = 30.0,
+                 budget: Budget | None = None, speculation: SpeculationSettings | None = None,
+                 redis_outage_s: float = 30.0,
                  simulated_step_ms: float = 0.0, metrics: RoundMetrics | None = None,
                  controller: Controller | None = None, shadow_log: ShadowLog | None = None,
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
-                 constrain: Callable[[Constraint], Any] | None = None, max_commit_lag: int = 0,
-                 gather: bool = True, tree_width: int = 1, model_thread: Executor | None = None,
+                 constrain: Callable[[Constraint], Any] | None = None, model_thread: Executor | None = None,
                  on_loop_failure: Callable[[BaseException], None] = lambda exc: None) -> None:
         self.store = store
         self.worker_metrics = worker_metrics  # the target worker's: engine steps (method "step") and their rows
@@ -122,10 +121,10 @@ class LoopHost:
             if hasattr(source, "carrier_for"):
                 source.carrier_for = lambda sid: self.carriers.get(sid, {})
         self.engine = EngineLoop(model, stops_for, sources, self.committer, observers=[self], budget=budget,
-                                 block_wait_max_s=block_wait_max_s,
+                                 speculation=speculation,
                                  simulated_step_ms=(lambda step, out: simulated_step_ms) if simulated_step_ms else None,
-                                 on_step=self._on_step, summarize=self._summary, constrain=constrain,
-                                 max_commit_lag=max_commit_lag, gather=gather, tree_width=tree_width)
+                                 on_step=self._on_step, summarize=lambda s: run_summary(self.incarnation, s),
+                                 constrain=constrain)
         self.committer.on_acked = self.engine.acked
         self.driving: dict[str, Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
@@ -276,32 +275,16 @@ class LoopHost:
         self.loop.call_soon_threadsafe(self._ended, session, time.perf_counter())
 
     def _on_step(self, report: StepReport) -> None:
-        m = self.worker_metrics
-        if m is not None and report.rows:
-            m.busy.add(report.forward_ms / 1e3)  # the step's forward (padded to a simulated device's time)
-            m.batch_size.observe(report.rows)
-            m.call_latency.labels("step").observe(report.forward_ms / 1e3)
-            slots = getattr(self.engine.model, "slots", None)  # the batched runner's KV (not the HF path)
-            if slots is not None:
-                used, free = slots
-                m.kv_slots.labels("used").set(used)
-                m.kv_slots.labels("free").set(free)
-            m.device_step(getattr(getattr(self.engine.model, "runner", None), "device_step", None))
+        if self.worker_metrics is not None and report.rows:
+            worker_step(self.worker_metrics, report, self.engine.model)
         self.loop.call_soon_threadsafe(self._drain_rounds)
-
-    def _summary(self, session: EngineSession) -> str:
-        """The run's statistics, stored with its last commit (the router's GenerationStats)."""
-        return json.dumps({"target": self.incarnation, "rounds": [
-            [r.k, r.accepted, r.emitted, -1 if r.rejected_position is None else r.rejected_position,
-             round(r.draft_ms, 3), round(r.verify_ms, 3), round(r.overhead_ms, 3), r.fallback_reason, r.predraft,
-             r.k_asked] for r in session.rounds]}, separators=(",", ":"))
 
     def _refused(self, session_id: str, why: str) -> None:
         self.engine.cancel(session_id, why)
 
     # ---- the event loop ----
     def _drain_rounds(self) -> None:
-        for (cls, pool), estimates in list(self.engine.estimates.items()):  # written by the engine thread
+        for (cls, pool), estimates in list(self.engine.speculation.estimates.items()):  # written by the engine thread
             for k, s in list(estimates.items()):
                 self.metrics.arm_estimate.labels(cls, pool or "none", str(k)).set(s)
         while self._rounds:
@@ -346,19 +329,8 @@ class LoopHost:
             asyncio.ensure_future(self._unindex(session.id))
         if session.finish_reason == CommitStatus.STALE_LEN.value and not plan.shadow:
             asyncio.ensure_future(self._redrive(session.id))
-        served_id = d.shadow_of or session.id
-        twin_id = served_id + SHADOW_SUFFIX
-        served, twin = self.driving.get(served_id), self.driving.get(twin_id)
-        if twin is None:
-            self.driving.pop(session.id, None)
-            return
-        if session.id == served_id and session.status is not Status.FINISHED and twin.ended is None:
-            self.engine.cancel(twin_id, "served_session_ended")  # nothing left to compare with
-        if served is None or served.ended is None or twin.ended is None:
-            return  # the other one is still running
-        self.driving.pop(served_id, None)
-        self.driving.pop(twin_id, None)
-        asyncio.ensure_future(self._record_shadow(served, twin))
+        if (pair := twins_ended(self.driving, session, self.engine.cancel)) is not None:
+            asyncio.ensure_future(record_shadow(*pair, self.metrics, self.store, self.shadow_log))
 
     async def _redrive(self, session_id: str) -> None:
         """Redis came back shorter than this driver's commits (a restart's lost second, or a
@@ -380,43 +352,6 @@ class LoopHost:
     async def _unindex(self, session_id: str) -> None:
         with contextlib.suppress(*REDIS_DOWN):
             await self.index.remove(session_id)
-
-    async def _record_shadow(self, served: Driven, twin: Driven) -> None:
-        run, shadow = served.ended, twin.ended
-        assert run is not None and shadow is not None
-        greedy = run.plan.params.sampling.temperature == 0
-        a, b = run.generated, shadow.generated
-        if run.status is not Status.FINISHED or shadow.status is not Status.FINISHED:
-            outcome = "failed"
-        elif greedy:
-            outcome = "agree" if a == b and run.finish_reason == shadow.finish_reason else "disagree"
-        else:
-            outcome = "sampled"
-        divergence = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                          None if len(a) == len(b) else min(len(a), len(b)))
-        plain_s, shadow_s = served.ended_at - served.started, twin.ended_at - twin.started
-        drafted, accepted = sum(r.k for r in shadow.rounds), sum(r.accepted for r in shadow.rounds)
-        record: dict[str, Any] = {
-            "outcome": outcome, "greedy": greedy, "pool": shadow.plan.pool, "k": shadow.plan.k,
-            "served_tokens": len(a), "shadow_tokens": len(b), "first_divergence": divergence,
-            "rounds": len(shadow.rounds), "drafted": drafted, "accepted": accepted,
-            "acceptance_rate": accepted / max(drafted, 1), "plain_seconds": plain_s, "shadow_seconds": shadow_s,
-            "would_be_speedup": plain_s / shadow_s if shadow_s > 0 and plain_s > 0 else 0.0}
-        labels = (shadow.plan.stats_class or shadow.plan.workload_class, shadow.plan.pool or "none")
-        self.metrics.shadow_requests.labels(*labels, outcome).inc()
-        if record["would_be_speedup"]:
-            self.metrics.shadow_speedup.labels(*labels).observe(record["would_be_speedup"])
-        if outcome == "disagree":
-            log.error("shadow twin of %s disagrees with the served output at token %s", run.id, divergence)
-        try:
-            await self.store.annotate(run.id, {"shadow": json.dumps(record)})
-            if self.shadow_log is not None:
-                await self.shadow_log.add(*labels, {
-                    "requests": 1, {"agree": "agreed", "disagree": "disagreed"}.get(outcome, outcome): 1,
-                    "rounds": record["rounds"], "drafted": drafted, "accepted": accepted, "tokens": len(b),
-                    "plain_seconds": plain_s, "shadow_seconds": shadow_s})
-        except Exception as exc:
-            log.warning("could not record the shadow outcome of %s: %s", run.id, exc)
 
     async def _heartbeat_forever(self) -> None:
         """Renew the lease of every session driven here; stop those closed or taken over,
@@ -451,3 +386,11 @@ def _carrier_of(span: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     propagate.inject(out, context=trace.set_span_in_context(span))
     return out
+
+
+def run_summary(incarnation: str, session: EngineSession) -> str:
+    """The run's statistics, stored with its last commit (the router's GenerationStats)."""
+    return json.dumps({"target": incarnation, "rounds": [
+        [r.k, r.accepted, r.emitted, -1 if r.rejected_position is None else r.rejected_position,
+         round(r.draft_ms, 3), round(r.verify_ms, 3), round(r.overhead_ms, 3), r.fallback_reason, r.predraft,
+         r.k_asked] for r in session.rounds]}, separators=(",", ":"))

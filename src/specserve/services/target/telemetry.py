@@ -13,9 +13,9 @@ from opentelemetry import trace
 from specserve.algorithm.round import RoundStats
 from specserve.control.controller import Controller
 from specserve.drafters.prediction import PREDICTION_POOL
-from specserve.engine.loop import NOT_PAYING
+from specserve.engine.loop import NOT_PAYING, StepReport
 from specserve.engine.session import EnginePlan, EngineSession
-from specserve.serving.metrics import RoundMetrics
+from specserve.serving.metrics import RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
 
 
@@ -109,3 +109,18 @@ class RoundTelemetry:
                 m.tpot.labels(*labels).observe((d.ended_at - d.first_round) / (n - 1))
         if n:
             m.passes_per_token.labels(*labels).observe(len(s.rounds) / n)
+
+
+def worker_step(m: WorkerMetrics, report: StepReport, model: Any) -> None:
+    """An engine step in the target worker's metrics: the device's busy time (the step's
+    forward, padded to a simulated device's time), the batch, the KV slots of a batched
+    runner and its device step's counters."""
+    m.busy.add(report.forward_ms / 1e3)
+    m.batch_size.observe(report.rows)
+    m.call_latency.labels("step").observe(report.forward_ms / 1e3)
+    slots = getattr(model, "slots", None)  # the batched runner's KV (not the HF path)
+    if slots is not None:
+        used, free = slots
+        m.kv_slots.labels("used").set(used)
+        m.kv_slots.labels("free").set(free)
+    m.device_step(getattr(getattr(model, "runner", None), "device_step", None))
