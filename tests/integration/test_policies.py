@@ -272,6 +272,37 @@ def test_a_rollout_slice_on_a_pool_that_hurts_goes_back_to_shadow_by_itself(psta
     assert audit[0].action == "promote" and "clean for" in audit[0].comment
 
 
+def test_an_enabled_class_whose_drafts_stop_being_accepted_goes_back_to_a_slice(pstack, routers,
+                                                                                 readable_code_prompts,
+                                                                                 extraction_prompts):
+    """Guards at stage enabled (ADR 0022): a class enabled on the untrained pool with an
+    acceptance floor of 0.5 drafts a round goes back one stage, to a 10 % slice, by itself, as a
+    `controller` rollback in the audit log naming the guard and the stage. The same class on
+    the distilled pool, over as many requests, stays enabled (the false-positive control). The
+    speedup guard does not apply at enabled: the controller already runs such a class plain."""
+    (gen0, admin0), (gen1, _) = routers
+    poor, good = _cls("enabled-poor"), _cls("enabled-good")
+    _set(admin0, poor, draft_pool="poor", guard_min_accepted=0.5)
+    _set(admin0, good, draft_pool="small", guard_min_accepted=0.5)
+    sent = 0
+    for i in range(40):
+        _gen((gen0, gen1)[i % 2], readable_code_prompts[i % 4], poor, max_tokens=24, request_id=f"{poor}-{i}")
+        sent += 1
+        got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=poor), metadata=AUTH, timeout=10)
+        if got.mode != ENABLED:
+            break
+    assert got.mode == policy_pb2.POLICY_MODE_SLICE and got.slice_percent == 10.0, \
+        f"mode {got.mode} after {sent} requests"
+    audit = admin0.ListAudit(policy_pb2.ListAuditRequest(workload_class=poor), metadata=AUTH, timeout=10).entries
+    assert (audit[0].action, audit[0].who) == ("rollback", "controller")
+    assert "guard acceptance (enabled)" in audit[0].comment and audit[0].old.mode == ENABLED, audit[0].comment
+    for i in range(sent):
+        _gen((gen0, gen1)[i % 2], extraction_prompts[i % 4], good, max_tokens=24, request_id=f"{good}-{i}")
+    got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=good), metadata=AUTH, timeout=10)
+    assert got.mode == ENABLED and got.version == 1
+    print(f"enabled guard: the poor class went back to a slice after {sent} requests: {audit[0].comment}")
+
+
 def test_a_slice_slower_than_its_plain_requests_trips_the_tpot_guard(pstack, routers, readable_code_prompts):
     """The outcome guards (ADR 0022): with the speedup guard off, a class at a 50 % slice whose
     requests pin the untrained pool (so the slice speculates whatever the controller thinks,
@@ -552,6 +583,11 @@ def test_policy_cli(pstack, tmp_path):
     assert bad_slice.returncode == 2 and "slice_percent" in bad_slice.stderr
     hist = cli("history", cls).stdout
     assert "POLICY_MODE_SHADOW -> POLICY_MODE_SLICE" in hist and "POLICY_MODE_SLICE -> POLICY_MODE_ENABLED" in hist
+    # a class's draft priority (ADR 0021): what a saturated draft replica keeps first
+    assert cli("set", cls, "--draft-priority", "3", "--guard-accepted", "0.5", "--guard-speedup", "0.9").returncode == 0
+    got = json.loads(cli("get", cls).stdout)
+    assert (got["draft_priority"], got["guard_min_accepted"], got["guard_min_speedup"]) == (3, 0.5, 0.9)
+    assert cli("set", cls, "--draft-priority", "12").returncode == 2  # 0-9
     assert cli("delete", cls).stdout.strip() == "deleted"
 
 

@@ -42,9 +42,9 @@ class _Servicer:
         return draft_pb2.ProposeResponse(tokens=[1, 2])
 
 
-def _open(sid: str, kind: str = "") -> draft_pb2.LinkIn:
+def _open(sid: str, kind: str = "", priority: int = 0) -> draft_pb2.LinkIn:
     return draft_pb2.LinkIn(open=draft_pb2.LinkOpen(session_id=sid, committed=[5, 6, 7], k=2,
-                                                     constraint_kind=kind, prompt_len=3))
+                                                     constraint_kind=kind, prompt_len=3, draft_priority=priority))
 
 
 async def _first_reply(fail: bool, kind: str) -> tuple[_Servicer, Link, draft_pb2.LinkOut, str]:
@@ -111,3 +111,39 @@ def test_a_saturated_replica_refuses_new_sessions_and_sheds_those_its_drafts_hel
     assert set(link.sessions) == {"good"} and servicer.released == ["poor"]
     assert servicer.shed == {"admission": 1, "saturated": 1}
 
+
+def test_a_saturated_replica_keeps_the_higher_draft_priority_and_admits_it_first():
+    """Draft capacity by class priority (ADR 0021). Saturated, a replica sheds a session of a
+    lower draft priority at its next outcome even when its drafts help it more than the
+    higher priority's do; it admits a new session of a priority above one it holds (that one
+    is shed next), and refuses one of the lowest priority."""
+    import grpc
+
+    async def go():
+        servicer = _Servicer()
+        link = Link(servicer)
+        for sid, priority in (("low", 0), ("high", 5)):
+            link._receive(_open(sid, priority=priority))
+            await asyncio.wait_for(link.out.get(), 10)
+        # "low": the target accepted both drafts; "high": none
+        for sid, emitted in (("low", [1, 2, 9]), ("high", [4])):
+            link._receive(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(
+                session_id=sid, committed_len=3 + len(emitted), emitted=emitted, k=2)))
+            await asyncio.wait_for(link.out.get(), 10)
+        servicer.busy = True
+        link._receive(_open("vip", priority=5))  # outranks "low": admitted (its first block)
+        admitted = await asyncio.wait_for(link.out.get(), 10)
+        link._receive(_open("late", priority=0))
+        refused = await asyncio.wait_for(link.out.get(), 10)
+        link._receive(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(  # "low" helped again, and is shed
+            session_id="low", committed_len=9, emitted=[1, 2, 9], k=2)))
+        replies = [await asyncio.wait_for(link.out.get(), 10)]
+        return servicer, link, admitted, refused, replies
+
+    servicer, link, admitted, refused, replies = asyncio.run(go())
+    assert admitted.block.session_id == "vip" and not admitted.failed_session
+    assert refused.failed_session == "late" and refused.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    shed = [r for r in replies if r.failed_session]
+    assert [r.failed_session for r in shed] == ["low"] and "draft priority 0, below 5" in shed[0].error
+    assert set(link.sessions) == {"high", "vip"} and servicer.released == ["low"]  # "high" keeps its drafts
+    assert servicer.shed == {"admission": 1, "saturated": 1}

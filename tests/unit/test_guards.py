@@ -1,6 +1,8 @@
 """Rollout guards (ADR 0022): a class in stage `slice` goes back to `shadow` when its slice's
-speculation stops paying (S under the guard) or its drafts stop being accepted; never on too
-few rounds, never outside the slice stage, never when clean."""
+speculation stops paying (S under the guard) or its drafts stop being accepted, and one at
+`enabled` to a slice when its drafts stop being accepted or its speculating requests are slower
+or fail more than its plain probes; never on too few rounds, never in shadow or off, never when
+clean. And a class's draft priority, from its policy to the draft replica."""
 
 from __future__ import annotations
 
@@ -8,12 +10,20 @@ from dataclasses import replace
 
 import pytest
 
-from specserve.control.arms import Decision
+from specserve.control.arms import Choice, Decision, Fallback
 from specserve.control.arms import assess as assess_class
 from specserve.control.controller import estimate
+from specserve.control.guards import (
+    ENABLED_ROLLBACK_PERCENT,
+    ArmOutcomes,
+    check_guards,
+    check_outcomes,
+    guard_arm,
+    promotion_due,
+    rolled_back,
+)
 from specserve.control.guards import PLAIN as GUARD_PLAIN
-from specserve.control.guards import SLICE as GUARD_SLICE
-from specserve.control.guards import ArmOutcomes, check_guards, check_outcomes, promotion_due
+from specserve.control.guards import SPECULATING as GUARD_SLICE
 from specserve.control.policy import Policy
 from specserve.errors import InvalidRequest
 
@@ -135,8 +145,8 @@ def test_the_outcome_guards_wait_for_both_arms_and_stay_off_at_zero():
     assert check_outcomes(OUTCOMES, *_window([0.05] * 20, [0.02] * 9)) is None  # 9 plain ones
     off = replace(OUTCOMES, guard_max_tpot_ratio=0.0, guard_max_error_rate=0.0)
     assert check_outcomes(off, *_window([0.05] * 20, [0.02] * 20, slice_failed=20)) is None
-    assert check_outcomes(replace(OUTCOMES, mode="enabled", slice_percent=0.0),
-                          *_window([0.05] * 20, [0.02] * 20)) is None
+    assert check_outcomes(replace(OUTCOMES, mode="shadow", slice_percent=0.0),
+                          *_window([0.05] * 20, [0.02] * 20)) is None  # shadow serves plain: nothing to guard
 
 
 @pytest.mark.parametrize(("fields", "needle"), [
@@ -154,3 +164,87 @@ def test_the_outcome_guards_travel_through_the_admin_api():
     back = policy_from_pb(policy_to_pb(OUTCOMES))
     assert (back.guard_max_tpot_ratio, back.guard_max_error_rate) == (1.2, 0.05)
     assert Policy.from_body(OUTCOMES.body()).guard_max_tpot_ratio == 1.2  # and through Redis
+
+
+# -- the guards at stage enabled: back to a slice, not to shadow
+
+ENABLED = replace(OUTCOMES, mode="enabled", slice_percent=0.0, guard_min_speedup=1.0, guard_min_accepted=2.0)
+
+
+def test_an_enabled_class_keeps_its_acceptance_and_outcome_guards_but_not_the_speedup_one():
+    """At enabled the controller itself runs a request plain where speculation stops paying at
+    the load, so S under the guard is not a rollback there (a busy minute would demote the
+    class); a draft whose acceptance fell, or speculating requests slower or failing more than
+    the controller's plain probes, are."""
+    poor = _assess(ENABLED, POOR)  # S 0.56 and 0.11 drafts accepted a round
+    tripped = check_guards(ENABLED, poor, MIN_ROUNDS)
+    assert tripped is not None and tripped.guard == "acceptance" and "(enabled)" in tripped.reason
+    no_floor = replace(ENABLED, guard_min_accepted=0.0)
+    assert check_guards(no_floor, _assess(no_floor, POOR), MIN_ROUNDS) is None  # speedup: not at enabled
+    assert check_guards(ENABLED, _assess(ENABLED, GOOD), MIN_ROUNDS) is None  # 2.6 accepted: over the floor
+    slower = check_outcomes(ENABLED, *_window([0.030] * 12, [0.020] * 12))
+    assert slower is not None and slower.guard == "tpot" and "(enabled)" in slower.reason
+    failing = check_outcomes(ENABLED, *_window([0.02] * 20, [0.02] * 20, slice_failed=3, plain_failed=1))
+    assert failing is not None and failing.guard == "errors"
+    assert check_outcomes(ENABLED, *_window([0.019] * 12, [0.020] * 12)) is None
+
+
+def test_a_rollback_goes_back_one_stage():
+    back = rolled_back(ENABLED)
+    assert (back.mode, back.slice_percent) == ("slice", ENABLED_ROLLBACK_PERCENT)
+    back.validate()  # a policy the store accepts
+    shadow = rolled_back(back)
+    assert (shadow.mode, shadow.slice_percent) == ("shadow", 0.0)
+    shadow.validate()
+
+
+def test_the_arms_of_an_enabled_class_are_its_speculative_decisions_and_its_plain_probes():
+    """Both drawn from the controller's SPECULATE decisions, so at the same load; its probes of
+    another pool or K (which may not pay) and its plain decisions (a load where speculation
+    does not pay) count in neither arm."""
+    speculate = Choice("a", 4, False, Decision.SPECULATE, Fallback.NONE)
+    assert guard_arm(ENABLED, speculate) == GUARD_SLICE
+    assert guard_arm(ENABLED, replace(speculate, probe=True)) == ""
+    plain_probe = Choice(None, 0, False, Decision.SPECULATE, Fallback.CONTROLLER_PROBE, probe=True)
+    assert guard_arm(ENABLED, plain_probe) == GUARD_PLAIN
+    assert guard_arm(ENABLED, Choice(None, 0, False, Decision.PLAIN, Fallback.CONTROLLER_PLAIN)) == ""
+    outside = Choice(None, 0, False, Decision.SLICE, Fallback.ROLLOUT)
+    assert guard_arm(SLICE, outside) == GUARD_PLAIN and guard_arm(SLICE, speculate) == GUARD_SLICE
+    assert guard_arm(replace(SLICE, mode="shadow", slice_percent=0.0), speculate) == ""
+
+
+# -- a class's draft priority (ADR 0021): from the policy to the draft replica's open
+
+
+def test_a_draft_priority_travels_from_the_policy_to_the_draft_replicas_open():
+    """Policy (validated, admin API, Redis body) -> the session's stored plan -> the engine's
+    plan -> the LinkOpen a target sends its draft replica, which sheds the lowest first."""
+    import asyncio
+
+    from specserve.engine.link import RemoteDrafts
+    from specserve.engine.session import EnginePlan
+    from specserve.params import GenerationParams
+    from specserve.services.router.admin import policy_from_pb, policy_to_pb
+    from specserve.services.router.plan import SessionPlan
+    from specserve.serving.wire import sampling_to_proto
+
+    vip = replace(SLICE, draft_priority=7)
+    assert policy_from_pb(policy_to_pb(vip)).draft_priority == 7
+    assert Policy.from_body(vip.body()).draft_priority == 7
+    for bad in (10, -1):
+        with pytest.raises(InvalidRequest, match="draft_priority"):
+            replace(vip, draft_priority=bad).validate()
+    choice = Choice("a", 4, False, Decision.SPECULATE, Fallback.NONE)
+    plan = SessionPlan(GenerationParams(max_tokens=8, seed=1), "c", "explicit", "c", choice, draft_priority=7)
+    stored = plan.encode()
+    assert SessionPlan.decode(stored).draft_priority == 7
+    assert EnginePlan.from_stored(stored).draft_priority == 7
+    assert "draft_priority" not in replace(plan, draft_priority=0).encode()  # older readers see nothing new
+
+    async def opened():
+        drafts = RemoteDrafts(["replica-0"], asyncio.get_running_loop(), vocab_size=64)  # never dialled
+        drafts.replicas[0].up = True
+        drafts._open("s", [1, 2, 3], sampling_to_proto(plan.params.sampling), 1, 4, ("", "", 0), 7)
+        return drafts.replicas[0].queue.get_nowait()
+
+    assert asyncio.run(opened()).open.draft_priority == 7

@@ -1,5 +1,12 @@
-"""Rollout guards (ADR 0022): what moves a class in stage `slice` back to `shadow` by itself,
-and what promotes it to `enabled` after a clean window when its policy asks for that.
+"""Rollout guards (ADR 0022): what moves a class back one stage by itself (`slice` to
+`shadow`, `enabled` to a `slice` of ENABLED_ROLLBACK_PERCENT), and what promotes a slice to
+`enabled` after a clean window when its policy asks for that.
+
+At `slice` every guard applies. At `enabled` the speedup guard does not: there the controller
+already runs a request plain wherever speculation stops paying at the current load (a class
+demoted for every busy minute would be a false rollback). The acceptance floor and the outcome
+guards do (a draft that got worse, or client TPOT and errors the controller's S cannot see),
+the outcome guards against the controller's plain probes of the class as the plain arm.
 
 A pure function of the class's policy, the controller's assessment and the router's window
 of the class's recent requests (`ArmOutcomes`: TPOT and errors of the slice against the plain
@@ -13,9 +20,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from specserve.control.arms import Assessment
+from specserve.control.arms import Assessment, Choice, Decision
 from specserve.control.policy import Policy
 
 
@@ -28,7 +35,12 @@ class Tripped:
 # the outcome guards' window: a router's last requests of a class per arm, within WINDOW_S,
 # and the fewest in each arm before they judge (a p90 of 10 requests is their slowest)
 WINDOW_REQUESTS, WINDOW_S, MIN_REQUESTS = 200, 600.0, 10
-SLICE, PLAIN = "slice", "plain"
+# the arms: requests that speculated (at slice: in the slice; at enabled: the controller's
+# speculative decisions, its probes left out), and the class's plain requests at the same time
+# (at slice: outside the slice; at enabled: the controller's plain probes)
+SPECULATING, PLAIN = "speculating", "plain"
+GUARDED_STAGES = ("slice", "enabled")
+ENABLED_ROLLBACK_PERCENT = 10.0  # an enabled class whose guard trips goes back to a slice this wide
 
 
 @dataclass(frozen=True)
@@ -40,8 +52,7 @@ class ArmWindow:
 
 class ArmOutcomes:
     """A router's recent requests per (class, arm): when each ended, its TPOT (seconds a token
-    after the first; None below two tokens) and whether it failed. Arms: SLICE (a slice
-    request that speculated) and PLAIN (the class's requests outside the slice)."""
+    after the first; None below two tokens) and whether it failed. Arms: SPECULATING and PLAIN."""
 
     def __init__(self, window_requests: int = WINDOW_REQUESTS, window_s: float = WINDOW_S) -> None:
         self.window_s = window_s
@@ -63,55 +74,58 @@ class ArmOutcomes:
     def forget(self, workload_class: str) -> None:
         """A stage change starts the class's windows again (the slice's requests were another
         stage's)."""
-        for arm in (SLICE, PLAIN):
+        for arm in (SPECULATING, PLAIN):
             self._arms.pop((workload_class, arm), None)
 
 
 def check_outcomes(policy: Policy, slice_w: ArmWindow, plain_w: ArmWindow) -> Tripped | None:
-    """A class in stage `slice`: its TPOT and error guards against its plain requests of the
-    same window (at the same load), once each arm has MIN_REQUESTS.
+    """A class in stage `slice` or `enabled`: its TPOT and error guards, the speculating arm
+    against its plain requests of the same window (at the same load), once each arm has
+    MIN_REQUESTS.
 
-    - tpot: the slice's TPOT p90 above `guard_max_tpot_ratio` x the plain requests' p90;
-    - errors: the slice's error rate above the plain requests' by more than
-      `guard_max_error_rate`."""
-    if policy.mode != "slice" or slice_w.requests < MIN_REQUESTS or plain_w.requests < MIN_REQUESTS:
+    - tpot: the speculating arm's TPOT p90 above `guard_max_tpot_ratio` x the plain p90;
+    - errors: its error rate above the plain requests' by more than `guard_max_error_rate`."""
+    if policy.mode not in GUARDED_STAGES or slice_w.requests < MIN_REQUESTS or plain_w.requests < MIN_REQUESTS:
         return None
     if policy.guard_max_tpot_ratio and slice_w.tpot_p90 > 0 and plain_w.tpot_p90 > 0:
         ratio = slice_w.tpot_p90 / plain_w.tpot_p90
         if ratio > policy.guard_max_tpot_ratio:
-            return Tripped("tpot", f"guard tpot: the slice's TPOT p90 {slice_w.tpot_p90 * 1e3:.1f} ms is {ratio:.2f}x "
-                                   f"the plain requests' {plain_w.tpot_p90 * 1e3:.1f} ms over {slice_w.requests} and "
+            return Tripped("tpot", f"guard tpot ({policy.mode}): the speculating requests' TPOT p90 "
+                                   f"{slice_w.tpot_p90 * 1e3:.1f} ms is {ratio:.2f}x the plain requests' "
+                                   f"{plain_w.tpot_p90 * 1e3:.1f} ms over {slice_w.requests} and "
                                    f"{plain_w.requests} requests, above {policy.guard_max_tpot_ratio:.2f}x")
     if policy.guard_max_error_rate and slice_w.error_rate - plain_w.error_rate > policy.guard_max_error_rate:
-        return Tripped("errors", f"guard errors: the slice's error rate {slice_w.error_rate:.1%} against the plain "
-                                 f"requests' {plain_w.error_rate:.1%} over {slice_w.requests} and {plain_w.requests} "
-                                 f"requests, above them by more than {policy.guard_max_error_rate:.1%}")
+        return Tripped("errors", f"guard errors ({policy.mode}): the speculating requests' error rate "
+                                 f"{slice_w.error_rate:.1%} against the plain requests' {plain_w.error_rate:.1%} over "
+                                 f"{slice_w.requests} and {plain_w.requests} requests, above them by more than "
+                                 f"{policy.guard_max_error_rate:.1%}")
     return None
 
 
 def check_guards(policy: Policy, a: Assessment, min_rounds: float) -> Tripped | None:
-    """A class in stage `slice` whose slice speculated on at least `min_rounds` rounds of its
-    pool: its guards against the controller's estimate of that pool at its K.
+    """A class in stage `slice` or `enabled` whose requests speculated on at least
+    `min_rounds` rounds of its pool: its guards against the controller's estimate of that pool
+    at its K.
 
-    - speedup: S (target time per emitted token, plain over speculative, at the slice's load,
-      the engine's own time included) below `guard_min_speedup`: speculation makes the slice's
-      tokens slower or dearer than plain ones;
+    - speedup (at slice only): S (target time per emitted token, plain over speculative, at
+      the slice's load, the engine's own time included) below `guard_min_speedup`:
+      speculation makes the slice's tokens slower or dearer than plain ones;
     - acceptance: the drafts the target accepts a round, by the class's per-position rates,
       below `guard_min_accepted`.
     None when clean, off, or not yet measured."""
-    if policy.mode != "slice" or not a.pool:
+    if policy.mode not in GUARDED_STAGES or not a.pool:
         return None
     e = a.estimate
     if e.spec_rounds < min_rounds:
         return None
     k, s = (a.k, a.speedup) if a.speedup else e.best(*policy.k_range)
-    if policy.guard_min_speedup and s and s < policy.guard_min_speedup:
+    if policy.mode == "slice" and policy.guard_min_speedup and s and s < policy.guard_min_speedup:
         return Tripped("speedup", f"guard speedup: S={s:.2f} at K={k} on {a.pool} over {e.spec_rounds:.0f} rounds, "
                                   f"below {policy.guard_min_speedup:.2f}")
     accepted = e.emitted.get(k, 0.0) - 1.0
     if policy.guard_min_accepted and k in e.emitted and accepted < policy.guard_min_accepted:
-        return Tripped("acceptance", f"guard acceptance: {accepted:.2f} drafts accepted a round at K={k} on "
-                                     f"{a.pool}, below {policy.guard_min_accepted:.2f}")
+        return Tripped("acceptance", f"guard acceptance ({policy.mode}): {accepted:.2f} drafts accepted a round at "
+                                     f"K={k} on {a.pool}, below {policy.guard_min_accepted:.2f}")
     return None
 
 
@@ -131,3 +145,25 @@ def promotion_due(policy: Policy, a: Assessment, min_rounds: float, now: float) 
     return (f"promoted: slice clean for {clean_s:.0f} s (>= {policy.promote_after_s:.0f} s) on {a.pool}, "
             f"S={a.speedup:.2f} at K={a.k} over {a.estimate.spec_rounds:.0f} rounds")
 
+
+def rolled_back(policy: Policy) -> Policy:
+    """The stage below the policy's: `slice` goes to `shadow`, `enabled` to a slice of
+    ENABLED_ROLLBACK_PERCENT."""
+    if policy.mode == "enabled":
+        return replace(policy, mode="slice", slice_percent=ENABLED_ROLLBACK_PERCENT)
+    return replace(policy, mode="shadow", slice_percent=0.0)
+
+
+def guard_arm(policy: Policy, choice: Choice) -> str:
+    """The outcome guards' arm a request of a class in a guarded stage counts in ('' for none):
+    at slice, the slice's speculative requests and the requests outside the slice; at enabled,
+    the controller's speculative decisions (not its probes, which may try a pool or K that does
+    not pay) and its plain probes (drawn from the same decisions, so at the same load)."""
+    if policy.mode == "slice":
+        return PLAIN if choice.decision is Decision.SLICE else SPECULATING if choice.arm == "speculative" else ""
+    if policy.mode == "enabled" and choice.decision is Decision.SPECULATE:
+        if choice.arm == "speculative" and not choice.probe:
+            return SPECULATING
+        if choice.arm == "plain" and choice.probe:
+            return PLAIN
+    return ""

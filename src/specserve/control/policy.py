@@ -42,6 +42,7 @@ CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 AUDIT_MAXLEN = 10_000
 MAX_MARGIN = 10.0
 MAX_PROBE = 0.5
+MAX_DRAFT_PRIORITY = 9  # a class's draft_priority: 0 (the default, shed first) .. 9
 OUTPUT_FORMATS = ("text", "json_object")  # a class's default output (schema-free JSON: ADR 0017)
 
 
@@ -73,19 +74,23 @@ class Policy:
     # mode "slice": the share of the class's requests that speculate, in (0, 100), by a stable
     # hash of the request id (control/arms.py: in_slice)
     slice_percent: float = 0.0
-    # rollout guards (ADR 0022, control/guards.py), in stage slice: back to shadow by itself when
-    # the slice's S falls below guard_min_speedup, or its accepted drafts a round below
-    # guard_min_accepted; 0 = that guard off
+    # rollout guards (ADR 0022, control/guards.py): back one stage by itself (slice -> shadow,
+    # enabled -> a slice) when the slice's S falls below guard_min_speedup (at slice only), or
+    # its accepted drafts a round below guard_min_accepted; 0 = that guard off
     guard_min_speedup: float = 1.0
     guard_min_accepted: float = 0.0
     # stage slice: promoted to enabled by itself once it has been clean this long since the
     # policy was last written (its guards measured and none tripped); 0 = promotion is explicit
     promote_after_s: float = 0.0
     # guards against the class's plain requests of the same window (control/guards.py:
-    # ArmOutcomes): the slice's TPOT p90 over plain's above guard_max_tpot_ratio, or its error
-    # rate above plain's by more than guard_max_error_rate; 0 = that guard off
+    # ArmOutcomes), at slice and enabled: the speculating requests' TPOT p90 over plain's above
+    # guard_max_tpot_ratio, or their error rate above plain's by more than guard_max_error_rate;
+    # 0 = that guard off
     guard_max_tpot_ratio: float = 0.0
     guard_max_error_rate: float = 0.0
+    # draft capacity (ADR 0021): on a saturated draft replica, a higher priority's sessions are
+    # admitted and keep their drafts before a lower one's; in [0, MAX_DRAFT_PRIORITY]
+    draft_priority: int = 0
     version: int = 0
     updated_by: str = ""
     updated_at: float = 0.0
@@ -139,6 +144,8 @@ class Policy:
             raise bad(f"guard_max_tpot_ratio must be 0 (off) or in [1, 100], got {self.guard_max_tpot_ratio}")
         if not (0 <= self.guard_max_error_rate <= 1 and math.isfinite(self.guard_max_error_rate)):
             raise bad(f"guard_max_error_rate must be in [0, 1] (0 = off), got {self.guard_max_error_rate}")
+        if not (isinstance(self.draft_priority, int) and 0 <= self.draft_priority <= MAX_DRAFT_PRIORITY):
+            raise bad(f"draft_priority must be an integer in [0, {MAX_DRAFT_PRIORITY}], got {self.draft_priority}")
         if self.output_format not in OUTPUT_FORMATS:
             raise bad(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.output_format!r}")
         return self

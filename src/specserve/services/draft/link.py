@@ -52,6 +52,7 @@ class _Linked:
     # drafts the target accepted a block (smoothed); a saturated replica sheds the lowest first
     last_block: tuple[int, ...] = ()
     gain: float = GAIN_PRIOR
+    priority: int = 0  # its class's draft_priority: a saturated replica sheds lower priorities first
 
 
 class Link:
@@ -109,7 +110,8 @@ class Link:
             return
         if kind == "open":
             o = msg.open
-            if self.servicer.saturated():  # admission (ADR 0021): the target runs it plain at once
+            if self.servicer.saturated() and not self._outranks(o.draft_priority):
+                # admission (ADR 0021): the target runs it plain at once
                 self.servicer.metrics.shed.labels("admission").inc()
                 self._fail(o.session_id, ResourceExhausted(
                     f"draft replica saturated: {self.servicer.core.scheduler.depth()} work items queued "
@@ -118,7 +120,8 @@ class Link:
             linked = self.sessions[o.session_id] = _Linked(CommittedPrefix(o.committed), o.sampling, int(o.seed),
                                                            o.predraft_branches, latest=len(o.committed),
                                                            carrier=dict(msg.trace_context),
-                                                           features_through=int(o.features_through))
+                                                           features_through=int(o.features_through),
+                                                           priority=int(o.draft_priority))
             if o.constraint_kind:  # compiled on a thread: this loop carries every session's blocks
                 linked.compiling = asyncio.ensure_future(asyncio.to_thread(
                     self.servicer.grammar, o.constraint_kind, o.constraint_value, o.prompt_len))
@@ -195,21 +198,33 @@ class Link:
         linked.compiling = None
         return True
 
+    def _outranks(self, priority: int) -> bool:
+        """A session of this draft priority is admitted on a saturated replica: a lower
+        priority's session holds capacity here, and is shed at its next outcome (`_shed`)."""
+        return any(s.priority < priority for s in self.sessions.values())
+
     def _shed(self, sid: str, linked: _Linked) -> bool:
-        """Saturated (ADR 0021): shed this session to plain if its drafts help it less than
-        this stream's sessions' on average (accepted drafts a block), so the ones that gain most
-        keep the capacity. True when it was shed."""
+        """Saturated (ADR 0021): shed this session to plain if a session of a higher draft
+        priority (its class's) is on this stream, or, among the sessions of its own priority,
+        if its drafts help it less than theirs on average (accepted drafts a block): the
+        classes that matter most, then the sessions that gain most, keep the capacity. True
+        when it was shed."""
         if not self.servicer.saturated() or len(self.sessions) < 2:
             return False
-        mean = sum(s.gain for s in self.sessions.values()) / len(self.sessions)
-        if linked.gain >= mean:
+        top = max(s.priority for s in self.sessions.values())
+        peers = [s for s in self.sessions.values() if s.priority == linked.priority]
+        mean = sum(s.gain for s in peers) / len(peers)
+        if linked.priority < top:
+            why = f"its class's draft priority {linked.priority}, below {top} of others on this stream"
+        elif linked.gain < mean:
+            why = (f"its blocks' accepted drafts {linked.gain:.2f} a block, below the stream's mean {mean:.2f} "
+                   f"at its draft priority {linked.priority}")
+        else:
             return False
         self.sessions.pop(sid, None)
         self.servicer.sessions.release(sid)
         self.servicer.metrics.shed.labels("saturated").inc()
-        self._fail(sid, ResourceExhausted(
-            f"draft replica saturated: session {sid} shed to plain decoding (its blocks' accepted drafts "
-            f"{linked.gain:.2f} a block, below the stream's mean {mean:.2f})"))
+        self._fail(sid, ResourceExhausted(f"draft replica saturated: session {sid} shed to plain decoding ({why})"))
         return True
 
     def _fail(self, sid: str, exc: SpecserveError) -> None:

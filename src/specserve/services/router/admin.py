@@ -39,7 +39,8 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
         safety_margin=p.safety_margin, probe_fraction=p.probe_fraction, output_format=p.output_format,
         slice_percent=p.slice_percent, guard_min_speedup=p.guard_min_speedup,
         guard_min_accepted=p.guard_min_accepted, promote_after_s=p.promote_after_s,
-        guard_max_tpot_ratio=p.guard_max_tpot_ratio, guard_max_error_rate=p.guard_max_error_rate, version=p.version,
+        guard_max_tpot_ratio=p.guard_max_tpot_ratio, guard_max_error_rate=p.guard_max_error_rate,
+        draft_priority=p.draft_priority, version=p.version,
         updated_by=p.updated_by, updated_at=p.updated_at)
     if p.temperature_ceiling is not None:
         msg.temperature_ceiling = p.temperature_ceiling
@@ -63,7 +64,8 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
                   slice_percent=msg.slice_percent,
                   guard_min_speedup=msg.guard_min_speedup if msg.HasField("guard_min_speedup") else 1.0,
                   guard_min_accepted=msg.guard_min_accepted, promote_after_s=msg.promote_after_s,
-                  guard_max_tpot_ratio=msg.guard_max_tpot_ratio, guard_max_error_rate=msg.guard_max_error_rate)
+                  guard_max_tpot_ratio=msg.guard_max_tpot_ratio, guard_max_error_rate=msg.guard_max_error_rate,
+                  draft_priority=msg.draft_priority)
 
 
 def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:

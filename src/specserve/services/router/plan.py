@@ -33,6 +33,7 @@ class SessionPlan:
     # a class in rollout stage slice (ADR 0022): "slice" for a request that speculates in the
     # slice, "plain" for one outside it; its TPOT and outcome feed the outcome guards
     guard_arm: str = ""
+    draft_priority: int = 0  # the class's (ADR 0021): a saturated draft replica sheds the lowest first
 
     @property
     def seed(self) -> int:
@@ -60,7 +61,8 @@ class SessionPlan:
                 "policy_source": self.policy_source, "decision_reason": self.decision_reason,
                 "prediction": list(self.prediction), "seeded": self.seeded,
                 **({"adaptive": True, "k_min": self.k_bounds[0], "k_max": self.k_bounds[1]} if self.k_bounds else {}),
-                **({"constraint": self.constraint.encode()} if self.constraint else {})}
+                **({"constraint": self.constraint.encode()} if self.constraint else {}),
+                **({"draft_priority": self.draft_priority} if self.draft_priority else {})}
 
     @classmethod
     def decode(cls, d: dict[str, Any]) -> SessionPlan:
@@ -74,7 +76,7 @@ class SessionPlan:
                    d.get("policy_class", ""), int(d.get("policy_version", 0)), d.get("policy_source", ""),
                    d.get("decision_reason", ""), tuple(d.get("prediction") or ()), bool(d.get("seeded")),
                    (int(d["k_min"]), int(d["k_max"])) if d.get("adaptive") else None,
-                   Constraint.decode(d.get("constraint")))
+                   Constraint.decode(d.get("constraint")), draft_priority=int(d.get("draft_priority") or 0))
 
     def span_attributes(self) -> dict[str, Any]:
         return {"specserve.workload_class": self.workload_class, "specserve.class_reason": self.class_reason,

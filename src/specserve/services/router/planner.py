@@ -21,7 +21,18 @@ from specserve.control.arms import (
     request_reason,
 )
 from specserve.control.controller import Controller
-from specserve.control.guards import PLAIN, SLICE, ArmOutcomes, Tripped, check_guards, check_outcomes, promotion_due
+from specserve.control.guards import (
+    GUARDED_STAGES,
+    PLAIN,
+    SPECULATING,
+    ArmOutcomes,
+    Tripped,
+    check_guards,
+    check_outcomes,
+    guard_arm,
+    promotion_due,
+    rolled_back,
+)
 from specserve.control.policy import Policy, PolicyCache, PolicyConflict
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL, drafts_from_prediction
 from specserve.services.router.classifier import CLASSES
@@ -74,7 +85,7 @@ class Planner:
                         policy.workload_class, ", ".join(policy.pools))
         if assessment is not None:
             self._gauges(stats_class, assessment)
-            if source == "class" and policy.mode == "slice":  # a rollout stage: its guards (ADR 0022)
+            if source == "class" and policy.mode in GUARDED_STAGES:  # a rollout stage: its guards (ADR 0022)
                 self._stage(policy, stats_class, assessment)
         seed = req.params.seed if req.params.seed is not None else fresh_seed()
         params = replace(req.params, num_draft_tokens=choice.k, seed=seed)
@@ -85,28 +96,27 @@ class Planner:
         # sampled request, whose rounds must reproduce: arms._steady fixed its K)
         adaptive = policy.adaptive_k and choice.decision is Decision.SPECULATE and not choice.probe \
             and not choice.shadow and not req.facts.reproducible
-        guard_arm = ""
-        if policy.mode == "slice" and source == "class":
-            guard_arm = PLAIN if choice.decision is Decision.SLICE else SLICE if choice.arm == "speculative" else ""
+        arm = guard_arm(policy, choice) if source == "class" else ""
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
                            policy.version, source, request_reason(choice, assessment),
                            req.prediction_ids if choice.pool == PREDICTION_POOL else (),
                            seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None,
-                           constraint=req.constraint, guard_arm=guard_arm)
+                           constraint=req.constraint, guard_arm=arm,
+                           draft_priority=policy.draft_priority)
 
     def outcome(self, plan: SessionPlan, tpot_s: float | None, failed: bool) -> None:
-        """How a request of a class in stage slice ended (the service reports it): its TPOT
+        """How a request of a class in a guarded stage ended (the service reports it): its TPOT
         (None below two tokens) and whether it failed, for the outcome guards."""
         if plan.guard_arm:
             self.outcomes.record(plan.policy_class, plan.guard_arm, time.monotonic(), tpot_s, failed)
 
     def _stage(self, policy: Policy, stats_class: str, assessment: Assessment) -> None:
-        """A class in stage slice: back to shadow if a guard trips, else to enabled if its
-        clean window has run."""
+        """A class in a guarded stage: back one stage if a guard trips, else (a slice) to enabled
+        if its clean window has run."""
         tripped = check_guards(policy, assessment, self.controller.min_rounds)
         if tripped is None and (policy.guard_max_tpot_ratio or policy.guard_max_error_rate):
             now = time.monotonic()
-            tripped = check_outcomes(policy, self.outcomes.window(policy.workload_class, SLICE, now),
+            tripped = check_outcomes(policy, self.outcomes.window(policy.workload_class, SPECULATING, now),
                                      self.outcomes.window(policy.workload_class, PLAIN, now))
         if tripped is not None:
             self._roll_back(policy, stats_class, tripped)
@@ -123,13 +133,16 @@ class Planner:
         return policy, source, stats_class, assess(policy, estimates, self.controller.min_rounds, pools)
 
     def _roll_back(self, policy: Policy, stats_class: str, tripped: Tripped) -> None:
-        """A rollout guard tripped (ADR 0022): the class goes back from slice to shadow."""
+        """A rollout guard tripped (ADR 0022): the class goes back one stage."""
+        to = rolled_back(policy)
+
         def done() -> None:
             self.outcomes.forget(policy.workload_class)
             self.metrics.rollbacks.labels(stats_class, tripped.guard).inc()
-            log.warning("policy %r rolled back from slice to shadow: %s", policy.workload_class, tripped.reason)
+            log.warning("policy %r rolled back from %s to %s: %s", policy.workload_class, policy.mode, to.mode,
+                        tripped.reason)
 
-        self._move(policy, replace(policy, mode="shadow", slice_percent=0.0), "rollback", tripped.reason, done)
+        self._move(policy, to, "rollback", tripped.reason, done)
 
     def _promote(self, policy: Policy, stats_class: str, why: str) -> None:
         """A slice clean for its policy's window (ADR 0022): the class is promoted to enabled."""

@@ -80,6 +80,17 @@ def policy_get(workload_class: str = typer.Argument(..., help="Class name."),
     _echo_json(_policy_json(resp))
 
 
+_GUARD_SPEEDUP_OPT = typer.Option(
+    None, "--guard-speedup", help="Stage slice: back to shadow when the controller's expected speedup S of the "
+    "slice falls below this (1.0 by default; 0: off).")
+_GUARD_ACCEPTED_OPT = typer.Option(
+    None, "--guard-accepted", help="Stages slice and enabled: back one stage when the drafts accepted a round "
+    "fall below this (0: off).")
+_DRAFT_PRIORITY_OPT = typer.Option(
+    None, "--draft-priority", min=0, max=9, help="0-9: a saturated draft replica sheds lower priorities' sessions "
+    "first (ADR 0021).")
+
+
 @policy_app.command("set")
 def policy_set(
     workload_class: str = typer.Argument(..., help="Class name (`default` covers classes without a policy)."),
@@ -101,11 +112,13 @@ def policy_set(
         None, "--promote-after", help="Stage slice: promoted to enabled by itself after this many clean seconds "
         "(0: promotion is explicit)."),
     guard_tpot: float | None = typer.Option(
-        None, "--guard-tpot", help="Stage slice: back to shadow when the slice's TPOT p90 exceeds this times the "
-        "class's plain requests' (e.g. 1.2; 0: off)."),
+        None, "--guard-tpot", help="Stages slice and enabled: back one stage when the speculating requests' TPOT "
+        "p90 exceeds this times the class's plain requests' (e.g. 1.2; 0: off)."),
     guard_errors: float | None = typer.Option(
-        None, "--guard-errors", help="Stage slice: back to shadow when the slice's error rate exceeds the plain "
-        "requests' by more than this (e.g. 0.02; 0: off)."),
+        None, "--guard-errors", help="Stages slice and enabled: back one stage when the speculating requests' "
+        "error rate exceeds the plain requests' by more than this (e.g. 0.02; 0: off)."),
+    guard_speedup: float | None = _GUARD_SPEEDUP_OPT, guard_accepted: float | None = _GUARD_ACCEPTED_OPT,
+    draft_priority: int | None = _DRAFT_PRIORITY_OPT,
     output_format: str | None = typer.Option(
         None, "--output-format", help="text | json_object: the class's output when a request names no constraint."),
     from_file: Path | None = typer.Option(None, "--file", help="A JSON policy (fields as in `policy get`)."),
@@ -116,19 +129,12 @@ def policy_set(
 ) -> None:
     """Create or change a policy: reads the current one, applies the options, writes it back
     with compare-and-set, so a concurrent change is refused rather than lost."""
-    import json
-
-    from google.protobuf.json_format import ParseDict
-
     from specserve.v1 import policy_pb2
 
     stub, md = _admin(router, token)
     policy, version = _current_policy(stub, md, workload_class)
     if from_file is not None:
-        try:
-            ParseDict(json.loads(from_file.read_text()), policy, ignore_unknown_fields=False)
-        except Exception as exc:
-            raise typer.BadParameter(f"{from_file}: {exc}") from exc
+        _read_policy_file(policy, from_file)
     policy.workload_class = workload_class
     if slice_percent is not None:  # a rollout slice (ADR 0022); another mode clears it
         mode = mode or "slice"
@@ -138,7 +144,8 @@ def policy_set(
                    {"k_min": k_min, "k_max": k_max, "max_prompt_tokens": max_prompt_tokens,
                     "safety_margin": margin, "probe_fraction": probe, "slice_percent": slice_percent,
                     "promote_after_s": promote_after, "guard_max_tpot_ratio": guard_tpot,
-                    "guard_max_error_rate": guard_errors})
+                    "guard_max_error_rate": guard_errors, "guard_min_speedup": guard_speedup,
+                    "guard_min_accepted": guard_accepted, "draft_priority": draft_priority})
     req = policy_pb2.SetPolicyRequest(policy=policy, comment=comment,
                                       expected_version=version if expected_version is None else expected_version)
     _echo_json(_policy_json(_call(stub.SetPolicy, req, md)))
@@ -168,6 +175,19 @@ def _current_policy(stub, md, workload_class: str):
     policy = policy_pb2.Policy()
     policy.CopyFrom(current)
     return policy, version
+
+
+def _read_policy_file(policy, path: Path) -> None:
+    """`--file`: a JSON policy (fields as in `policy get`) parsed onto the policy message; an
+    unreadable file or an unknown field is a bad parameter."""
+    import json
+
+    from google.protobuf.json_format import ParseDict
+
+    try:
+        ParseDict(json.loads(path.read_text()), policy, ignore_unknown_fields=False)
+    except Exception as exc:
+        raise typer.BadParameter(f"{path}: {exc}") from exc
 
 
 def _apply_options(policy, mode: str | None, pool: str | None, also_pools: list[str] | None, k: str | None,
