@@ -2,7 +2,7 @@
 
 Everything that asks a model for work builds a `Step` of `StepRow`s and gets a `StepResult`
 with one `RowResult` per row, in order: the target's engine loop (engine/loop.py), the draft
-worker's micro-batcher (worker/scheduler.py) and the in-process reference decoder
+worker's micro-batcher (worker/batcher.py) and the in-process reference decoder
 (worker/reference.py). What answers it is a `ModelStep` (worker/model_step.py): the batched
 target and draft over the batched runner, or the per-session paths.
 

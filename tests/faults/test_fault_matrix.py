@@ -181,7 +181,7 @@ def _wait_health(stack, address: str, status, timeout_s: float) -> bool:
 
 
 def _replica_of(stack, session_id: str) -> str:
-    from specserve.engine.link import replica_for
+    from specserve.engine.remote_drafts import replica_for
 
     addresses = stack.info.pools["small"]
     return f"draft-small-{addresses.index(replica_for(session_id, addresses))}"

@@ -14,8 +14,8 @@ import pytest
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter
 from specserve.engine.drafting import DRAFT_UNAVAILABLE
-from specserve.engine.link import RemoteDrafts
 from specserve.engine.loop import EngineLoop
+from specserve.engine.remote_drafts import RemoteDrafts
 from specserve.engine.session import EnginePlan
 from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
@@ -250,8 +250,8 @@ def test_a_draining_replica_ends_its_links_at_once_and_its_sessions_move(models,
     the target kept its sessions on a replica going away. The replica ends its links as the
     drain begins: the drain returns at once, and the target's source sees the stream end and
     moves the session to the pool's other replica."""
-    from specserve.engine.link import replica_for
-    from specserve.serving.server import GrpcServer
+    from specserve.engine.remote_drafts import replica_for
+    from specserve.serving.grpc_server import GrpcServer
     from specserve.v1 import common_pb2
 
     _, draft_model = models

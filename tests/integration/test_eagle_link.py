@@ -23,8 +23,8 @@ from test_draft_link import _finish, _until
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, TargetParts, save_head
 from specserve.engine.eagle_local import EagleLocalDrafts
-from specserve.engine.link import RemoteDrafts
 from specserve.engine.loop import EngineLoop
+from specserve.engine.remote_drafts import RemoteDrafts
 from specserve.engine.session import EnginePlan
 from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel

@@ -203,7 +203,7 @@ def test_every_service_has_health_and_reflection(stack):
 def test_kill_a_draft_replica_mid_request(stub, stack, reference, eval_prompts):
     """The session's replica dies mid-request: the pool fails over (or falls back to plain
     steps) and the complete greedy output is still exactly the reference."""
-    from specserve.engine.link import replica_for
+    from specserve.engine.remote_drafts import replica_for
 
     prompt = eval_prompts[1]["prompt"]
     want = reference(prompt, 60)

@@ -22,7 +22,7 @@ from specserve.params import GenerationParams, SamplingParams
 from specserve.services.router.plan import SessionPlan
 from specserve.services.target.loop_host import LoopHost
 from specserve.services.target.server import TargetServicer
-from specserve.serving.server import DomainErrorInterceptor
+from specserve.serving.grpc_server import DomainErrorInterceptor
 from specserve.v1 import target_pb2, target_pb2_grpc
 from specserve.worker.model_step import Batching, make_target_step
 

@@ -30,8 +30,8 @@ from specserve.drafters.hf import HFDrafter
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
 from specserve.step import Kind, Step, StepRow
+from specserve.worker.batcher import Work
 from specserve.worker.model_step import BatchedDraft, BatchedTarget, Batching
-from specserve.worker.scheduler import Work
 
 SHAPE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)

@@ -43,8 +43,8 @@ from specserve.models.step_buckets import Bucket
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
 from specserve.step import Step, StepRow
+from specserve.worker.batcher import Work
 from specserve.worker.model_step import BatchedDraft, BatchedTarget, Batching
-from specserve.worker.scheduler import Work
 
 # ---- 1. the graph-safety audit ----------------------------------------------------------------
 

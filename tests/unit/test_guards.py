@@ -221,7 +221,7 @@ def test_a_draft_priority_travels_from_the_policy_to_the_draft_replicas_open():
     plan -> the LinkOpen a target sends its draft replica, which sheds the lowest first."""
     import asyncio
 
-    from specserve.engine.link import RemoteDrafts
+    from specserve.engine.remote_drafts import RemoteDrafts
     from specserve.engine.session import EnginePlan
     from specserve.params import GenerationParams
     from specserve.services.router.admin import policy_from_pb, policy_to_pb

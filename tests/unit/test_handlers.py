@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from specserve.errors import InvalidRequest
-from specserve.serving.server import DomainErrorInterceptor
+from specserve.serving.grpc_server import DomainErrorInterceptor
 
 
 def _decode(data: bytes) -> str:

@@ -20,9 +20,9 @@ from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
 from specserve.v1 import draft_pb2
+from specserve.worker.predraft import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 from specserve.worker.qcodec import q_from_proto
 from specserve.worker.reference import GenerationParams, ReferenceDecoder
-from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import pytest
 from specserve.errors import KVBudgetExhausted, NeedsFullPrefix
 from specserve.step import RowResult, Step, StepResult
 from specserve.v1 import common_pb2
+from specserve.worker.batcher import BACKGROUND, FOREGROUND, Scheduler, Work
 from specserve.worker.cost import CostModel
-from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Scheduler, Work
-from specserve.worker.sessions import SessionTable
+from specserve.worker.session_table import SessionTable
 
 
 def _queue(sched: Scheduler, *items: tuple[str, int]) -> list[Work]:

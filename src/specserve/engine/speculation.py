@@ -71,7 +71,7 @@ class SpeculationSettings:
     block_wait_max_s: float = 0.005
     wait_factor: float = 1.0  # scales what a block is worth waiting for (`block_wait_s`)
     # how long an exact session (plan.exact) waits for its block before it runs plain anyway:
-    # longer than a draft source's failover (engine/link.py, 1 s), so only a pool with no
+    # longer than a draft source's failover (engine/remote_drafts.py, 1 s), so only a pool with no
     # replica left can change its sample path
     exact_wait_s: float = 5.0
     # commit back-pressure: a session with this many rounds handed to the committer and not yet

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from specserve.errors import KVBudgetExhausted, SessionNotFound
 from specserve.serving.metrics import WorkerMetrics
 from specserve.worker import threads
-from specserve.worker.scheduler import FOREGROUND, Done, Scheduler, Work
-from specserve.worker.sessions import SessionTable, WorkerSession
+from specserve.worker.batcher import FOREGROUND, Done, Scheduler, Work
+from specserve.worker.session_table import SessionTable, WorkerSession
 
 if TYPE_CHECKING:  # (the model steps import torch; the protocol is for the type checker)
     from specserve.step import ModelStep

@@ -7,7 +7,7 @@ import logging
 
 from specserve.config import DraftSettings
 from specserve.services.draft.server import DraftServicer
-from specserve.serving.server import GrpcServer, run_main
+from specserve.serving.grpc_server import GrpcServer, run_main
 from specserve.serving.telemetry import (
     TracingServerInterceptor,
     publish_ports,

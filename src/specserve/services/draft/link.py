@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from specserve.errors import NeedsFullPrefix, ResourceExhausted, SessionNotFound, SpecserveError
-from specserve.serving.server import status_for
+from specserve.serving.grpc_server import status_for
 from specserve.serving.telemetry import attach_carrier, tracer
 from specserve.serving.wire import prefix_to_proto
 from specserve.state.prefix import CommittedPrefix

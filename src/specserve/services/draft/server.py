@@ -31,12 +31,12 @@ from specserve.serving.wire import check_token_ids, sampling_from_proto
 from specserve.state.prefix import chain
 from specserve.step import Kind, StepRow
 from specserve.v1 import draft_pb2, draft_pb2_grpc
+from specserve.worker.batcher import BACKGROUND, FOREGROUND, Work
 from specserve.worker.core import WorkerCore
 from specserve.worker.model_step import Batching, make_draft_step
+from specserve.worker.predraft import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 from specserve.worker.qcodec import q_to_proto
-from specserve.worker.scheduler import BACKGROUND, FOREGROUND, Work
-from specserve.worker.sessions import WorkerSession
-from specserve.worker.speculation import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
+from specserve.worker.session_table import WorkerSession
 
 Push = Callable[[draft_pb2.Predraft], None]  # a block drafted ahead, on its way to the target
 

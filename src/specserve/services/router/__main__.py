@@ -29,8 +29,8 @@ from specserve.services.router.service import GenerationService, GenerationServi
 from specserve.services.router.sessions import Ownership, Sessions
 from specserve.services.router.targets import TargetDirectory
 from specserve.serving.chat import ChatTemplate
+from specserve.serving.grpc_server import GrpcServer, ServerLimits, run_main
 from specserve.serving.metrics import RouterMetrics
-from specserve.serving.server import GrpcServer, ServerLimits, run_main
 from specserve.serving.telemetry import (
     TracingServerInterceptor,
     publish_ports,

@@ -2,7 +2,7 @@
 `specserve_pool_healthy_replicas` gauge (and the alert on a pool with no replica left).
 
 Since ADR 0014 the router makes no per-round call to a draft worker: the target's engine
-links to the replicas itself (`specserve.engine.link.RemoteDrafts`) and fails a session
+links to the replicas itself (`specserve.engine.remote_drafts.RemoteDrafts`) and fails a session
 over to the next replica, or to plain rounds, when one dies. The router only asks each
 replica's gRPC health service.
 """

@@ -149,7 +149,7 @@ class _Tpot:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """The gRPC face of the service (errors become statuses in serving/server.py)."""
+    """The gRPC face of the service (errors become statuses in serving/grpc_server.py)."""
 
     def __init__(self, service: GenerationService) -> None:
         self.service = service

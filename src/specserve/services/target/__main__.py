@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config import TargetSettings
-from specserve.serving.server import configure_logging
+from specserve.serving.grpc_server import configure_logging
 
 log = logging.getLogger("specserve.target.launcher")
 

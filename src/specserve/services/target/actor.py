@@ -12,7 +12,7 @@ import os
 import threading
 
 from specserve.config import TargetSettings
-from specserve.serving.server import configure_logging
+from specserve.serving.grpc_server import configure_logging
 
 log = logging.getLogger("specserve.target")
 ENGINE_FAILED_EXIT = 70  # the process's status when its engine loop failed (EX_SOFTWARE)
@@ -72,8 +72,8 @@ class TargetWorker:
         from specserve.models.loading import load_model
         from specserve.models.verifier import TargetModel
         from specserve.services.target.server import TargetServicer
+        from specserve.serving.grpc_server import GrpcServer
         from specserve.serving.metrics import WorkerMetrics
-        from specserve.serving.server import GrpcServer
         from specserve.serving.telemetry import (
             TracingServerInterceptor,
             attach_carrier,
@@ -156,7 +156,7 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     from specserve.control.controller import Controller, ShadowLog
     from specserve.drafters.ngram import NgramDrafter
     from specserve.engine.drafting import LocalDrafts
-    from specserve.engine.link import RemoteDrafts
+    from specserve.engine.remote_drafts import RemoteDrafts
     from specserve.engine.scheduler import Budget
     from specserve.engine.speculation import SpeculationSettings
     from specserve.model_info import ModelInfo

@@ -49,8 +49,8 @@ from specserve.engine.session import EnginePlan, EngineSession, Status
 from specserve.engine.speculation import SpeculationSettings
 from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
 from specserve.params import GenerationParams
+from specserve.services.target.accounting import Driven, RoundTelemetry, worker_step
 from specserve.services.target.shadow import SHADOW_SUFFIX, record_shadow, twins_ended
-from specserve.services.target.telemetry import Driven, RoundTelemetry, worker_step
 from specserve.serving.metrics import RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.state.store import REDIS_DOWN, CommitStatus, SessionStatus, SessionStore, ride_out

@@ -10,7 +10,7 @@ from typing import Any
 
 from specserve.control.controller import ShadowLog
 from specserve.engine.session import EngineSession, Status
-from specserve.services.target.telemetry import Driven
+from specserve.services.target.accounting import Driven
 from specserve.serving.metrics import RoundMetrics
 from specserve.state.store import SessionStore
 

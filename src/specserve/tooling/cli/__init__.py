@@ -8,6 +8,6 @@
 - `policy`: `specserve policy list | get | set | delete | history`."""
 
 from specserve.tooling.cli import demo, generate, models, policy, stack  # noqa: F401 - they register their commands
-from specserve.tooling.cli.base import app
+from specserve.tooling.cli.app import app
 
 __all__ = ["app"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from specserve.tooling.cli.base import RUN_DIR, app, router_address, router_channel
+from specserve.tooling.cli.app import RUN_DIR, app, router_address, router_channel
 
 
 @app.command("generate")

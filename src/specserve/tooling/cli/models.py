@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from specserve.tooling.cli.base import app
+from specserve.tooling.cli.app import app
 
 models_app = typer.Typer(no_args_is_help=True, help="Build and inspect the offline model pair.")
 app.add_typer(models_app, name="models")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from specserve.tooling.cli.base import RUN_DIR, app, router_address, router_channel
+from specserve.tooling.cli.app import RUN_DIR, app, router_address, router_channel
 
 policy_app = typer.Typer(no_args_is_help=True, help="Per workload class speculation policies (PolicyAdmin).")
 app.add_typer(policy_app, name="policy")

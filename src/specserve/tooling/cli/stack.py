@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from specserve.config import LOCAL
-from specserve.tooling.cli.base import RUN_DIR, app
+from specserve.tooling.cli.app import RUN_DIR, app
 
 
 def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
