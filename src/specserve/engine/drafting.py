@@ -168,7 +168,7 @@ class DraftPools:
         failover), up to `exact_wait_s`: a plain round would change its sample path. It waits
         once per outage (not when its last round already ran plain for want of a replica),
         and not for a pool that refused it."""
-        source = self.of(s)
+        source = self.sources.get(s.plan.pool or "")  # (per session a step: no call through `of`)
         if source is None:
             return False
         if source.drafts_for(s.id):
@@ -178,7 +178,7 @@ class DraftPools:
 
     def wants_features(self, s: EngineSession) -> bool:
         """The pool drafts from the target's features (ADR 0020): its rows return them."""
-        return bool(getattr(self.of(s), "wants_features", False))
+        return bool(getattr(self.sources.get(s.plan.pool or ""), "wants_features", False))
 
     def features(self, s: EngineSession, start: int, features: Any) -> None:
         """The target's features for a session's positions from `start`, to a pool that drafts from them."""

@@ -258,11 +258,10 @@ class Speculation:
             s.k_choice = self._k_last.get(_k_key(s), s.plan.params.num_draft_tokens)
 
     def choose_k(self, s: EngineSession, batch: int, step_s: float, verified: bool) -> None:
-        """The session's K for its next round (adaptive plans). A session held plain probes
-        every PROBE_EVERY rounds: for up to PROBE_ROUNDS rounds it asks for blocks without
-        waiting for them, until one was there to verify (`verified`: this round verified drafts)."""
-        if not s.plan.adaptive or s.plan.exact:
-            return
+        """The session's K for its next round (adaptive plans that are not exact). A session
+        held plain probes every PROBE_EVERY rounds: for up to PROBE_ROUNDS rounds it asks for
+        blocks without waiting for them, until one was there to verify (`verified`: this round
+        verified drafts)."""
         key = _k_key(s)
         k = self._k_this_step.get(key)
         if k is None:  # every session of a (class, pool) shares its inputs: once per step
