@@ -128,7 +128,10 @@ def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(mode
         servers = [await _draft_server(draft_model) for _ in range(2)]
         pool = RemoteDrafts([a for _, a in servers], asyncio.get_running_loop(), VOCAB).start()
         await _until(lambda: all(r.up for r in pool.replicas))
-        engine, stop, thread = _engine(target_model, {"small": pool}, tree_width=2, tree_always=True)
+        # a target step of 100 ms (simulated), so a tree's block is worth waiting for and lands
+        # within the wait even on a loaded 2-core machine (with the CPU's own few-ms steps every
+        # block came late there once, and a late tree verifies below a plain round's token: a chain)
+        engine, stop, thread = _engine(target_model, {"small": pool}, step_ms=100.0, tree_width=2, tree_always=True)
         await _serve_prompts(servers, pool, engine, stop, thread, 24)
         return engine
 
