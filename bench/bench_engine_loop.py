@@ -301,7 +301,7 @@ def main() -> None:
     ap.add_argument("--exact-batching", choices=("fast", "invariant"), default="fast",
                     help="the stand-in forward's runner (see _loop)")
     ap.add_argument("--gather", choices=("on", "off"), default="on",
-                    help="hold a step for blocks due within it (EngineLoop.gather)")
+                    help="hold a step for blocks due within it (SpeculationSettings.gather)")
     ap.add_argument("--device", default="cpu", help="where the target steps: cpu, cuda (with --profiles real)")
     ap.add_argument("--model", choices=("tiny", "1b"), default="tiny",
                     help="tiny: the 2 x 64 stand-in; 1b: gpu_check's 1B-class target (for a GPU)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import random
 import statistics
 import threading
 import time
@@ -22,6 +23,8 @@ import grpc
 import pytest
 import redis
 
+from specserve.control.arms import in_slice
+from specserve.control.policy import Policy
 from specserve.state.store import session_key
 from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
@@ -296,6 +299,14 @@ def test_an_enabled_class_whose_drafts_stop_being_accepted_goes_back_to_a_slice(
     audit = admin0.ListAudit(policy_pb2.ListAuditRequest(workload_class=poor), metadata=AUTH, timeout=10).entries
     assert (audit[0].action, audit[0].who) == ("rollback", "controller")
     assert "guard acceptance (enabled)" in audit[0].comment and audit[0].old.mode == ENABLED, audit[0].comment
+    # the statistics that tripped it do not take the slice on to shadow at once: requests whose
+    # ids land in the 10 % slice (so the slice's guards are evaluated for them) leave it as it is
+    sliced = Policy(poor, mode="slice", slice_percent=10.0)
+    inside = [rid for rid in (f"{poor}-more-{j}" for j in range(400)) if in_slice(sliced, rid, random.Random(0))][:3]
+    for i, rid in enumerate(inside):
+        _gen((gen0, gen1)[i % 2], readable_code_prompts[i % 4], poor, max_tokens=8, request_id=rid)
+    again = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=poor), metadata=AUTH, timeout=10)
+    assert len(inside) == 3 and (again.mode, again.version) == (got.mode, got.version), again.updated_by
     for i in range(sent):
         _gen((gen0, gen1)[i % 2], extraction_prompts[i % 4], good, max_tokens=24, request_id=f"{good}-{i}")
     got = admin0.GetPolicy(policy_pb2.GetPolicyRequest(workload_class=good), metadata=AUTH, timeout=10)

@@ -113,37 +113,40 @@ def test_a_saturated_replica_refuses_new_sessions_and_sheds_those_its_drafts_hel
 
 
 def test_a_saturated_replica_keeps_the_higher_draft_priority_and_admits_it_first():
-    """Draft capacity by class priority (ADR 0021). Saturated, a replica sheds a session of a
-    lower draft priority at its next outcome even when its drafts help it more than the
-    higher priority's do; it admits a new session of a priority above one it holds (that one
-    is shed next), and refuses one of the lowest priority."""
+    """Draft capacity by class priority (ADR 0021). Saturated, a replica admits a new session
+    of a priority above one it holds in that one's place (shed at once, so its sessions do not
+    grow), refuses one of the lowest priority, and at a running session's outcome sheds a lower
+    priority's session even when its drafts help it more than the higher priority's do."""
     import grpc
 
     async def go():
         servicer = _Servicer()
         link = Link(servicer)
-        for sid, priority in (("low", 0), ("high", 5)):
+        for sid, priority in (("low", 0), ("low2", 0), ("high", 5)):
             link._receive(_open(sid, priority=priority))
             await asyncio.wait_for(link.out.get(), 10)
-        # "low": the target accepted both drafts; "high": none
-        for sid, emitted in (("low", [1, 2, 9]), ("high", [4])):
+        # "low" and "low2": the target accepted both drafts; "high": none
+        for sid, emitted in (("low", [1, 2, 9]), ("low2", [1, 2, 9]), ("high", [4])):
             link._receive(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(
                 session_id=sid, committed_len=3 + len(emitted), emitted=emitted, k=2)))
             await asyncio.wait_for(link.out.get(), 10)
         servicer.busy = True
-        link._receive(_open("vip", priority=5))  # outranks "low": admitted (its first block)
+        link._receive(_open("vip", priority=5))  # in place of a priority-0 session, shed now
+        made_room = await asyncio.wait_for(link.out.get(), 10)
         admitted = await asyncio.wait_for(link.out.get(), 10)
         link._receive(_open("late", priority=0))
         refused = await asyncio.wait_for(link.out.get(), 10)
-        link._receive(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(  # "low" helped again, and is shed
-            session_id="low", committed_len=9, emitted=[1, 2, 9], k=2)))
-        replies = [await asyncio.wait_for(link.out.get(), 10)]
-        return servicer, link, admitted, refused, replies
+        link._receive(draft_pb2.LinkIn(outcome=draft_pb2.LinkOutcome(  # the other one helped again: shed
+            session_id="low2", committed_len=9, emitted=[1, 2, 9], k=2)))
+        shed = await asyncio.wait_for(link.out.get(), 10)
+        return servicer, link, made_room, admitted, refused, shed
 
-    servicer, link, admitted, refused, replies = asyncio.run(go())
+    servicer, link, made_room, admitted, refused, shed = asyncio.run(go())
+    assert made_room.failed_session in ("low", "low2") and "took its place" in made_room.error
     assert admitted.block.session_id == "vip" and not admitted.failed_session
     assert refused.failed_session == "late" and refused.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-    shed = [r for r in replies if r.failed_session]
-    assert [r.failed_session for r in shed] == ["low"] and "draft priority 0, below 5" in shed[0].error
-    assert set(link.sessions) == {"high", "vip"} and servicer.released == ["low"]  # "high" keeps its drafts
-    assert servicer.shed == {"admission": 1, "saturated": 1}
+    assert shed.failed_session == "low2" if made_room.failed_session == "low" else shed.failed_session == "low"
+    assert "draft priority 0, below 5" in shed.error
+    assert set(link.sessions) == {"high", "vip"}  # "high" keeps its drafts; as many sessions as before
+    assert sorted(servicer.released) == ["low", "low2"]
+    assert servicer.shed == {"admission": 1, "saturated": 2}

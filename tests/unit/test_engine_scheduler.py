@@ -87,7 +87,7 @@ def test_a_waiting_session_does_not_hold_back_the_others():
     late, plain = _session("late", k=2), _session("plain")
     plan = schedule([late, plain], 0.0, Budget(), wait)
     assert [r.session.id for r in plan.rows] == ["plain"] and plan.wake_at == WAIT
-    assert plan.waiting == [late]  # what the engine may hold the step for (EngineLoop._hold)
+    assert plan.waiting == [late]  # what the engine may hold the step for (Speculation.hold)
 
 
 def test_a_long_prompt_is_fed_in_chunks_without_logits_until_its_last_chunk():

@@ -21,6 +21,7 @@ from specserve.control.guards import (
     guard_arm,
     promotion_due,
     rolled_back,
+    settling,
 )
 from specserve.control.guards import PLAIN as GUARD_PLAIN
 from specserve.control.guards import SPECULATING as GUARD_SLICE
@@ -196,6 +197,16 @@ def test_a_rollback_goes_back_one_stage():
     shadow = rolled_back(back)
     assert (shadow.mode, shadow.slice_percent) == ("shadow", 0.0)
     shadow.validate()
+
+
+def test_a_stage_the_controller_just_wrote_settles_before_its_guards_judge_again():
+    """After a rollback the statistics that tripped it are still there: judged at once, an
+    enabled class would go on through its slice to shadow within a few requests. A stage the
+    controller wrote waits one half-life of its statistics; an operator's is judged at once."""
+    back = replace(rolled_back(ENABLED), updated_by="controller", updated_at=1000.0)
+    assert settling(back, half_life_s=60.0, now=1030.0)
+    assert not settling(back, half_life_s=60.0, now=1061.0)
+    assert not settling(replace(back, updated_by="ops"), half_life_s=60.0, now=1001.0)
 
 
 def test_the_arms_of_an_enabled_class_are_its_speculative_decisions_and_its_plain_probes():

@@ -43,6 +43,15 @@ GUARDED_STAGES = ("slice", "enabled")
 ENABLED_ROLLBACK_PERCENT = 10.0  # an enabled class whose guard trips goes back to a slice this wide
 
 
+def settling(policy: Policy, half_life_s: float, now: float) -> bool:
+    """A stage the controller itself just wrote (a rollback) is not judged again until its
+    statistics have turned over (one half-life of the controller's decay since the write):
+    the statistics that tripped the guard at one stage would otherwise trip the next stage's
+    guards at once, and an enabled class would pass through its slice to shadow in a few
+    requests. An operator's write is judged at once."""
+    return policy.updated_by == "controller" and now - policy.updated_at < half_life_s
+
+
 @dataclass(frozen=True)
 class ArmWindow:
     requests: int

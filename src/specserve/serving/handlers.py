@@ -1,5 +1,5 @@
 """One way to wrap a gRPC method handler, for the server interceptors (domain errors in
-`server.py`, tracing in `telemetry.py`): each says what runs around a call, this module
+`grpc_server.py`, tracing in `telemetry.py`): each says what runs around a call, this module
 rebuilds the handler around it."""
 
 from __future__ import annotations

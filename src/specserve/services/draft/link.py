@@ -110,7 +110,7 @@ class Link:
             return
         if kind == "open":
             o = msg.open
-            if self.servicer.saturated() and not self._outranks(o.draft_priority):
+            if self.servicer.saturated() and not self._make_room(o.session_id, int(o.draft_priority)):
                 # admission (ADR 0021): the target runs it plain at once
                 self.servicer.metrics.shed.labels("admission").inc()
                 self._fail(o.session_id, ResourceExhausted(
@@ -198,10 +198,24 @@ class Link:
         linked.compiling = None
         return True
 
-    def _outranks(self, priority: int) -> bool:
-        """A session of this draft priority is admitted on a saturated replica: a lower
-        priority's session holds capacity here, and is shed at its next outcome (`_shed`)."""
-        return any(s.priority < priority for s in self.sessions.values())
+    def _make_room(self, sid: str, priority: int) -> bool:
+        """Saturated: admit a session of this draft priority in place of the session of the
+        lowest priority below it on this stream (the one whose drafts help it least among
+        those), shed at once, so the replica's sessions do not grow; False when none is below."""
+        below = [(s.priority, s.gain, other) for other, s in self.sessions.items() if s.priority < priority]
+        if not below:
+            return False
+        _, _, victim = min(below)
+        self._drop(victim, f"a session of draft priority {priority} ({sid}) took its place")
+        return True
+
+    def _drop(self, sid: str, why: str) -> None:
+        """Shed a session to plain decoding: it leaves the link, its KV slot is freed, the target
+        hears it (RESOURCE_EXHAUSTED) and runs its rounds plain."""
+        self.sessions.pop(sid, None)
+        self.servicer.sessions.release(sid)
+        self.servicer.metrics.shed.labels("saturated").inc()
+        self._fail(sid, ResourceExhausted(f"draft replica saturated: session {sid} shed to plain decoding ({why})"))
 
     def _shed(self, sid: str, linked: _Linked) -> bool:
         """Saturated (ADR 0021): shed this session to plain if a session of a higher draft
@@ -221,10 +235,7 @@ class Link:
                    f"at its draft priority {linked.priority}")
         else:
             return False
-        self.sessions.pop(sid, None)
-        self.servicer.sessions.release(sid)
-        self.servicer.metrics.shed.labels("saturated").inc()
-        self._fail(sid, ResourceExhausted(f"draft replica saturated: session {sid} shed to plain decoding ({why})"))
+        self._drop(sid, why)
         return True
 
     def _fail(self, sid: str, exc: SpecserveError) -> None:

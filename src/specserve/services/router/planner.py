@@ -32,6 +32,7 @@ from specserve.control.guards import (
     guard_arm,
     promotion_due,
     rolled_back,
+    settling,
 )
 from specserve.control.policy import Policy, PolicyCache, PolicyConflict
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL, drafts_from_prediction
@@ -53,6 +54,7 @@ class Planner:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.outcomes = ArmOutcomes()  # the outcome guards' window of this router's requests
+        self._window_version: dict[str, int] = {}  # per class: the policy version its windows measure
         self._warned: set[str] = set()
         self._moving: set[str] = set()  # classes whose stage change (rollback, promotion) is being written
         self._tasks: set[asyncio.Task] = set()
@@ -107,12 +109,18 @@ class Planner:
     def outcome(self, plan: SessionPlan, tpot_s: float | None, failed: bool) -> None:
         """How a request of a class in a guarded stage ended (the service reports it): its TPOT
         (None below two tokens) and whether it failed, for the outcome guards."""
-        if plan.guard_arm:
+        if plan.guard_arm and self._window_version.get(plan.policy_class) == plan.policy_version:
+            # (a request planned under an earlier version of the policy measured another stage)
             self.outcomes.record(plan.policy_class, plan.guard_arm, time.monotonic(), tpot_s, failed)
 
     def _stage(self, policy: Policy, stats_class: str, assessment: Assessment) -> None:
         """A class in a guarded stage: back one stage if a guard trips, else (a slice) to enabled
         if its clean window has run."""
+        if self._window_version.get(policy.workload_class) != policy.version:  # a new stage or policy: new windows
+            self.outcomes.forget(policy.workload_class)
+            self._window_version[policy.workload_class] = policy.version
+        if settling(policy, self.controller.half_life_s, time.time()):
+            return
         tripped = check_guards(policy, assessment, self.controller.min_rounds)
         if tripped is None and (policy.guard_max_tpot_ratio or policy.guard_max_error_rate):
             now = time.monotonic()

@@ -233,7 +233,8 @@ class LoopHost:
     async def _start_shadow(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, epoch: int,
                             parent: Any) -> None:
         twin_id = session_id + SHADOW_SUFFIX
-        twin = replace(plan, pool=plan.shadow_pool, shadow=True, shadow_pool=None)
+        # (a twin commits nothing: its drafts never outrank a served session's, ADR 0021)
+        twin = replace(plan, pool=plan.shadow_pool, shadow=True, shadow_pool=None, draft_priority=0)
         span = tracer().start_span("specserve.shadow", context=trace.set_span_in_context(parent))
         span.set_attributes({"specserve.session_id": twin_id, "specserve.workload_class": plan.workload_class,
                              "specserve.draft_pool": twin.labels[1], "specserve.k": twin.k})
