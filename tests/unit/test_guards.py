@@ -10,21 +10,13 @@ from dataclasses import replace
 
 import pytest
 
+from specserve.control import guards
 from specserve.control.arms import Choice, Decision, Fallback
 from specserve.control.arms import assess as assess_class
 from specserve.control.controller import estimate
-from specserve.control.guards import (
-    ENABLED_ROLLBACK_PERCENT,
-    ArmOutcomes,
-    check_guards,
-    check_outcomes,
-    guard_arm,
-    promotion_due,
-    rolled_back,
-    settling,
-)
 from specserve.control.guards import PLAIN as GUARD_PLAIN
 from specserve.control.guards import SPECULATING as GUARD_SLICE
+from specserve.control.guards import ArmOutcomes, check_guards, check_outcomes, promotion_due
 from specserve.control.policy import Policy
 from specserve.errors import InvalidRequest
 
@@ -191,10 +183,10 @@ def test_an_enabled_class_keeps_its_acceptance_and_outcome_guards_but_not_the_sp
 
 
 def test_a_rollback_goes_back_one_stage():
-    back = rolled_back(ENABLED)
-    assert (back.mode, back.slice_percent) == ("slice", ENABLED_ROLLBACK_PERCENT)
+    back = guards.rolled_back(ENABLED)
+    assert (back.mode, back.slice_percent) == ("slice", guards.ENABLED_ROLLBACK_PERCENT)
     back.validate()  # a policy the store accepts
-    shadow = rolled_back(back)
+    shadow = guards.rolled_back(back)
     assert (shadow.mode, shadow.slice_percent) == ("shadow", 0.0)
     shadow.validate()
 
@@ -203,10 +195,10 @@ def test_a_stage_the_controller_just_wrote_settles_before_its_guards_judge_again
     """After a rollback the statistics that tripped it are still there: judged at once, an
     enabled class would go on through its slice to shadow within a few requests. A stage the
     controller wrote waits one half-life of its statistics; an operator's is judged at once."""
-    back = replace(rolled_back(ENABLED), updated_by="controller", updated_at=1000.0)
-    assert settling(back, half_life_s=60.0, now=1030.0)
-    assert not settling(back, half_life_s=60.0, now=1061.0)
-    assert not settling(replace(back, updated_by="ops"), half_life_s=60.0, now=1001.0)
+    back = replace(guards.rolled_back(ENABLED), updated_by="controller", updated_at=1000.0)
+    assert guards.settling(back, half_life_s=60.0, now=1030.0)
+    assert not guards.settling(back, half_life_s=60.0, now=1061.0)
+    assert not guards.settling(replace(back, updated_by="ops"), half_life_s=60.0, now=1001.0)
 
 
 def test_the_arms_of_an_enabled_class_are_its_speculative_decisions_and_its_plain_probes():
@@ -214,14 +206,14 @@ def test_the_arms_of_an_enabled_class_are_its_speculative_decisions_and_its_plai
     another pool or K (which may not pay) and its plain decisions (a load where speculation
     does not pay) count in neither arm."""
     speculate = Choice("a", 4, False, Decision.SPECULATE, Fallback.NONE)
-    assert guard_arm(ENABLED, speculate) == GUARD_SLICE
-    assert guard_arm(ENABLED, replace(speculate, probe=True)) == ""
+    assert guards.guard_arm(ENABLED, speculate) == GUARD_SLICE
+    assert guards.guard_arm(ENABLED, replace(speculate, probe=True)) == ""
     plain_probe = Choice(None, 0, False, Decision.SPECULATE, Fallback.CONTROLLER_PROBE, probe=True)
-    assert guard_arm(ENABLED, plain_probe) == GUARD_PLAIN
-    assert guard_arm(ENABLED, Choice(None, 0, False, Decision.PLAIN, Fallback.CONTROLLER_PLAIN)) == ""
+    assert guards.guard_arm(ENABLED, plain_probe) == GUARD_PLAIN
+    assert guards.guard_arm(ENABLED, Choice(None, 0, False, Decision.PLAIN, Fallback.CONTROLLER_PLAIN)) == ""
     outside = Choice(None, 0, False, Decision.SLICE, Fallback.ROLLOUT)
-    assert guard_arm(SLICE, outside) == GUARD_PLAIN and guard_arm(SLICE, speculate) == GUARD_SLICE
-    assert guard_arm(replace(SLICE, mode="shadow", slice_percent=0.0), speculate) == ""
+    assert guards.guard_arm(SLICE, outside) == GUARD_PLAIN and guards.guard_arm(SLICE, speculate) == GUARD_SLICE
+    assert guards.guard_arm(replace(SLICE, mode="shadow", slice_percent=0.0), speculate) == ""
 
 
 # -- a class's draft priority (ADR 0021): from the policy to the draft replica's open
