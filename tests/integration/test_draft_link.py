@@ -16,6 +16,7 @@ from specserve.drafters import HFDrafter
 from specserve.engine.drafting import DRAFT_UNAVAILABLE
 from specserve.engine.loop import EngineLoop
 from specserve.engine.remote_drafts import RemoteDrafts
+from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan
 from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
@@ -50,11 +51,12 @@ async def _draft_server(draft_model, simulated_token_ms: float = 0.0, **kw) -> t
     return server, f"127.0.0.1:{port}"
 
 
-def _engine(target_model, sources, step_ms: float = 0.0, **kw) -> tuple[EngineLoop, threading.Event, threading.Thread]:
+def _engine(target_model, sources, step_ms: float = 0.0, budget: Budget | None = None,
+            **kw) -> tuple[EngineLoop, threading.Event, threading.Thread]:
     """The engine on its own thread; `step_ms`: a slower simulated target device, so the
     draft (here the target's twin) is cheap next to a target step, as a real draft is."""
     engine = EngineLoop(make_target_step(TargetModel(target_model), Batching(kv_budget_mb=8, max_sessions=8)),
-                        _stops, sources, speculation=SpeculationSettings(block_wait_max_s=0.05, **kw),
+                        _stops, sources, budget=budget, speculation=SpeculationSettings(block_wait_max_s=0.05, **kw),
                         simulated_step_ms=(lambda step, out: step_ms) if step_ms else None)
     stop = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop,), daemon=True)
@@ -182,10 +184,12 @@ def test_remote_ngram_replicas_draft_token_trees_from_their_matches(models, run)
 
 
 def test_a_saturated_replica_refuses_sessions_to_plain_and_nothing_changes_in_the_output(models, run):
-    """Draft capacity (ADR 0021): one replica whose queue bound is 1 work item, its device
-    slow (20 ms a draft step). Sessions opened while it is busy are refused at once: they
-    decode plain from their first round (never waiting for a block), the refusals are counted,
-    the sessions it took still speculate, and every output is the target's alone."""
+    """Draft capacity (ADR 0021), both sides overloaded: one replica whose queue bound is 1 work
+    item, its device slow (20 ms a draft step), and a target whose step holds 2 rows for 4
+    sessions. Sessions opened while the replica is busy are refused at once: they decode plain
+    from their first round (never waiting for a block), the refusals are counted, the sessions
+    it took still speculate, every step held at most its 2 rows, and every output is the
+    target's alone."""
     target_model, draft_model = models
     reference = _plain_reference(target_model, 24)
 
@@ -196,11 +200,14 @@ def test_a_saturated_replica_refuses_sessions_to_plain_and_nothing_changes_in_th
         # a target step of 100 ms (a simulated device): the admitted sessions' 20 ms drafts pay,
         # so the engine's cost model speculates for them rather than holding them plain (on the
         # CPU's real few-ms step it held them plain under load and the test read no drafts)
-        engine, stop, thread = _engine(target_model, {"small": pool}, step_ms=100.0)
+        engine, stop, thread = _engine(target_model, {"small": pool}, step_ms=100.0, budget=Budget(max_batch=2))
+        engine.on_step = lambda report: widest.append(report.rows)
         await _serve_prompts([(server, address)], pool, engine, stop, thread, 24)
         return engine, server.servicer.metrics
 
+    widest: list[int] = []
     engine, metrics = run(go())
+    assert max(widest) == 2  # the target at twice its batch: its widest steps held their 2 rows, none more
     assert [engine.ended[f"s{i}"].generated for i in range(len(PROMPTS))] == reference
     sessions = [engine.ended[f"s{i}"] for i in range(len(PROMPTS))]
     # refused: every round plain at once for want of a replica (none waited for a block)
