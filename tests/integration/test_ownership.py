@@ -106,3 +106,21 @@ def test_a_reader_trims_commits_redone_from_a_shorter_prefix(short, redis_client
         assert rest == [Chunk(4, (5, 6), "", "length", partial=True)]
 
     run(body())
+
+
+STALE = "ff" + "c" * 30  # a session id in the last shard
+
+
+def test_the_reapers_sample_reaches_every_shard_of_the_running_index(short, redis_client, run):
+    """The running index is 256 shards; a reap samples about `limit` ids across them. With the
+    first half of the shards holding two ids each and one stale id in the last shard, a reap of
+    256 must still reach it (a sample cut in shard order, as before, never did: that id would
+    never be seen, so its session never re-placed). Stale ids (no session) leave the index."""
+    async def body():
+        for tag in range(128):
+            await redis_client.sadd(short.running_keys[tag], f"{tag:02x}" + "a" * 30, f"{tag:02x}" + "b" * 30)
+        await redis_client.sadd(short.running_keys[255], STALE)
+        assert await short.orphans(limit=256) == []  # none has a session: all stale
+        return await redis_client.sismember(short.running_keys[255], STALE)
+
+    assert not run(body())  # reached, and dropped from the index

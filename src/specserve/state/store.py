@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -205,14 +206,17 @@ class SessionStore:
         """Running sessions whose owner's lease has lapsed, from a random sample of the
         `running` index (every reap another); ids whose session expired or closed are dropped
         from the index on the way."""
-        # a random sample of each shard, about `limit` ids in all (not `limit` from each: a
-        # router with many sessions would read 256 x limit ids every reap)
-        each = -(-limit // TAGS) + 1
+        # a random sample of each shard, at most `limit` ids in all (not `limit` from each: a
+        # router with many sessions would read 256 x limit ids every reap); cut at random, not
+        # in shard order, so every shard is reached (a cut in order left the last shards out)
+        each = -(-limit // TAGS)
         async with self._r.pipeline(transaction=False) as pipe:
             for key in self.running_keys:
                 pipe.srandmember(key, each)
             shards = await pipe.execute()
-        ids = [as_str(m) for members in shards for m in members][:limit]
+        ids = [as_str(m) for members in shards for m in members]
+        if len(ids) > limit:
+            ids = random.sample(ids, limit)
         if not ids:
             return []
         now = await self._r.time()
