@@ -20,7 +20,7 @@ from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan
 from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
-from specserve.params import GenerationParams
+from specserve.params import GenerationParams, SamplingParams
 from specserve.services.draft.server import DraftServicer
 from specserve.v1 import draft_pb2_grpc
 from specserve.worker.model_step import Batching, make_target_step
@@ -150,9 +150,11 @@ def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(mode
 def test_remote_ngram_replicas_draft_token_trees_from_their_matches(models, run):
     """A remote n-gram replica asked for a tree (ADR 0020) answers with its own: the latest
     matches of its longest suffix match with distinct next tokens, each continued, as
-    branches (drafts with parents). The prompt repeats (7, 8) before three different tokens,
-    so the first round's suffix (7, 8) has three continuations; the target verifies the tree,
-    and the greedy output is the target's alone."""
+    branches (drafts with parents). The prompt repeats (7, 8) before three different tokens, so
+    its suffix (7, 8) has several continuations: the replica's tree for it has more than one
+    root (two: its latest matches with distinct next tokens, 3 and 2). Over
+    the session (a tree is offered with each outcome, so from the second round) the target
+    verifies trees on more than one branch, and the greedy output is the target's alone."""
     from specserve.drafters import NgramDrafter
 
     target_model, _ = models
@@ -180,7 +182,9 @@ def test_remote_ngram_replicas_draft_token_trees_from_their_matches(models, run)
     assert engine.ended["s0"].generated == reference
     trees = [r for r in engine.ended["s0"].rounds if r.tree_size > r.k]  # drafts on more than one branch
     assert trees, [(r.k, r.tree_size) for r in engine.ended["s0"].rounds]
-    assert trees[0].tree_size >= 3  # the first round: three branches below (7, 8)
+    assert trees[0].tree_size >= trees[0].k + 2  # beyond one chain by two nodes: branches
+    tokens, parents = NgramDrafter(VOCAB).start().propose_tree(prompt, 3, SamplingParams(), 1, 3)
+    assert sorted(t for t, p in zip(tokens, parents, strict=True) if p < 0) == [2, 3]  # two roots
 
 
 def test_a_saturated_replica_refuses_sessions_to_plain_and_nothing_changes_in_the_output(models, run):

@@ -25,6 +25,10 @@ class NgramDrafter:
 
 
 class NgramSession:
+    # its trees cost microseconds (no model step): a draft server computes them in place, on
+    # its event loop, where a model's tree is a second block to schedule (services/draft/server.py)
+    inline_tree = True
+
     def __init__(self, drafter: NgramDrafter) -> None:
         self.drafter = drafter
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import SURE, Drafter, DraftProposal
-from specserve.drafters.ngram import NgramSession
 from specserve.errors import InvalidRequest, SessionNotFound
 from specserve.model_info import ModelInfo
 from specserve.params import check_k
@@ -172,7 +171,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         is unsure of the first token (its probability under SURE): the chain, then the draft's
         runner-up there with its own greedy chain to depth k, drafted as a second block; the
         chain alone elsewhere. (proposal, parents or None, the second block's cost in seconds.)"""
-        if isinstance(seq.handle, NgramSession):
+        if getattr(seq.handle, "inline_tree", False):
             found = seq.handle.propose_tree(ids, k, sampling, seed, width)
             if found is None:
                 return first, None, 0.0
