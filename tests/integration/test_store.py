@@ -248,6 +248,7 @@ def test_every_key_is_prefixed_and_has_a_refreshed_ttl(store, redis_client, run)
         await store.commit(sid, 0, handle.epoch, rid(), [1, 2], "ab", None)
         base = store.session_key(sid)
         expected = {base, f"{base}:tok", f"{base}:out", f"{base}:rounds", store._keys(sid)[4]}
+        assert all(k.startswith(store.prefix + ":") for k in expected)  # (built by the code under test)
         assert {k async for k in redis_client.scan_iter("*")} == expected
         for key in expected:
             assert 0 < await redis_client.ttl(key) <= store.ttl_s, key
@@ -361,5 +362,6 @@ def test_a_request_ids_session_made_again_after_its_hash_expired_starts_empty(st
         assert again.created and again.session_id == first.session_id
         assert await store.committed_tokens(again.session_id) == []
         assert await redis_client.xlen(store.session_key(again.session_id) + ":out") == 0
+        assert not await redis_client.exists(store.session_key(again.session_id) + ":rounds")  # its round ids too
 
     run(body())

@@ -124,11 +124,12 @@ def test_a_restarted_incarnation_adopts_its_sessions_and_finishes_them_exactly(t
         at_adoption = len(await store.committed_tokens(handle.session_id))
         chunks = await asyncio.wait_for(_all_chunks(store, handle.session_id), 60)
         zombie = first.engine.ended.get(handle.session_id)
+        stored_epoch = (await store.get(handle.session_id)).epoch
         await first.close()
         await second.close()
-        return handle, adopted, at_adoption, chunks, zombie, second
+        return handle, adopted, at_adoption, chunks, zombie, second, stored_epoch
 
-    handle, adopted, at_adoption, chunks, zombie, second = run(go())
+    handle, adopted, at_adoption, chunks, zombie, second, stored_epoch = run(go())
     assert adopted == [handle.session_id] and 10 <= at_adoption < 120  # adopted mid-generation
     tokens = [t for c in chunks for t in c.tokens]
     assert tokens == reference  # nothing lost, nothing repeated, the same sampled tokens
@@ -139,7 +140,8 @@ def test_a_restarted_incarnation_adopts_its_sessions_and_finishes_them_exactly(t
     # above are exactly the reference, once) and the session is the new incarnation's
     assert zombie is not None and zombie.finish_reason in ("stale_epoch", "length")
     assert second.engine.ended[handle.session_id].finish_reason == "length"
-    assert second.engine.ended[handle.session_id].epoch > handle.epoch
+    # the first Start took epoch + 1, the adoption epoch + 2, and Redis holds the adopter's
+    assert second.engine.ended[handle.session_id].epoch == handle.epoch + 2 == stored_epoch
 
 
 def test_a_start_whose_caller_gives_up_midway_still_drives_the_session_and_the_engine_runs_on(
