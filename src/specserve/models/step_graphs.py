@@ -92,7 +92,7 @@ class StepGraphs:
         t0 = time.perf_counter()
         done = 0
         for b in sorted(set(buckets), key=lambda x: (x.span, x.width, x.rows)):  # the common ones first
-            if time.perf_counter() - t0 > budget_s or len(self.graphs) >= self.max_graphs:
+            if time.perf_counter() - t0 > budget_s or self._full():
                 break
             if b in self.graphs:
                 continue
@@ -106,7 +106,7 @@ class StepGraphs:
 
     def _graph(self, b: Bucket, run: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
         graph = self.graphs.get(b)
-        if graph is not None or len(self.graphs) >= self.max_graphs:
+        if graph is not None or self._full():
             return graph
         # its warm-up run computes the prepared step, which the replay then computes again
         graph = self._timed_capture(run)
@@ -116,11 +116,15 @@ class StepGraphs:
     def _chain_graph(self, b: Bucket, steps: int, run_chain: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
         key = (b, steps)
         graph = self.chain_graphs.get(key)
-        if graph is not None or len(self.graphs) + len(self.chain_graphs) >= self.max_graphs:
+        if graph is not None or self._full():
             return graph
         graph = self._timed_capture(run_chain)
         self.chain_graphs[key] = graph
         return graph
+
+    def _full(self) -> bool:
+        """`max_graphs` bounds the graphs of both kinds together (their memory is one pool's)."""
+        return len(self.graphs) + len(self.chain_graphs) >= self.max_graphs
 
     def _timed_capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()
