@@ -151,6 +151,8 @@ class DraftPools:
 
     def __init__(self, sources: Mapping[str, DraftSource], deliver: Deliver) -> None:
         self.sources = dict(sources)
+        # the pools that draft from the target's features (ADR 0020): fixed per pool
+        self.feature_pools = {name for name, source in self.sources.items() if getattr(source, "wants_features", False)}
         for source in self.sources.values():
             source.attach(deliver)
 
@@ -178,7 +180,7 @@ class DraftPools:
 
     def wants_features(self, s: EngineSession) -> bool:
         """The pool drafts from the target's features (ADR 0020): its rows return them."""
-        return bool(getattr(self.sources.get(s.plan.pool or ""), "wants_features", False))
+        return s.plan.pool in self.feature_pools
 
     def features(self, s: EngineSession, start: int, features: Any) -> None:
         """The target's features for a session's positions from `start`, to a pool that drafts from them."""

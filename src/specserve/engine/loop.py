@@ -343,8 +343,7 @@ class EngineLoop:
         if settled.finish_reason is not None:
             self._end(s, Status.FINISHED, settled.finish_reason)
         elif (source := self.pools.of(s)) is not None and (k_next > 0 or s.plan.adaptive):
-            self.speculation.next_asked(s)
-            self.speculation.asked(s)
+            self.speculation.asked_again(s)
             width = self.speculation.width(s, k_next, len(self.sessions))
             source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, width))
 

@@ -69,7 +69,6 @@ class SpeculationSettings:
 
     # the longest a row waits for its late block; also the step time assumed before any step
     block_wait_max_s: float = 0.005
-    wait_factor: float = 1.0  # scales what a block is worth waiting for (`block_wait_s`)
     # how long an exact session (plan.exact) waits for its block before it runs plain anyway:
     # longer than a draft source's failover (engine/remote_drafts.py, 1 s), so only a pool with no
     # replica left can change its sample path
@@ -148,7 +147,7 @@ class Speculation:
             return self.settings.exact_wait_s
         if s.probing:  # held plain: a block that is not there yet is not waited for
             return 0.0
-        worth = self.settings.wait_factor * max(s.expected_emitted - 1.0, 0.0) * self.measured.step_ms / 1e3
+        worth = max(s.expected_emitted - 1.0, 0.0) * self.measured.step_ms / 1e3
         return min(self.settings.block_wait_max_s, worth)
 
     def hold(self, rows: list[Row], waiting: list[EngineSession],
@@ -239,11 +238,12 @@ class Speculation:
             self.siblings_of(s).observe(verdict.num_accepted > 0)
         return verdict.num_accepted if through_first else 0
 
-    def next_asked(self, s: EngineSession) -> None:
-        """The session's next round asks for a block: count whether it came ahead (drafted
-        during this verify, so that round waits for nothing)."""
+    def asked_again(self, s: EngineSession) -> None:
+        """After a round, the session's source is asked for its next block (`asked`); count
+        whether that block came ahead (drafted during this verify: its round waits for nothing)."""
         if s.k_next > 0 and not s.probing:
             self.measured.ahead(s.plan.pool or "", s.block is not None)
+        self.asked(s)
 
     def acceptance_of(self, s: EngineSession) -> Acceptance:
         return self.acceptance.setdefault(_class_pool(s), Acceptance())

@@ -104,10 +104,8 @@ class LoopHost:
         self.index = SessionIndex(store, name)
         self.loop = loop
         self.metrics = metrics or RoundMetrics()
-        self.controller = controller
         self.telemetry = RoundTelemetry(self.metrics, controller, kv_bytes_per_token)
         self.shadow_log = shadow_log
-        self.kv_bytes_per_token = kv_bytes_per_token
         self.heartbeat_s = heartbeat_s
         self.detached_idle_s = detached_idle_s
         self.on_no_room = on_no_room  # a Start refused for want of KV room (the refused-sessions counter)
