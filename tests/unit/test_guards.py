@@ -251,3 +251,18 @@ def test_a_draft_priority_travels_from_the_policy_to_the_draft_replicas_open():
         return drafts.replicas[0].queue.get_nowait()
 
     assert asyncio.run(opened()).open.draft_priority == 7
+
+
+def test_the_windows_measure_one_version_of_the_policy():
+    """A stage change is a new policy version: a request of the new version starts the
+    windows again, one planned under the old version is not counted, and the windows read
+    for another version are empty."""
+    out = ArmOutcomes()
+    for _ in range(12):
+        out.record("c", GUARD_SLICE, 999.0, 0.05, False, version=3)
+    assert out.window("c", GUARD_SLICE, 1000.0, version=3).requests == 12
+    assert out.window("c", GUARD_SLICE, 1000.0, version=4).requests == 0
+    out.record("c", GUARD_SLICE, 999.0, 0.02, False, version=4)  # the new stage's first request
+    assert out.window("c", GUARD_SLICE, 1000.0, version=4).requests == 1
+    out.record("c", GUARD_SLICE, 999.0, 0.05, False, version=3)  # an old request ending late
+    assert out.window("c", GUARD_SLICE, 1000.0, version=4).requests == 1

@@ -61,30 +61,37 @@ class ArmWindow:
 
 class ArmOutcomes:
     """A router's recent requests per (class, arm): when each ended, its TPOT (seconds a token
-    after the first; None below two tokens) and whether it failed. Arms: SPECULATING and PLAIN."""
+    after the first; None below two tokens) and whether it failed. Arms: SPECULATING and PLAIN.
+    The windows measure one version of the class's policy (a stage change is a new version):
+    a request of a newer version starts them again, one of an older version is not counted,
+    and a window read for another version is empty."""
 
     def __init__(self, window_requests: int = WINDOW_REQUESTS, window_s: float = WINDOW_S) -> None:
         self.window_s = window_s
         self._n = window_requests
         self._arms: dict[tuple[str, str], deque[tuple[float, float | None, bool]]] = {}
+        self._version: dict[str, int] = {}  # per class: the policy version its windows measure
 
-    def record(self, workload_class: str, arm: str, now: float, tpot_s: float | None, failed: bool) -> None:
+    def record(self, workload_class: str, arm: str, now: float, tpot_s: float | None, failed: bool,
+               version: int = 0) -> None:
+        seen = self._version.get(workload_class)
+        if seen is not None and version < seen:
+            return  # planned under an earlier version of the policy: another stage
+        if seen != version:
+            self._version[workload_class] = version
+            for a in (SPECULATING, PLAIN):
+                self._arms.pop((workload_class, a), None)
         q = self._arms.setdefault((workload_class, arm), deque(maxlen=self._n))
         q.append((now, tpot_s, failed))
 
-    def window(self, workload_class: str, arm: str, now: float) -> ArmWindow:
-        q = self._arms.get((workload_class, arm), ())
+    def window(self, workload_class: str, arm: str, now: float, version: int = 0) -> ArmWindow:
+        current = self._version.get(workload_class) == version
+        q = self._arms.get((workload_class, arm), ()) if current else ()
         recent = [(t, tpot, failed) for t, tpot, failed in q if now - t <= self.window_s]
         tpots = sorted(tpot for _, tpot, failed in recent if tpot is not None and not failed)
         p90 = tpots[min(len(tpots) - 1, math.ceil(0.9 * len(tpots)) - 1)] if tpots else math.nan
         errors = sum(failed for _, _, failed in recent)
         return ArmWindow(len(recent), p90, errors / len(recent) if recent else 0.0)
-
-    def forget(self, workload_class: str) -> None:
-        """A stage change starts the class's windows again (the slice's requests were another
-        stage's)."""
-        for arm in (SPECULATING, PLAIN):
-            self._arms.pop((workload_class, arm), None)
 
 
 def check_outcomes(policy: Policy, slice_w: ArmWindow, plain_w: ArmWindow) -> Tripped | None:

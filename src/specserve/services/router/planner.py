@@ -54,7 +54,6 @@ class Planner:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.outcomes = ArmOutcomes()  # the outcome guards' window of this router's requests
-        self._window_version: dict[str, int] = {}  # per class: the policy version its windows measure
         self._warned: set[str] = set()
         self._moving: set[str] = set()  # classes whose stage change (rollback, promotion) is being written
         self._tasks: set[asyncio.Task] = set()
@@ -109,23 +108,21 @@ class Planner:
     def outcome(self, plan: SessionPlan, tpot_s: float | None, failed: bool) -> None:
         """How a request of a class in a guarded stage ended (the service reports it): its TPOT
         (None below two tokens) and whether it failed, for the outcome guards."""
-        if plan.guard_arm and self._window_version.get(plan.policy_class) == plan.policy_version:
-            # (a request planned under an earlier version of the policy measured another stage)
-            self.outcomes.record(plan.policy_class, plan.guard_arm, time.monotonic(), tpot_s, failed)
+        if plan.guard_arm:
+            self.outcomes.record(plan.policy_class, plan.guard_arm, time.monotonic(), tpot_s, failed,
+                                 plan.policy_version)
 
     def _stage(self, policy: Policy, stats_class: str, assessment: Assessment) -> None:
         """A class in a guarded stage: back one stage if a guard trips, else (a slice) to enabled
         if its clean window has run."""
-        if self._window_version.get(policy.workload_class) != policy.version:  # a new stage or policy: new windows
-            self.outcomes.forget(policy.workload_class)
-            self._window_version[policy.workload_class] = policy.version
         if settling(policy, self.controller.half_life_s, time.time()):
             return
         tripped = check_guards(policy, assessment, self.controller.min_rounds)
         if tripped is None and (policy.guard_max_tpot_ratio or policy.guard_max_error_rate):
             now = time.monotonic()
-            tripped = check_outcomes(policy, self.outcomes.window(policy.workload_class, SPECULATING, now),
-                                     self.outcomes.window(policy.workload_class, PLAIN, now))
+            cls, v = policy.workload_class, policy.version
+            tripped = check_outcomes(policy, self.outcomes.window(cls, SPECULATING, now, v),
+                                     self.outcomes.window(cls, PLAIN, now, v))
         if tripped is not None:
             self._roll_back(policy, stats_class, tripped)
         elif why := promotion_due(policy, assessment, self.controller.min_rounds, time.time()):
@@ -145,7 +142,6 @@ class Planner:
         to = rolled_back(policy)
 
         def done() -> None:
-            self.outcomes.forget(policy.workload_class)
             self.metrics.rollbacks.labels(stats_class, tripped.guard).inc()
             log.warning("policy %r rolled back from %s to %s: %s", policy.workload_class, policy.mode, to.mode,
                         tripped.reason)
@@ -155,7 +151,6 @@ class Planner:
     def _promote(self, policy: Policy, stats_class: str, why: str) -> None:
         """A slice clean for its policy's window (ADR 0022): the class is promoted to enabled."""
         def done() -> None:
-            self.outcomes.forget(policy.workload_class)
             self.metrics.promotions.labels(stats_class).inc()
             log.info("policy %r promoted from slice to enabled: %s", policy.workload_class, why)
 
