@@ -45,18 +45,11 @@ class GenerationService:
             tokens: list[int] = []
             text: list[str] = []
             reason = ""
-            timer = _Tpot()
-            try:
-                async for chunk in self._follow(opened.session_id, 0):
-                    timer.chunk(chunk)
-                    tokens.extend(chunk.tokens)
-                    text.append(self._text(chunk))
-                    reason = chunk.finish_reason or reason
-                stats = await self._final_stats(opened, reason)
-            except SpecserveError:
-                self.planner.outcome(plan, None, failed=True)
-                raise
-            self.planner.outcome(plan, timer.tpot_s, failed=False)
+            async for chunk in self._observed(opened.session_id, plan):
+                tokens.extend(chunk.tokens)
+                text.append(self._text(chunk))
+                reason = chunk.finish_reason or reason
+            stats = await self._final_stats(opened, reason)
             span.set_attributes({"specserve.finish_reason": reason, "specserve.emitted": len(tokens),
                                  "specserve.rounds": stats.rounds, "specserve.num_accepted": stats.accepted_tokens})
         return generation_pb2.GenerateResponse(session_id=opened.session_id, text="".join(text), token_ids=tokens,
@@ -68,21 +61,14 @@ class GenerationService:
         req = self._parse(request)
         with tracer().start_as_current_span("specserve.generate") as span:
             opened, plan = await self._open(req, span)
-            timer = _Tpot()
-            try:
-                async for chunk in self._follow(opened.session_id, 0):
-                    timer.chunk(chunk)
-                    msg = generation_pb2.GenerateChunk(session_id=opened.session_id, offset=chunk.offset,
-                                                       token_ids=chunk.tokens, text=self._text(chunk),
-                                                       finish_reason=chunk.finish_reason or "")
-                    if chunk.finish_reason:
-                        msg.stats.CopyFrom(await self._final_stats(opened, chunk.finish_reason))
-                        span.set_attribute("specserve.finish_reason", chunk.finish_reason)
-                        self.planner.outcome(plan, timer.tpot_s, failed=False)
-                    yield msg
-            except SpecserveError:
-                self.planner.outcome(plan, None, failed=True)
-                raise
+            async for chunk in self._observed(opened.session_id, plan):
+                msg = generation_pb2.GenerateChunk(session_id=opened.session_id, offset=chunk.offset,
+                                                   token_ids=chunk.tokens, text=self._text(chunk),
+                                                   finish_reason=chunk.finish_reason or "")
+                if chunk.finish_reason:
+                    msg.stats.CopyFrom(await self._final_stats(opened, chunk.finish_reason))
+                    span.set_attribute("specserve.finish_reason", chunk.finish_reason)
+                yield msg
 
     async def cancel(self, session_id: str) -> bool:
         return await self.sessions.cancel(session_id)
@@ -92,6 +78,20 @@ class GenerationService:
             yield generation_pb2.GenerateChunk(session_id=session_id, offset=chunk.offset,
                                                token_ids=chunk.tokens, text=self._text(chunk),
                                                finish_reason=chunk.finish_reason or "")
+
+    async def _observed(self, session_id: str, plan: SessionPlan) -> AsyncIterator[Chunk]:
+        """A new request's chunks (`_follow`), and its outcome for the rollout guards (ADR 0022):
+        its client's TPOT once the last chunk has been taken, or a failure (a SpecserveError).
+        A client that goes away first counts as nothing."""
+        timer = _Tpot()
+        try:
+            async for chunk in self._follow(session_id, 0):
+                timer.chunk(chunk)
+                yield chunk
+        except SpecserveError:
+            self.planner.outcome(plan, None, failed=True)
+            raise
+        self.planner.outcome(plan, timer.tpot_s, failed=False)
 
     def _follow(self, session_id: str, from_offset: int) -> AsyncIterator[Chunk]:
         """The session's committed chunks from Redis, whoever drives it. A reader that goes
