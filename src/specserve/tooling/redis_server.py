@@ -341,7 +341,7 @@ class LocalRedisCluster:
 
     @staticmethod
     def resume(replica: LocalRedis) -> None:
-        os.kill(replica.pid, signal.SIGCONT)
+        _signal(replica.pid, signal.SIGCONT)
 
     def role(self, node: LocalRedis) -> str:
         """"master" or "slave", as the node says (a replica can have been promoted)."""
@@ -385,23 +385,18 @@ def start_redis_cluster(dir: Path, *, masters: int = 3, replicas: int = 1, node_
     its own free cluster-bus port), joined by `redis-cli --cluster create`; returns once every
     node reports `cluster_state:ok`. A master stopped for `node_timeout_ms` has its replica
     promoted by the others."""
-    import redis
 
     dir = Path(dir)
     password = secrets.token_urlsafe(18)
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
     cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
     nodes: list[LocalRedis] = []
     try:
         for i in range(masters * (1 + replicas)):
             ndir = dir / f"node-{i}"
-            ndir.mkdir(parents=True, exist_ok=True)
             extra = ("--cluster-enabled", "yes", "--cluster-config-file", str(ndir / "nodes.conf"),
                      "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(_free_port()),
                      "--repl-diskless-sync-delay", "0")  # (a replica's first sync at once, not in 5 s)
-            nodes.append(_spawn(exe, ndir, _free_port(), password, True, extra))
-        for n in nodes:
-            _wait_for_ping(n, timeout_s)
+            nodes.append(_start_with(ndir, password, extra, timeout_s))
         create = [cli, "-a", password, "--no-auth-warning", "--cluster", "create",
                   *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-replicas", str(replicas), "--cluster-yes"]
         done = subprocess.run(create, capture_output=True, text=True, timeout=timeout_s)
@@ -409,14 +404,11 @@ def start_redis_cluster(dir: Path, *, masters: int = 3, replicas: int = 1, node_
             raise RedisServerError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
         deadline = time.monotonic() + timeout_s
         for n in nodes:
-            client = redis.Redis(port=n.port, password=password, socket_timeout=2)
-            try:
+            with _client(n.port, password) as client:
                 while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
                     if time.monotonic() > deadline:
                         raise RedisServerError(f"cluster node {n.port} not ok within {timeout_s} s")
                     time.sleep(0.1)
-            finally:
-                client.close()
         cluster = LocalRedisCluster(nodes, password)
         for n in nodes:  # a failover before a replica's first sync would promote an empty one
             if cluster.role(n) == "slave":
