@@ -247,11 +247,14 @@ class PolicyStore:
 
     async def migrate_layout(self) -> int:
         """Policies stored under the keys before ADR 0023 (`{p}:policies`, `{p}:policy:{class}`,
-        `{p}:policy-audit`) copied to today's, once (only while today's index is empty): an
-        upgraded router keeps the policies set at run time. Returns how many were copied."""
+        `{p}:policy-audit`) copied to today's, once (only while today's index is empty, and by one
+        router of several starting together: the first to set the marker): an upgraded router
+        keeps the policies set at run time. Returns how many were copied."""
         old_index, r = f"{self.prefix}:policies", cast(Any, self.redis)
         if await r.exists(self.index_key) or not await r.exists(old_index):
             return 0
+        if not await r.set(f"{self.index_key}:migrated", "1", nx=True):
+            return 0  # another router is copying them
         classes = sorted(_s(c) for c in await r.smembers(old_index))
         for c in classes:
             raw = await r.hgetall(f"{self.prefix}:policy:{c}")
