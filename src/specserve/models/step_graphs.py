@@ -105,21 +105,20 @@ class StepGraphs:
         return done
 
     def _graph(self, b: Bucket, run: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
-        graph = self.graphs.get(b)
-        if graph is not None or self._full():
-            return graph
-        # its warm-up run computes the prepared step, which the replay then computes again
-        graph = self._timed_capture(run)
-        self.graphs[b] = graph
-        return graph
+        return self._captured(self.graphs, b, run)
 
     def _chain_graph(self, b: Bucket, steps: int, run_chain: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
-        key = (b, steps)
-        graph = self.chain_graphs.get(key)
+        return self._captured(self.chain_graphs, (b, steps), run_chain)
+
+    def _captured(self, table: dict[Any, torch.cuda.CUDAGraph], key: Any,
+                  run: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
+        """The graph of `key` in `table`, captured from `run` on its first use while there is
+        room (`_full`); None: run it eagerly. The capture's warm-up run computes the prepared
+        step, which the replay then computes again."""
+        graph = table.get(key)
         if graph is not None or self._full():
             return graph
-        graph = self._timed_capture(run_chain)
-        self.chain_graphs[key] = graph
+        graph = table[key] = self._timed_capture(run)
         return graph
 
     def _full(self) -> bool:
