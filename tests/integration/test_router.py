@@ -56,7 +56,7 @@ def _prompts(eval_prompts, n_per_class: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local"])
+@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local", "eagle-local", "eagle"])
 def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts, pool):
     drafted = 0
     for item in _prompts(eval_prompts, 4):

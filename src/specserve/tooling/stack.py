@@ -29,10 +29,13 @@ from specserve.tooling.redis_server import LocalRedis
 
 @dataclass
 class PoolSpec:
-    model: str  # "ngram" or a model directory
+    # "ngram", "eagle" (the pair's EAGLE head, `eagle/`, fed the target's features; ADR 0020)
+    # or a model directory (relative to the pair, or absolute)
+    model: str
     replicas: int = 1
     env: dict[str, str] = field(default_factory=dict)  # e.g. SPECSERVE_DRAFT_SIMULATED_TOKEN_MS
-    # model "ngram" only: drafted inside the target (`local:ngram`), no replica process
+    # "ngram" and "eagle" only: drafted inside the target (`local:ngram`, `local:eagle`), no
+    # replica process
     local: bool = False
 
 
@@ -208,22 +211,26 @@ class Stack:
         spec, pair = self.spec, Path(self.spec.pair_dir)
         ports: list[tuple[str, str, subprocess.Popen, Path, Path]] = []
         for pool, ps in spec.pools.items():
+            if ps.model == "eagle" and not (pair / "eagle" / "config.json").exists():
+                raise StackError(f"pool {pool!r}: no EAGLE head at {pair / 'eagle'} "
+                                 "(`specserve models eagle` trains one)")
             if ps.local:
                 if ps.model not in ("ngram", "eagle"):
                     raise StackError(f"pool {pool!r}: only an n-gram pool or an EAGLE head drafts inside the target")
-                if ps.model == "eagle" and not (pair / "eagle" / "config.json").exists():
-                    raise StackError(f"pool {pool!r}: no EAGLE head at {pair / 'eagle'} "
-                                     "(`specserve models eagle` trains one)")
                 self.info.pools[pool] = [LOCAL_NGRAM if ps.model == "ngram" else LOCAL_EAGLE]
                 continue
             for i in range(ps.replicas):
                 name = f"draft-{pool}-{i}"
                 port_file = self.run_dir / f"{name}.port"
                 port_file.unlink(missing_ok=True)
-                model = (ps.model if ps.model == "ngram"
+                model = (ps.model if ps.model in ("ngram", "eagle")
                          else str(pair / ps.model) if not Path(ps.model).is_absolute() else ps.model)
+                # a remote head reads the embeddings and LM head of the pair's target, and is fed
+                # the target's features over the Link
+                head = ({"SPECSERVE_DRAFT_EAGLE_HEAD": str(pair / "eagle"),
+                         "SPECSERVE_DRAFT_EAGLE_TARGET": str(pair / "target")} if model == "eagle" else {})
                 p, lg = self._spawn(name, "specserve.services.draft", {
-                    "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model,
+                    "SPECSERVE_DRAFT_POOL": pool, "SPECSERVE_DRAFT_MODEL": model, **head,
                     # the pair's tokenizer: an n-gram replica masks its drafts under a constraint too
                     "SPECSERVE_DRAFT_TOKENIZER": str(pair / "target"),
                     "SPECSERVE_DRAFT_PORT_FILE": str(port_file), "SPECSERVE_DRAFT_METRICS_PORT": "0",
@@ -244,6 +251,9 @@ class Stack:
             "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
             "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
             "SPECSERVE_TARGET_METRICS_PORT": "0", "SPECSERVE_TARGET_DRAFT_POOLS": json.dumps(self.info.pools),
+            # the remote pools of EAGLE heads: the target sends them its features on the Link
+            "SPECSERVE_TARGET_EAGLE_POOLS": json.dumps(
+                [pool for pool, ps in spec.pools.items() if ps.model == "eagle" and not ps.local]),
         })
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
         self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"

@@ -4,6 +4,7 @@ in-process reference decoder): held-out prompts of each class, speculation off a
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import typer
@@ -54,7 +55,7 @@ def demo(
         call(prompts[0]["prompt"], prompts[0]["workload_class"], "small")  # warm caches and channels
         for cls in ("code", "chat", "extraction"):
             _demo_class(console, table, call, [p["prompt"] for p in demo_choice(prompts, cls, prompts_per_class)],
-                        cls, eagle=(pair_path / "eagle" / "config.json").exists())
+                        cls, eagle=_eagle_pools(pair_path, router, run_dir))
         console.print(table)
         if router is None:  # the local stack: its HTTP API's address is in run/router.http
             code = demo_choice(prompts, "code", 1)[0]["prompt"]
@@ -62,11 +63,21 @@ def demo(
         _demo_policies(console, channel, prompts, prompts_per_class, max_tokens)
 
 
-def _demo_class(console, table, call, chosen: list[str], cls: str, eagle: bool = False) -> None:
+def _eagle_pools(pair_path: Path, router: str | None, run_dir: Path) -> list[str]:
+    """The EAGLE pools to show: where the pair ships a head, `eagle-local`, and the remote
+    `eagle` where the local stack serves it (`run/stack.json`); a router elsewhere, the first."""
+    if not (pair_path / "eagle" / "config.json").exists():
+        return []
+    stack = run_dir / "stack.json"
+    served = json.loads(stack.read_text()).get("pools", {}) if router is None and stack.exists() else {}
+    return [p for p in ("eagle-local", "eagle") if p == "eagle-local" or p in served]
+
+
+def _demo_class(console, table, call, chosen: list[str], cls: str, eagle: Sequence[str] = ()) -> None:
     """One class's prompts with speculation off and on each pool: the plain outputs printed,
     a table row per arm (time per token, speedup, acceptance, same tokens as plain)."""
-    arms = [("off", "none"), ("on: small", "small"), ("on: ngram", "ngram")] + ([("on: eagle-local", "eagle-local")]
-                                                                                if eagle else [])
+    arms = [("off", "none"), ("on: small", "small"), ("on: ngram", "ngram")] + [
+        (f"on: {p}" if p == "eagle-local" else f"on: {p} (remote)", p) for p in eagle]
     runs = {name: [call(p, cls, pool) for p in chosen] for name, pool in arms}
     plain = runs["off"]
     console.rule(f"[bold]{cls}[/bold]")

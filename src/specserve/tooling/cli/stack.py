@@ -32,8 +32,9 @@ def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
                 "extraction": {"draft_pool": "ngram", "draft_pools": ["small"], "adaptive_k": True, "k_min": 2,
                                "k_max": 12}}
     pools = {"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", local=True)}
-    if (pair / "eagle" / "config.json").exists():  # the pair's EAGLE head, drafting beside the target (ADR 0020)
+    if (pair / "eagle" / "config.json").exists():  # the pair's EAGLE head (ADR 0020): beside the target,
         pools["eagle-local"] = PoolSpec("eagle", local=True)
+        pools["eagle"] = PoolSpec("eagle", replicas=1)  # and on a replica fed the target's features
     return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
                      pools=pools,
                      redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""), http_port=http_port,
@@ -54,7 +55,7 @@ def up(
                                        "replica each (ADR 0023); the services use its redis+cluster:// address."),
 ) -> None:
     """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, the draft pools
-    (small: 2 replicas, ngram and eagle-local inside the target) and the router (gRPC, and the
+    (small: 2 replicas, ngram and eagle-local inside the target, eagle: 1 replica) and the router (gRPC, and the
     OpenAI HTTP API), all on loopback."""
     from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import Stack, StackError, down_from
