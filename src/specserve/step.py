@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -133,20 +133,40 @@ def subtree(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int]
     (a plain round committed the path meanwhile). None where the path leaves the tree.
 
     Example: tokens [5, 6, 7], parents [-1, 0, -1], path [5] -> ([6], [-1])."""
+    nodes = subtree_nodes(tokens, parents, path)
+    if nodes is None:
+        return None
+    where: dict[int, int] = {}
+    out_parents: list[int] = []
+    for i in nodes:
+        out_parents.append(where.get(parents[i], -1))
+        where[i] = len(out_parents) - 1
+    return [int(tokens[i]) for i in nodes], out_parents
+
+
+def subtree_nodes(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int]) -> list[int] | None:
+    """`subtree`'s nodes, as indices into the tree (their q rows, where it has q); None where
+    the path leaves the tree."""
     node = -1
     for t in path:
         node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == t), -2)
         if node == -2:
             return None
-    where: dict[int, int] = {node: -1}
+    below = {node}
     out: list[int] = []
-    out_parents: list[int] = []
     for i, p in enumerate(parents):
-        if p in where and i != node:
-            where[i] = len(out)
-            out.append(int(tokens[i]))
-            out_parents.append(where[p])
-    return out, out_parents
+        if p in below and i != node:
+            below.add(i)
+            out.append(i)
+    return out
+
+
+def q_rows(q: QProbs, rows: slice | list[int]) -> QProbs:
+    """The q of some of a block's drafts (a slice of a chain, a token tree's nodes): each of
+    q's fields (DenseQ's probs, SparseQ's ids and probs) at those rows; None stays None."""
+    if q is None:
+        return None
+    return replace(q, **{f.name: getattr(q, f.name)[rows] for f in fields(q)})
 
 
 def tree_depth(parents: Sequence[int]) -> int:

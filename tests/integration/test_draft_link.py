@@ -183,7 +183,8 @@ def test_remote_ngram_replicas_draft_token_trees_from_their_matches(models, run)
     trees = [r for r in engine.ended["s0"].rounds if r.tree_size > r.k]  # drafts on more than one branch
     assert trees, [(r.k, r.tree_size) for r in engine.ended["s0"].rounds]
     assert trees[0].tree_size >= trees[0].k + 2  # beyond one chain by two nodes: branches
-    tokens, parents = NgramDrafter(VOCAB).start().propose_tree(prompt, 3, SamplingParams(), 1, 3)
+    found = NgramDrafter(VOCAB).start().propose_tree(prompt, 3, SamplingParams(), 1, 3)
+    tokens, parents = found.tokens, found.parents
     assert sorted(t for t, p in zip(tokens, parents, strict=True) if p < 0) == [2, 3]  # two roots
 
 

@@ -126,6 +126,10 @@ class StaleDrafts(LocalDrafts):
 
 
 class SilentDrafts(LocalDrafts):
+    """Drafts nothing itself: the test hands blocks over as a replica's would land."""
+
+    on_engine_thread = False
+
     def _propose(self, *args) -> None:
         pass
 
@@ -150,7 +154,10 @@ def test_without_a_usable_block_a_speculating_session_runs_plain_and_is_unchange
 
 class LateDrafts(LocalDrafts):
     """Blocks arrive `delay_s` after they are asked for (a timer thread); the first `wrong`
-    blocks propose other tokens than the drafter's, one-hot (rejected but for a rare draw)."""
+    blocks propose other tokens than the drafter's, one-hot (rejected but for a rare draw).
+    A replica's stand-in: timed by arrival, not priced as drafting on the engine's thread."""
+
+    on_engine_thread = False
 
     def __init__(self, drafter, delay_s: float, wrong: int) -> None:
         super().__init__(drafter)
@@ -281,6 +288,36 @@ def test_the_k_choice_prices_a_rounds_wait_as_the_schedule_runs_it(pair, gather)
         assert k == 1 and s1 == pytest.approx(1.7 * 7 / 10, abs=0.03)
     else:
         assert k == 0 and s1 == pytest.approx(1.7 * 7 / 14, abs=0.03)
+
+
+@pytest.mark.parametrize("pool", ["replica", "engine thread"])
+def test_drafting_on_the_engine_thread_is_priced_for_every_session_of_the_step(pair, pool):
+    """A block drafted ahead by a replica costs its session no wait. A pool drafted on the
+    engine's thread (LocalDrafts: `small` and `eagle-local` beside the target) is never waited
+    for either, but each session's drafting runs between the steps, so it lengthens every
+    session's step: at 16 sessions, 1 ms a draft token costs a round of K = 1 16 ms beside a
+    7 ms step, 1.7 × 7 / 23 = 0.52 of plain, and the engine runs plain. On the old code both
+    were priced as free (the local blocks are always there in time), and `make run`'s
+    controller ran eagle-local at 0.45-0.56 of plain at 16 streams (bench_eagle_stack)."""
+    source = SilentDrafts(pair[1]) if pool == "replica" else LocalDrafts(pair[1])
+    loop = _loop(pair, {"small": source})
+    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=1, seed=1), pool="small",
+                      workload_class="code", adaptive=True, k_min=1, k_max=1)
+    loop.add("s", PROMPTS[1], plan)
+    loop._drain()
+    table = loop.speculation.acceptance_of(loop.sessions["s"])
+    table.reached, table.accepted = [100.0], [70.0]  # α ≈ 0.7 at the first position
+    loop.speculation.measured.draft_latency["small"] = 0.001
+    loop.speculation.measured.ahead_share["small"] = 1.0  # every block there before its step
+    loop.speculation.cost.coef = np.array([0.007, 0.0, 0.0])  # a memory-bound step: 7 ms whatever it holds
+    k = loop.speculation.best_k(loop.sessions["s"], batch=16, step_s=0.007)
+    s1 = loop.speculation.estimates[("code", "small")][1]
+    if pool == "replica":
+        assert k == 1 and s1 == pytest.approx(1.7, abs=0.03)
+    else:
+        assert k == 0 and s1 == pytest.approx(1.7 * 7 / 23, abs=0.03)
+    # one session alone: its own 1 ms of drafting beside the 7 ms step, and K = 1 pays
+    assert loop.speculation.best_k(loop.sessions["s"], batch=1, step_s=0.007) == 1
 
 
 def test_commits_are_contiguous_and_spell_the_output(pair):
@@ -545,7 +582,8 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     """The engine's tree width (ADR 0020) by its cost model and the class's rates: on a
     memory-bound step (a + r B, no cost per token) a tree whose other first candidates often
     hold the target's token pays; where each token fed costs as much as the rest of the
-    step, it does not; nor where the siblings never hit; and never for a sampled session."""
+    step, it does not; nor where the siblings never hit; nor where the pool drafts on the
+    engine's thread at a cost; a sampled session gets trees (drawn from q) unless it is seeded."""
     from specserve.algorithm.rejection import Verdict
 
     loop = _loop(pair, tree_width=2)
@@ -554,8 +592,11 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
                                           sampling=SamplingParams(temperature=1.0)), pool="small")
     loop.add("g", PROMPTS[0], greedy)
     loop.add("t", PROMPTS[1], sampled)
+    loop.add("e", PROMPTS[2], replace(sampled, seeded=True))
     loop.step()
-    g, t = loop.sessions["g"], loop.sessions["t"]
+    g, t, e = loop.sessions["g"], loop.sessions["t"], loop.sessions["e"]
+    # (`small` drafts on the engine's thread: its drafting, here on a device that costs nothing)
+    loop.speculation.measured.draft_latency["small"] = 0.0
     tree = ((5, 6, 7, 8, 9, 10, 11, 12), (-1, 0, 1, 2, -1, 4, 5, 6))  # (drafts, parents)
     # the walk went through the second first candidate (9): a sibling hit; the chain's table
     # hears that its own first candidate was rejected
@@ -567,9 +608,15 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     assert loop.speculation.siblings_of(g).trials == trials
     loop.speculation.cost.coef = np.array([0.010, 0.0005, 0.0])  # memory-bound: tokens cost nothing
     assert loop.speculation.width(g, 4, len(loop.sessions)) == 2
-    # sampled: chains (they carry q; a tree's coins differ)
-    assert loop.speculation.width(t, 4, len(loop.sessions)) == 1
+    # sampled: trees drawn from q, but chains for a seeded session (a tree's coins differ)
+    assert loop.speculation.width(t, 4, len(loop.sessions)) == 2
+    assert loop.speculation.width(e, 4, len(loop.sessions)) == 1
     assert loop.speculation.width(g, 0, len(loop.sessions)) == 1
+    # drafting on the engine's thread at 2 ms a token, for each of the 3 sessions: the tree's
+    # 4 more drafts cost every session 24 ms a step, more than its extra tokens are worth
+    loop.speculation.measured.draft_latency["small"] = 0.002
+    assert loop.speculation.width(g, 4, len(loop.sessions)) == 1
+    loop.speculation.measured.draft_latency["small"] = 0.0
     loop.speculation.cost.coef = np.array([0.001, 0.0, 0.004])  # every token fed costs 4x the step's fixed part
     assert loop.speculation.width(g, 4, len(loop.sessions)) == 1
     loop.speculation.cost.coef = np.array([0.010, 0.0005, 0.0])

@@ -19,9 +19,10 @@ import torch
 from scipy.stats import chi2
 
 from specserve.algorithm import tree as tree_module
-from specserve.algorithm.rejection import StepUniforms, rejection_judge
-from specserve.algorithm.sampling import logits_to_probs
-from specserve.algorithm.tree import Tree, tree_judge_on_device, walk
+from specserve.algorithm.rejection import DenseQ, StepUniforms, rejection_judge
+from specserve.algorithm.rng import Purpose, uniform
+from specserve.algorithm.sampling import draw, logits_to_probs
+from specserve.algorithm.tree import Tree, draw_siblings, tree_judge_on_device, walk
 from specserve.models.verifier import TargetModel
 from specserve.params import SamplingParams
 from specserve.step import Step, StepRow
@@ -144,6 +145,87 @@ def test_sampled_trees_emit_the_targets_distribution_at_the_first_and_second_pos
     assert stat > limit, (stat, limit)
 
 
+# ---- sampled trees with the drafter's q (recursive rejection sampling without replacement) ----
+
+
+def _q(seed: int, rows: int) -> torch.Tensor:
+    """A drafter's distributions: near the target's (its logits plus noise), never equal."""
+    return torch.softmax(_logits(seed, rows) + torch.randn(rows, V, generator=torch.Generator().manual_seed(
+        seed + 1)), -1)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_a_chain_tree_with_q_is_judged_as_the_chain_with_that_q(temperature):
+    sampling = SamplingParams(temperature=temperature)
+    k = 3
+    for seed in range(200):
+        logits = _logits(seed, k + 1)
+        q = _q(500 + seed, k)
+        drafts = [int(draw(q[i:i + 1], torch.tensor(uniform(seed, [40 + i], Purpose.DRAFT)))[0]) for i in range(k)]
+        host = tree_judge_on_device(logits, drafts, Tree.chain(k), sampling, seed, 40, q=DenseQ(q)).numpy()
+        verdict, path = walk(host, drafts, Tree.chain(k), sampling, seed, 40, with_q=True)
+        p = logits_to_probs(logits, sampling)[None]
+        judged = rejection_judge(p, torch.tensor([drafts]), torch.tensor([k]), q[None],
+                                 StepUniforms.draw(np.array([seed], dtype=np.uint64), np.array([40]), k))
+        assert verdict.num_accepted == int(judged.num_accepted[0]) and verdict.tokens[-1] == int(judged.final[0]), seed
+        assert path == list(range(verdict.num_accepted))
+
+
+def _q_draws(n: int, top2: bool = False):
+    """n walks of a sampled tree with q: per seed, the root's two candidates drawn without
+    replacement from the drafter's q0 (`draw_siblings`; `top2`: the control, q0's two likeliest
+    judged as if drawn), each with one child drawn from its own q row; the target's
+    distributions fixed (synthetic) per node."""
+    sampling = SamplingParams(temperature=1.0)
+    logits = _logits(11, 5)  # root, r1, r2, a, b
+    qs = _q(12, 3)  # the drafter at the root, under r1, under r2
+    p = torch.softmax(logits.double(), -1).numpy()
+    tree = Tree((-1, -1, 0, 1))
+    firsts, seconds = np.zeros(V), {}
+    for seed in range(n):
+        first = int(draw(qs[0:1], torch.tensor(uniform(seed, [100], Purpose.DRAFT)))[0])
+        roots = qs[0].topk(2).indices.tolist() if top2 else draw_siblings(qs[0], 2, seed, 100, first)
+        under = [int(draw(qs[i + 1:i + 2], torch.tensor(uniform(seed, [101], Purpose.DRAFT)))[0]) for i in range(2)]
+        tokens = [roots[0], roots[1], under[0], under[1]]
+        q = DenseQ(torch.stack([qs[0], qs[0], qs[1], qs[2]]))
+        host = tree_judge_on_device(logits, tokens, tree, sampling, seed, 100, q=q).numpy()
+        v, path = walk(host, tokens, tree, sampling, seed, 100, with_q=True)
+        firsts[v.tokens[0]] += 1
+        if path and len(v.tokens) > 1:  # the first token was a candidate: the next follows its node's p
+            seconds.setdefault(path[0], np.zeros(V))[v.tokens[1]] += 1
+    return p, firsts, seconds
+
+
+def test_sampled_trees_with_q_emit_the_targets_distribution_at_the_first_and_second_positions():
+    """As the one-hot test: 4000 walks, p < 0.001 fails. The candidates are random here (drawn
+    from q with each seed), and each is accepted with min(1, p_j / q_j). The control draws
+    the root's candidates as q's two likeliest, not from q, and judges them with q: the first
+    position fails."""
+    p, firsts, seconds = _q_draws(4000)
+    stat, limit = _chi2(firsts, p[0])
+    assert stat < limit, (stat, limit)
+    for node in (0, 1):  # first emitted = the root's first (second) candidate: the next follows p at it
+        assert seconds[node].sum() > 300
+        stat, limit = _chi2(seconds[node], p[node + 1])
+        assert stat < limit, (node, stat, limit)
+    p, firsts, _ = _q_draws(4000, top2=True)
+    stat, limit = _chi2(firsts, p[0])
+    assert stat > limit, (stat, limit)
+
+
+def test_siblings_are_drawn_without_replacement_from_q():
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    counts = np.zeros((4, 4))
+    for seed in range(3000):
+        first = int(draw(q[None], torch.tensor(uniform(seed, [7], Purpose.DRAFT)))[0])
+        a, b = draw_siblings(q, 2, seed, 7, first)
+        counts[a, b] += 1
+    assert counts.diagonal().sum() == 0 and counts[3].sum() == counts[:, 3].sum() == 0
+    # P(b | a) = q(b) / (1 - q(a)): e.g. after 0, 1 with 0.6 and 2 with 0.4
+    assert abs(counts[0, 1] / counts[0].sum() - 0.6) < 0.05 and abs(counts[1, 0] / counts[1].sum() - 0.5 / 0.7) < 0.05
+    assert draw_siblings(torch.tensor([1.0, 0.0, 0.0]), 3, 0, 7, 0) == [0]  # q's support is one token
+
+
 # ---- through the target's model step ----------------------------------------------------------
 
 
@@ -239,7 +321,8 @@ def test_ngram_branches_are_the_latest_matches_with_distinct_next_tokens():
 
     seq = [1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 3, 7, 1, 2]  # "1 2" followed by 3, 4, 3 (latest first)
     s = NgramDrafter(50).start()
-    tokens, parents = s.propose_tree(seq, 2, SamplingParams(), 0, 2)
+    found = s.propose_tree(seq, 2, SamplingParams(), 0, 2)
+    tokens, parents = found.tokens, found.parents
     assert tokens == [3, 7, 4, 8] and parents == [-1, 0, -1, 2]
     assert s.propose_tree([5, 6, 5, 6, 5], 2, SamplingParams(), 0, 2) is None  # one continuation: a chain
 
@@ -268,7 +351,95 @@ def test_a_late_tree_is_used_below_the_path_a_plain_round_committed():
     s.block = tree
     plan_rows = schedule([s], 0.0, Budget(), lambda s: 1.0, lambda s: True, lambda s: False)
     row = plan_rows.rows[0]
-    assert row.tree == ([9, 10], [-1, 0]) and row.tokens == 1 + 2
+    assert row.tree == ([9, 10], [-1, 0], None) and row.tokens == 1 + 2
+    # a sampled tree's q rows go with its nodes
+    q = DenseQ(torch.arange(6, dtype=torch.float32)[:, None].expand(6, 4).contiguous())
+    s.block = DraftBlock("s", 3, s.committed.hash_at(3), tree.tokens, q, parents=tree.parents)
+    row = schedule([s], 0.0, Budget(), lambda s: 1.0, lambda s: True, lambda s: False).rows[0]
+    assert row.tree[:2] == ([9, 10], [-1, 0]) and row.tree[2].probs[:, 0].tolist() == [4.0, 5.0]
     s.committed.crop(3)
     s.committed.extend([4])  # none of them
     assert s.usable(tree) is None
+
+
+def test_a_sampled_tree_from_small_is_its_chain_plus_siblings_drawn_from_q(demo_pair):
+    """Sampled, the draft model's tree's first branch is exactly the chain it drafts with the
+    same seed (the same draws at the same positions), with the chain's q rows; the second
+    first candidate differs from the first and carries the first's q row (drawn from it)."""
+    from specserve.algorithm.rejection import q_to_dense
+    from specserve.drafters.hf import HFDrafter
+
+    drafter = HFDrafter(demo_pair.draft)
+    prompt = demo_pair.tokenizer.encode("def push(self, item):\n    ")
+    sampling = SamplingParams(temperature=1.0)
+    trees = 0
+    for seed in range(6):
+        chain = drafter.start().propose(prompt, 3, sampling, seed)
+        found = drafter.start().propose_tree(prompt, 3, sampling, seed, 2)
+        if found is None:
+            continue
+        trees += 1
+        assert found.parents == [-1, 0, 1, -1, 3, 4]
+        assert found.tokens[:3] == chain.tokens and found.tokens[3] != found.tokens[0]
+        V = demo_pair.draft.config.vocab_size
+        tree_q = q_to_dense(found.q, torch.tensor(found.tokens), V)
+        assert torch.equal(tree_q[:3], q_to_dense(chain.q, torch.tensor(chain.tokens), V))
+        assert torch.equal(tree_q[3], tree_q[0]) and float(tree_q[0, found.tokens[3]]) > 0
+    assert trees >= 3, trees
+
+
+def test_unseeded_sampled_sessions_verify_trees_with_q_and_seeded_ones_chains(demo_pair):
+    """The engine offers trees (tree_width 2) to a sampled session without a seed of its own,
+    drawn from the draft's q and judged with it, and chains to a seeded one (its output is
+    fixed by its seed, whatever the load)."""
+    from specserve.algorithm.stops import StopChecker
+    from specserve.drafters.hf import HFDrafter
+    from specserve.engine.drafting import LocalDrafts
+    from specserve.engine.loop import EngineLoop
+    from specserve.engine.session import EnginePlan
+    from specserve.engine.speculation import SpeculationSettings
+    from specserve.params import GenerationParams
+
+    model = make_target_step(TargetModel(demo_pair.target), Batching(max_sessions=2, max_len=512))
+    verified: list[StepRow] = []
+    step = model.step
+
+    def spy(s: Step):
+        verified.extend(r for r in s.rows if r.parents is not None)
+        return step(s)
+
+    model.step = spy  # type: ignore[method-assign]
+    stops = lambda params: StopChecker(frozenset(), params.stop, lambda ids: "")  # noqa: E731
+    loop = EngineLoop(model, stops, {"small": LocalDrafts(HFDrafter(demo_pair.draft))},
+                      speculation=SpeculationSettings(tree_width=2, tree_always=True))
+    prompt = demo_pair.tokenizer.encode("class Stack:\n    def push(self, item):\n")
+    params = GenerationParams(max_tokens=40, num_draft_tokens=3, seed=5, sampling=SamplingParams(temperature=0.9))
+    loop.add("free", prompt, EnginePlan(params, pool="small", seeded=False))
+    loop.add("seeded", prompt, EnginePlan(params, pool="small", seeded=True))
+    loop.run_until_idle()
+    free, seeded = loop.ended["free"], loop.ended["seeded"]
+    assert len(free.generated) == len(seeded.generated) == 40
+    assert any(r.tree_size > 0 for r in free.rounds) and not any(r.tree_size > 0 for r in seeded.rounds)
+    assert verified and all(r.q is not None for r in verified)
+
+
+def test_a_remote_replicas_sampled_tree_carries_each_nodes_q_row():
+    """A draft-model replica's sampled tree (services/draft/server.py): its chain, a second
+    first candidate drawn from the chain's first q row without the chain's first token, then
+    that candidate's own block; the tree's q rows follow its tokens (the chain's, the first
+    row again, the second block's), sparse as the blocks were."""
+    from specserve.algorithm.rejection import SparseQ, q_to_dense
+    from specserve.drafters.base import DraftProposal
+    from specserve.services.draft.server import _second_draw, _tree_q
+
+    ids = torch.tensor([[3, 5, 0], [1, 2, 0]])
+    first = DraftProposal([3, 1], SparseQ(ids, torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.1, 0.0]])))
+    rest = DraftProposal([2], SparseQ(torch.tensor([[2, 4, 6]]), torch.tensor([[0.6, 0.4, 0.0]])))
+    seconds = {_second_draw(first, seed, 10, V) for seed in range(200)}
+    assert seconds == {5, 0}  # q's other tokens, never the chain's own first (3)
+    q = _tree_q(first.q, rest.q)
+    dense = q_to_dense(q, torch.tensor([3, 1, 5, 2]), V)
+    assert torch.equal(dense[2], dense[0]) and dense[3, 2] == pytest.approx(0.6) and dense[1, 1] == pytest.approx(0.9)
+    assert _tree_q(first.q, SparseQ(torch.tensor([[2, 4]]), torch.tensor([[0.6, 0.4]]))) is None  # widths differ
+    assert _second_draw(DraftProposal([3], SparseQ(torch.tensor([[3, 0]]), torch.tensor([[1.0, 0.0]]))), 0, 10, V) \
+        is None  # q held one token

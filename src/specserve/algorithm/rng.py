@@ -20,6 +20,7 @@ class Purpose(IntEnum):
     RECOVER = 3  # the recovered token at the first rejection
     BONUS = 4  # the bonus token (also every plain decode step)
     SIBLING = 5  # a token tree's second and later candidates at one position (algorithm/tree.py)
+    SIBLING_DRAFT = 6  # the draw of a sampled tree's second and later candidates (algorithm/tree.py)
 
 
 # SplitMix64 (Steele, Lea and Flood, 2014): the golden-ratio increment and the finaliser's two

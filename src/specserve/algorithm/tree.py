@@ -17,9 +17,19 @@ tokens follow the target's distribution; at T = 0 the walk follows the target's 
 one-hot q: the same uniforms (ACCEPT at each position for the first candidate, RECOVER or
 BONUS where the block ends), the same verdicts.
 
+A sampled session's tree may carry its drafter's q instead (recursive rejection sampling
+without replacement, as SpecInfer's and Jeon et al.'s): the candidates at a node were drawn from
+the drafter's q there one after another without replacement (`draw_siblings`), and each node's
+q row is the distribution its token was drawn from (siblings share one). Candidate c_j is
+accepted with probability min(1, p_j(c_j) / q_j(c_j)), where p_1 = p, q_1 = q, and after a
+rejection p_{j+1} = norm(max(0, p_j - q_j)) and q_{j+1} = q_j with c_j removed, renormalised;
+where every child is rejected the final token is drawn from the last residual. Below the root's
+children each branch is a chain drawn from q, judged as a chain is; a chain with q gets
+`rejection_judge`'s verdicts with that q.
+
 The device computes, per node, its token's probability under its parent's distribution and
-the node's final token (recovered from p less its children, or bonus); the host walks the
-tree on those 2 numbers a node, which cross in the step's one copy.
+the node's final token (recovered from p less its children, or bonus), and with q the token's
+q_j; the host walks the tree on those 2 (3) numbers a node, which cross in the step's one copy.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.algorithm.rejection import Verdict
+from specserve.algorithm.rejection import QProbs, Verdict, q_to_dense
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import draw, logits_to_probs, mask_logits
 from specserve.device import to_device
@@ -88,19 +98,24 @@ class Tree:
 
 
 def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree, sampling: SamplingParams,
-                         seed: int, start: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+                         seed: int, start: int, allowed: torch.Tensor | None = None,
+                         q: QProbs = None) -> torch.Tensor:
     """logits [m + 1, V] of the root and the tree's tokens -> [m + 1, 2] float64 on their
     device: per node, its token's probability under its parent's distribution (the root: 0),
     and its final token (drawn from p less its children, or from p at a leaf). `start`: the
     absolute position of the root's children. `allowed` [m + 1, V] bool: a constraint's legal
     tokens at each node (structured/grammar.py: ConstrainedRow.constrain_tree); p is the
-    target's masked to them."""
+    target's masked to them. `q` (sampled only; None: one-hot candidates): each node's draft
+    distribution; the rows are then [m + 1, 3], p_j and q_j of each token (module docstring)
+    and the final token."""
     device = logits.device
     if allowed is not None:
         logits = logits.masked_fill(~to_device(allowed, device), float("-inf"))
     m = tree.size
     children = tree.children()
     depths = [0] + tree.depths
+    if q is not None and not sampling.greedy:
+        return _judge_with_q(logits_to_probs(logits, sampling), tokens, tree, q, seed, start)
     toks = to_device(list(tokens), device, torch.long)
     parent_rows = to_device([p + 1 for p in tree.parents], device, torch.long)  # [m]
     # children's tokens removed at each node that has any (a leaf keeps all of p)
@@ -127,10 +142,61 @@ def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree
     return torch.stack([torch.cat([root, p_tok]), final.double()], 1)
 
 
+def _judge_with_q(p: torch.Tensor, tokens: Sequence[int], tree: Tree, q: QProbs, seed: int,
+                  start: int) -> torch.Tensor:
+    """`tree_judge_on_device`'s rows for a tree with its drafter's q (recursive rejection
+    sampling without replacement at each node; module docstring)."""
+    device, m = p.device, tree.size
+    children = tree.children()
+    depths = [0] + tree.depths
+    qd = q_to_dense(q, to_device(list(tokens), device, torch.long), p.shape[-1])  # [m, V] float32
+    px = [p.new_zeros(())] * (m + 1)
+    qx = [p.new_zeros(())] * (m + 1)
+    dists = []
+    for n in range(m + 1):
+        p_cur, dist = p[n], p[n]
+        if children[n]:
+            q_cur = qd[children[n][0] - 1]
+            for c in children[n]:
+                x = int(tokens[c - 1])
+                px[c], qx[c] = p_cur[x], q_cur[x]
+                dist = torch.clamp(p_cur - q_cur, min=0.0)  # the residual, drawn from if all are rejected
+                left = dist.sum()
+                # p_j == q_j leaves no residual: a rejection is then impossible in exact arithmetic
+                p_cur = torch.where(left > 0, dist / left.clamp(min=1e-30), p_cur)
+                dist = torch.where(left > 0, dist, p_cur)
+                q_cur = q_cur.index_fill(0, to_device([x], device, torch.long), 0.0)
+                q_cur = q_cur / q_cur.sum().clamp(min=1e-30)
+        dists.append(dist)
+    kind = [Purpose.RECOVER if children[n] else Purpose.BONUS for n in range(m + 1)]
+    u = np.array([uniform(seed, [start + depths[n]], kind[n])[0] for n in range(m + 1)])
+    final = draw(torch.stack(dists), to_device(u, device))
+    return torch.stack([torch.stack(px).double(), final.double(), torch.stack(qx).double()], 1)
+
+
+def draw_siblings(q: torch.Tensor, width: int, seed: int, position: int, first: int) -> list[int]:
+    """Up to `width` distinct tokens drawn one after another without replacement from the
+    drafter's q [V] at `position`: `first` (the chain's own draw there, with the DRAFT uniform),
+    then draws from q with the ones before removed, each with its own SIBLING_DRAFT uniform;
+    fewer where q's support is smaller."""
+    out = [first]
+    rest = q.double().clone()
+    for j in range(1, width):
+        rest[out[-1]] = 0.0
+        if float(rest.sum()) <= 0.0:
+            break
+        if j >= SIBLINGS:
+            raise ValueError(f"at most {SIBLINGS} candidates a position")
+        u = uniform(seed, [position * SIBLINGS + j], Purpose.SIBLING_DRAFT)
+        out.append(int(draw(rest[None], torch.from_numpy(u))[0]))
+    return out
+
+
 def walk(host: np.ndarray, tokens: Sequence[int], tree: Tree, sampling: SamplingParams, seed: int,
-         start: int) -> tuple[Verdict, list[int]]:
+         start: int, with_q: bool = False) -> tuple[Verdict, list[int]]:
     """The host's walk over `tree_judge_on_device`'s rows: the verdict (accepted path tokens
-    and the final one) and the accepted tokens' indices in the tree, in path order."""
+    and the final one) and the accepted tokens' indices in the tree, in path order. `with_q`:
+    the rows carry each token's q_j (a sampled tree with its drafter's q)."""
     children = tree.children()
     node, depth, path = 0, 0, []
     while True:
@@ -140,6 +206,8 @@ def walk(host: np.ndarray, tokens: Sequence[int], tree: Tree, sampling: Sampling
             prob = float(host[c, 0])
             if sampling.greedy:
                 keep = prob >= 0.5
+            elif with_q:  # as a chain's draft: u q_j(c) < p_j(c)
+                keep = uniform_for(seed, start + depth, s) * float(host[c, 2]) < prob
             else:
                 left = 1.0 - tried
                 keep = left > 0 and uniform_for(seed, start + depth, s) * left < prob

@@ -37,6 +37,19 @@ class DraftProposal:
         return len(self.tokens)
 
 
+@dataclass
+class DraftTree:
+    """A token tree (algorithm/tree.py, ADR 0020): its tokens, parents before children, each
+    token's parent among them (-1: the last committed token)."""
+
+    tokens: list[int]
+    parents: list[int]
+    # None: candidates chosen without draws (top-k, n-gram matches; judged one-hot at any T).
+    # A sampled session's tree drawn from the drafter: each node's q row, siblings drawn without
+    # replacement (algorithm/tree.py: draw_siblings)
+    q: QProbs = None
+
+
 class DraftSession(Protocol):
     """One sequence's drafting state (KV cache, n-gram index, ...)."""
 

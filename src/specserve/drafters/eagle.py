@@ -297,9 +297,9 @@ class EagleSession:
             a = self.cache.length
             self.head.extend(self.cache, self.inputs[a:n - 2], self.parts.embed(torch.tensor(ids[a + 1:n - 1])))
         if width > 1:
-            tokens, parents = self._tree(self.inputs[n - 2], ids[n - 1], k, width)
+            tokens, q, parents = self._tree(self.inputs[n - 2], ids[n - 1], n, k, width, sampling, seed)
             if parents is not None:
-                return tokens, None, parents
+                return tokens, q, parents
         tokens, q = self._chain(self.inputs[n - 2], ids[n - 1], n, k, sampling, seed)
         return tokens, q, None
 
@@ -332,32 +332,58 @@ class EagleSession:
             self.cache.k, self.cache.v, self.cache.length = saved
         return out, (DenseQ(torch.stack(qs)) if qs else None)
 
-    def _tree(self, inp: torch.Tensor, token: int, k: int, width: int) -> tuple[list[int], list[int] | None]:
-        """The head's `width` likeliest first tokens, each with its greedy chain to depth k,
-        depth-first (parents before children); ([], None) where it is sure of the first."""
+    def _tree(self, inp: torch.Tensor, token: int, n: int, k: int, width: int, sampling, seed: int
+              ) -> tuple[list[int], Any, list[int] | None]:
+        """(tokens, q, parents), depth-first (parents before children); ([], None, None) where
+        the head is sure of the first token. Greedy: the head's `width` likeliest first tokens,
+        each with its greedy chain to depth k (q None: judged one-hot). Sampled: the chain's own
+        first draw, then more drawn from the head's q without replacement (algorithm/tree.py:
+        draw_siblings), each followed by draws as a chain's, with every node's q row."""
+        from specserve.algorithm.rejection import DenseQ
+        from specserve.algorithm.rng import Purpose, uniform
+        from specserve.algorithm.sampling import draw, logits_to_probs
+        from specserve.algorithm.tree import draw_siblings
+
         saved = (self.cache.k, self.cache.v, self.cache.length)
         tokens: list[int] = []
         parents: list[int] = []
+        qs: list[torch.Tensor] = []
+        greedy = sampling.greedy
+
+        def pick(logits: torch.Tensor, pos: int) -> int:
+            if greedy:
+                return int(logits.argmax())
+            qs.append(logits_to_probs(logits, sampling))
+            return int(draw(qs[-1][None], torch.from_numpy(uniform(seed, [pos], Purpose.DRAFT)))[0])
+
         try:
             first = self.head.extend(self.cache, inp[None], self.parts.embed(torch.tensor([token])))
-            probs = torch.softmax(self.parts.logits(first)[0], -1)
-            top = probs.topk(width)
-            if float(top.values[0]) >= SURE:
-                return [], None
+            logits = self.parts.logits(first)[0]
+            probs = torch.softmax(logits, -1) if greedy else logits_to_probs(logits, sampling)
+            if greedy:
+                top = probs.topk(width)
+                cands, sure = top.indices.tolist(), float(top.values[0])
+            else:
+                drawn = int(draw(probs[None], torch.from_numpy(uniform(seed, [n], Purpose.DRAFT)))[0])
+                cands, sure = draw_siblings(probs, width, seed, n, drawn), float(probs[drawn])
+            if sure >= SURE or len(cands) < 2:
+                return [], None, None
             after_first = (self.cache.k, self.cache.v, self.cache.length)
-            for cand in top.indices.tolist():
+            for cand in cands:
                 self.cache.k, self.cache.v, self.cache.length = after_first
                 tokens.append(cand)
                 parents.append(-1)
+                if not greedy:
+                    qs.append(probs)
                 x, tok = first, cand
-                for _ in range(k - 1):
+                for i in range(1, k):
                     x = self.head.extend(self.cache, x, self.parts.embed(torch.tensor([tok])))
-                    tok = int(self.parts.logits(x)[0].argmax())
+                    tok = pick(self.parts.logits(x)[0], n + i)
                     tokens.append(tok)
                     parents.append(len(tokens) - 2)
         finally:
             self.cache.k, self.cache.v, self.cache.length = saved
-        return tokens, parents
+        return tokens, (DenseQ(torch.stack(qs)) if qs else None), parents
 
     # the DraftSession protocol, for a draft replica's per-session path
     def propose(self, token_ids, k: int, sampling, seed: int):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from specserve.algorithm.sampling import (
     truncate_mass,
 )
 from specserve.device import to_device
-from specserve.drafters.base import SURE, DraftProposal
+from specserve.drafters.base import SURE, DraftProposal, DraftTree
 from specserve.models.kvcache import CachedLM
 
 # Send q sparse when the draft sampler truncated it to at most this share of the vocabulary.
@@ -80,16 +80,19 @@ class HFDraftSession:
 
     @torch.inference_mode()
     def propose_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
-                     width: int, sure: float = SURE, grammar: Any = None) -> tuple[list[int], list[int]] | None:
+                     width: int, sure: float = SURE, grammar: Any = None) -> DraftTree | None:
         """A token tree (ADR 0020) where the draft is unsure of the next token (its top
         probability under `sure`): its `width` likeliest next tokens (banned ones left out),
         each followed by its greedy chain to depth k, depth-first; None where it is sure. The
         candidates are chosen without draws, so the target verifies them exactly at any T.
         Under a constraint (`grammar`: structured/grammar.py DraftGrammar) every position's
-        logits are masked to what it allows along the branch (a branch's own matcher)."""
+        logits are masked to what it allows along the branch (a branch's own matcher).
+        Sampled (T > 0, no constraint): `_sampled_tree`, drawn from q."""
         k = min(k, self.drafter.max_positions - len(token_ids))
         if k <= 0:
             return None
+        if not sampling.greedy:
+            return self._sampled_tree(token_ids, k, sampling, seed, width, sure) if grammar is None else None
         self.lm.reconcile(token_ids)
         logits = self.lm.extend(token_ids[self.lm.length:])[-1].float()
         root = grammar.start(token_ids) if grammar is not None else None
@@ -124,7 +127,40 @@ class HFDraftSession:
                 parents.append(len(tokens) - 1)
                 tokens.append(tok)
             self.lm.crop(base)
-        return tokens, parents
+        return DraftTree(tokens, parents)
+
+    def _sampled_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int, width: int,
+                      sure: float) -> DraftTree | None:
+        """A sampled session's tree: the chain's own first draw from q (the truncated q the
+        chain samples from, with its DRAFT uniform), then up to `width` - 1 more first
+        candidates drawn from that q without replacement (algorithm/tree.py: draw_siblings),
+        each followed by draws from q to depth k as a chain's; every node's q row goes with it,
+        so the target judges them by recursive rejection sampling. None where the draw is sure."""
+        from specserve.algorithm.tree import draw_siblings
+
+        self.lm.reconcile(token_ids)
+        logits = self.lm.extend(token_ids[self.lm.length:])[-1]
+        n, d = len(token_ids), self.drafter
+        root = draft_step(logits, sampling, seed, n, d.q_mass, d.q_max_entries)
+        q0 = _dense(root, logits.shape[-1])
+        if float(q0[root.token]) >= sure:
+            return None
+        base = self.lm.length
+        steps: list[DraftStep] = []
+        parents: list[int] = []
+        for cand in draw_siblings(q0, width, seed, n, root.token):
+            steps.append(replace(root, token=cand))
+            parents.append(-1)
+            tok = cand
+            for i in range(1, k):
+                nxt = draft_step(self.lm.extend([tok])[-1], sampling, seed, n + i, d.q_mass, d.q_max_entries)
+                parents.append(len(steps) - 1)
+                steps.append(nxt)
+                tok = nxt.token
+            self.lm.crop(base)
+        if len(steps) == k:  # q's support held one first token: the chain
+            return None
+        return DraftTree([s.token for s in steps], parents, _pack_q(steps))
 
     @torch.inference_mode()
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
@@ -233,6 +269,15 @@ def _banned(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> torch.
     for i, ids in banned:
         masked[i].index_fill_(0, to_device(ids, logits.device), float("-inf"))
     return masked
+
+
+def _dense(step: DraftStep, vocab: int) -> torch.Tensor:
+    """A step's q as a dense [V] float32."""
+    assert step.q is not None
+    q = torch.from_numpy(np.asarray(step.q, dtype=np.float32))
+    if step.q_ids is None:
+        return q
+    return torch.zeros(vocab, dtype=torch.float32).index_add_(0, torch.from_numpy(step.q_ids), q)
 
 
 def pad_to(row: torch.Tensor, width: int) -> torch.Tensor:

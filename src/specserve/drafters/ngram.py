@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specserve.drafters.base import DraftProposal, check_ngram_sizes, until_banned
+from specserve.drafters.base import DraftProposal, DraftTree, check_ngram_sizes, until_banned
 from specserve.params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class NgramSession:
         return DraftProposal(until_banned(tokens, set(sampling.banned_token_ids)), None)
 
     def propose_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int,
-                     width: int, grammar: object = None) -> tuple[list[int], list[int]] | None:
+                     width: int, grammar: object = None) -> DraftTree | None:
         """A token tree (ADR 0020) where the longest suffix match has several continuations:
         the `width` latest matches with distinct next tokens, each continued for k tokens, as
         branches (depth-first); None where one continuation (or none) is found. Under a
@@ -56,7 +56,7 @@ class NgramSession:
             for j, t in enumerate(branch):
                 parents.append(-1 if j == 0 else len(tokens) - 1)
                 tokens.append(t)
-        return tokens, parents
+        return DraftTree(tokens, parents)
 
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
         guess = lookup(token_ids, 1, self.drafter.min_n, self.drafter.max_n)

@@ -49,16 +49,13 @@ class DraftSource(Protocol):
 def clip(block: DraftBlock, k: int, offset: int = 0) -> tuple[list[int], QProbs]:
     """The block's drafts from `offset` (those before it are committed already), at most k,
     with their q rows."""
-    from specserve.algorithm.rejection import DenseQ, SparseQ
+    from specserve.step import q_rows
 
     end = min(len(block.tokens), offset + k)
     tokens = list(block.tokens[offset:end])
     q = block.q
     if (offset, end) != (0, len(block.tokens)):
-        if isinstance(q, DenseQ):
-            q = DenseQ(q.probs[offset:end])
-        elif isinstance(q, SparseQ):
-            q = SparseQ(q.ids[offset:end], q.probs[offset:end])
+        q = q_rows(q, slice(offset, end))
     return tokens, q
 
 
@@ -74,6 +71,10 @@ class _Local:
 
 
 class LocalDrafts:
+    # drafts on the engine's thread, between its steps: every session of a step waits for each
+    # one's drafting (Speculation prices K so)
+    on_engine_thread = True
+
     def __init__(self, drafter: Drafter, mask_drafts: bool = True) -> None:
         self.drafter = drafter
         self.mask_drafts = mask_drafts  # under a constraint, the drafter drafts from its masked q (ADR 0017)
@@ -122,9 +123,8 @@ class LocalDrafts:
             # (a draft model masks its branches to the constraint; the target prunes what it forbids)
             proposed = tree(local.prefix.ids, k, local.sampling, local.seed, width, grammar=local.grammar)
             if proposed is not None:
-                tokens, parents = proposed
-                self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(tokens), None,
-                                        draft_ms=(time.perf_counter() - t) * 1e3, parents=tuple(parents)))
+                self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposed.tokens), proposed.q,
+                                        draft_ms=(time.perf_counter() - t) * 1e3, parents=tuple(proposed.parents)))
                 return
         proposal = propose_constrained(local.draft, local.prefix.ids, k, local.sampling, local.seed, local.grammar)
         self.deliver(DraftBlock(session_id, n, local.prefix.hash_at(n), tuple(proposal.tokens), proposal.q,
@@ -153,6 +153,9 @@ class DraftPools:
         self.sources = dict(sources)
         # the pools that draft from the target's features (ADR 0020): fixed per pool
         self.feature_pools = {name for name, source in self.sources.items() if getattr(source, "wants_features", False)}
+        # the pools drafted on the engine's thread (LocalDrafts): fixed per pool
+        self.serial_pools = {name for name, source in self.sources.items()
+                             if getattr(source, "on_engine_thread", False)}
         for source in self.sources.values():
             source.attach(deliver)
 

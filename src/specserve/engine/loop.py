@@ -33,7 +33,7 @@ from specserve.engine.scheduler import Budget, Row, Schedule, schedule
 from specserve.engine.session import CommitRecord, DraftBlock, EnginePlan, EngineSession, Outcome, Status
 from specserve.engine.speculation import Speculation, SpeculationSettings
 from specserve.params import GenerationParams
-from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, first_branch
+from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, first_branch, q_rows
 from specserve.structured.constraint import Constraint
 
 if TYPE_CHECKING:  # (an annotation only)
@@ -113,7 +113,7 @@ class EngineLoop:
         self.observers = list(observers)
         self.budget = budget or Budget()
         self.clock = clock
-        self.speculation = Speculation(speculation or SpeculationSettings(), clock)
+        self.speculation = Speculation(speculation or SpeculationSettings(), clock, self.pools.serial_pools)
         # a simulated device (benchmarks, tests): a step takes this long, the real forward of a
         # small model padded up to it (ADR 0014's device profiles)
         self.simulated_step_ms = simulated_step_ms
@@ -391,8 +391,11 @@ def step_row(row: Row, features: bool) -> tuple[StepRow, float]:
     allowed = None
     t0 = time.perf_counter()
     if row.tree is not None:  # a tree: all its nodes below the committed path
-        drafts, q, parents = list(row.tree[0]), None, list(row.tree[1])
-        if s.grammar is not None:  # its nodes the grammar allows, and each node's mask
+        drafts, parents, q = list(row.tree[0]), list(row.tree[1]), row.tree[2]
+        if s.grammar is not None and q is not None:  # (sampled trees are drawn unconstrained): its first branch
+            drafts = first_branch(drafts, parents)
+            q, parents = q_rows(q, slice(0, len(drafts))), None
+        elif s.grammar is not None:  # its nodes the grammar allows, and each node's mask
             pruned = s.grammar.constrain_tree(drafts, parents)
             if pruned is not None:
                 drafts, parents, allowed = pruned

@@ -277,5 +277,5 @@ class RemoteDrafts:
             log.warning("draft replica sent a malformed tree for %s: ignored", b.session_id)
             return
         self.deliver(DraftBlock(b.session_id, b.prefix_len, b.prefix_hash, tokens,
-                                None if parents else q_from_proto(b.block.q, len(tokens), self.vocab_size),
+                                q_from_proto(b.block.q, len(tokens), self.vocab_size),
                                 draft_ms=b.block.draft_ms, predrafted=b.block.predrafted, parents=parents))

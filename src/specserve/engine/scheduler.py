@@ -22,9 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specserve.engine.session import DraftBlock, EngineSession
-from specserve.step import subtree
+from specserve.step import q_rows, subtree_nodes
+
+if TYPE_CHECKING:
+    from specserve.algorithm.rejection import QProbs
 
 DRAFT_LATE = "draft_late"
 
@@ -36,8 +40,8 @@ class Row:
     tokens: int  # tokens the row feeds (its share of the budget)
     fallback: str = ""  # why a speculating session runs without drafts this step
     offset: int = 0  # the block's drafts already committed (the row verifies the rest)
-    # a token tree's drafts and parents as this row verifies them (below the committed path); None: a chain
-    tree: tuple[list[int], list[int]] | None = None
+    # a token tree's drafts, parents and q as this row verifies them (below the committed path); None: a chain
+    tree: tuple[list[int], list[int], QProbs] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,15 +106,26 @@ def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[Engin
         return Row(s, None, feed)
     if s.block is not None and (offset := s.usable(s.block)) is not None:
         if s.block.parents is not None:  # a tree verifies all its nodes below the committed path
-            view = subtree(s.block.tokens, s.block.parents, s.committed.ids[s.block.base_len:]) if offset else \
-                (list(s.block.tokens), list(s.block.parents))
-            return Row(s, s.block, feed + len(view[0]), offset=offset, tree=view)  # type: ignore[index]
+            return tree_row(s, s.block, feed, offset)
         return Row(s, s.block, feed + min(len(s.block.tokens) - offset, k), offset=offset)
     if s.waiting_since is None:
         s.waiting_since = now
     if now - s.waiting_since < block_wait_s(s):
         return None
     return Row(s, None, feed, DRAFT_LATE)
+
+
+def tree_row(s: EngineSession, block: DraftBlock, feed: int, offset: int) -> Row:
+    """A tree block's row: all its nodes below the path the committed tokens took into it
+    (`offset` of them since it was drafted), re-rooted there, with their q rows."""
+    assert block.parents is not None
+    nodes = subtree_nodes(block.tokens, block.parents, s.committed.ids[block.base_len:]) if offset else \
+        list(range(len(block.tokens)))
+    assert nodes is not None  # (`usable` kept the block: the path is in it)
+    where = {n: i for i, n in enumerate(nodes)}
+    parents = [where.get(block.parents[n], -1) for n in nodes]
+    view = ([int(block.tokens[n]) for n in nodes], parents, q_rows(block.q, nodes))
+    return Row(s, block, feed + len(nodes), offset=offset, tree=view)
 
 
 def gather_wait(ready: float, waiting: Iterable[tuple[float, float]], step_s: Callable[[int], float],

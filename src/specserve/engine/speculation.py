@@ -19,7 +19,7 @@ and every tuning knob is in `SpeculationSettings`, so a reader finds them in one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -110,9 +110,13 @@ class Speculation:
     """What the engine decides about speculation, and what it has learnt to decide it: the
     step cost fit, per (class, pool) acceptance and tree siblings, and the averages."""
 
-    def __init__(self, settings: SpeculationSettings, clock: Callable[[], float]) -> None:
+    def __init__(self, settings: SpeculationSettings, clock: Callable[[], float],
+                 serial_pools: Collection[str] = ()) -> None:
         self.settings = settings
         self.clock = clock
+        # pools drafted on the engine's thread between steps (LocalDrafts): their drafting
+        # lengthens every session's step, so it is priced by the step's sessions, not as a wait
+        self.serial_pools = frozenset(serial_pools)
         self.measured = Measured(step_ms=settings.block_wait_max_s * 1e3)
         self.cost = CostModel()  # step time by rows and tokens: prices K at the current load
         self.acceptance: dict[ClassPool, Acceptance] = {}
@@ -198,12 +202,14 @@ class Speculation:
         arrival; a late block counts too (timing only those that came in time would learn
         that drafting is fast). Blocks drafted ahead were not asked for. Per position: a token
         tree's candidates at one depth are one position (the wait for the next block is priced
-        by its depth, as a chain's by its length)."""
+        by its depth, as a chain's by its length). A pool drafted on the engine's thread: its
+        own drafting time (from the ask, the other sessions' drafting before it would count too)."""
         asked = s.asks.pop(block.base_len, None)
         if asked is None or block.predrafted or not block.tokens:
             return
         positions = tree_depth(block.parents) if block.parents is not None else len(block.tokens)
-        self.measured.drafted(s.plan.pool or "", max(arrived - asked, 0.0) / max(positions, 1))
+        took = block.draft_ms / 1e3 if (s.plan.pool or "") in self.serial_pools else arrived - asked
+        self.measured.drafted(s.plan.pool or "", max(took, 0.0) / max(positions, 1))
 
     # ---- what a round teaches ----
     def learn(self, s: EngineSession, row: Row, verdict: Verdict, k_asked: int) -> int:
@@ -215,7 +221,7 @@ class Speculation:
             k = min(len(row.block.tokens) - row.offset, k_asked) if row.block is not None else 0
         if k:  # what a block is worth to this session (prices the wait for its next one)
             s.expected_emitted = ema(s.expected_emitted, verdict.num_accepted + 1, EMITTED_WEIGHT)
-            self.acceptance_of(s).observe(k, self.observe_tree(s, *row.tree, verdict)
+            self.acceptance_of(s).observe(k, self.observe_tree(s, row.tree[0], row.tree[1], verdict)
                                           if row.tree is not None else verdict.num_accepted)
         elif k_asked and row.fallback == DRAFT_LATE and not s.probing:
             # Nothing verified, so nothing learned about the blocks: relax the estimate toward
@@ -281,13 +287,18 @@ class Speculation:
         step = self._step_cost(batch, step_s)
         per_token = self.measured.draft_latency.get(s.plan.pool or "", 0.0)
         drafted_after = 1.0 - self.measured.ahead_share.get(s.plan.pool or "", 0.0)
+        serial = (s.plan.pool or "") in self.serial_pools
 
         def cost(n: int) -> float:
             """A round with n - 1 drafts: the wait for them, then the verify. Alone, or with
             gathering (a step held for blocks due within it), the next step starts when the
             block lands; among others without it, a row joins only at a step boundary, so a
             block that lands mid-step costs the session whole steps. A block drafted ahead
-            (during the previous verify) costs no wait at all."""
+            (during the previous verify) costs no wait at all. A pool drafted on the engine's
+            thread is never waited for, but each of the step's sessions drafts there in turn
+            before the next step: n - 1 drafts of every session lengthen every step."""
+            if serial:
+                return step(n) + max(batch, 1) * per_token * (n - 1)
             wait = per_token * (n - 1)
             if batch > 1 and wait > 0 and not self.settings.gather:
                 wait = math.ceil(wait / step(n)) * step(n)
@@ -304,11 +315,12 @@ class Speculation:
         1 + w K tokens and is expected to emit E(K) + (1 - α_1) β E(K - 1) (β: how often
         another first candidate held the target's token where the first did not). At low load
         a memory-bound step verifies the extra tokens nearly free; as the batch grows they
-        cost what the fit says. Greedy sessions only: a tree's candidates are one-hot (a
-        sampled session's chain carries its draft's q, which a tree would lose) and its coins
-        differ from a chain's (a seeded session's sample path would depend on the load)."""
+        cost what the fit says. Greedy sessions, and sampled ones without a seed of their own
+        (a sampled tree's candidates are drawn from the drafter's q, algorithm/tree.py); a
+        seeded session's sample path is fixed by its seed alone, and a tree's coins differ from
+        a chain's, so its path would depend on the load: it is given chains."""
         wide = self.settings.tree_width
-        if wide <= 1 or k <= 0 or not s.plan.params.sampling.greedy:
+        if wide <= 1 or k <= 0 or s.plan.exact:
             return 1
         if self.settings.tree_always:
             return wide
@@ -317,7 +329,10 @@ class Speculation:
         chain = expected_emitted(alphas, k)
         tree = chain + (1.0 - (alphas[0] if alphas else PRIOR_ALPHA)) * beta * expected_emitted(alphas, k - 1)
         step = self._step_cost(max(batch, 1), self.measured.step_ms / 1e3)
-        pays = tree / step(1 + wide * k) > (1.0 + TREE_MARGIN) * chain / step(1 + k)
+        drafting = max(batch, 1) * self.measured.draft_latency.get(s.plan.pool or "", 0.0) \
+            if (s.plan.pool or "") in self.serial_pools else 0.0  # (per draft: as in best_k)
+        pays = tree / (step(1 + wide * k) + drafting * wide * k) > \
+            (1.0 + TREE_MARGIN) * chain / (step(1 + k) + drafting * k)
         # Until it can price a tree (a cost fit, which needs verify rows of more than one
         # width, and a few trials of the class's siblings), one block in TREE_PROBE_EVERY is
         # a tree anyway: chains alone would never teach it either.

@@ -258,7 +258,7 @@ class BatchedTarget(_RunnerSessions):
         for k in trees:
             _, j, lg, _, _ = judged[k]
             parts.append(tree_judge_on_device(lg, j.drafts, Tree(tuple(j.parents)), j.sampling, j.seed, len(j.ids),
-                                              j.allowed))
+                                              j.allowed, j.q))
         out: list[Verdict | None] = [None] * len(judged)
         paths: dict[int, list[int]] = {}
         if not parts:
@@ -281,7 +281,7 @@ class BatchedTarget(_RunnerSessions):
             _, j, _, _, r = judged[k]
             n = len(j.drafts) + 1
             out[k], paths[r] = tree_walk(host_all[at_row:at_row + n], j.drafts, Tree(tuple(j.parents)), j.sampling,
-                                         j.seed, len(j.ids))
+                                         j.seed, len(j.ids), with_q=j.q is not None)
             at_row += n
         return out, paths  # type: ignore[return-value]
 

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.algorithm.sampling import SamplingParams
 from specserve.drafters.base import SURE, Drafter, DraftProposal
@@ -28,7 +28,7 @@ from specserve.serving.metrics import WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.serving.wire import check_token_ids, sampling_from_proto
 from specserve.state.prefix import chain
-from specserve.step import Kind, StepRow
+from specserve.step import Kind, StepRow, q_rows
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 from specserve.worker.batcher import BACKGROUND, FOREGROUND, Work
 from specserve.worker.core import WorkerCore
@@ -36,6 +36,9 @@ from specserve.worker.model_step import Batching, make_draft_step
 from specserve.worker.predraft import BlockKey, SpeculationCache, likely_outcomes, likely_prefix
 from specserve.worker.qcodec import q_to_proto
 from specserve.worker.session_table import WorkerSession
+
+if TYPE_CHECKING:
+    from specserve.algorithm.rejection import QProbs
 
 Push = Callable[[draft_pb2.Predraft], None]  # a block drafted ahead, on its way to the target
 
@@ -152,7 +155,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.metrics.dropped_on_reconcile.inc(proposal.dropped_on_reconcile)
         branches = min(request.predraft_branches, self.max_predraft_branches)
         first, parents = proposal, None  # (drafting ahead follows the chain's likely outcomes)
-        if request.tree_width > 1 and sampling.greedy and grammar is None and prepared is None:
+        if request.tree_width > 1 and grammar is None and prepared is None:
             proposal, parents, more_s = await self._tree(seq, ids, first, k, sampling, seed, request.tree_width)
             elapsed += more_s
         if branches and first.tokens:
@@ -169,24 +172,30 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         matches of its longest suffix match with distinct next tokens, up to `width` branches
         (microseconds: no block to schedule). A model's is two first candidates where the draft
         is unsure of the first token (its probability under SURE): the chain, then the draft's
-        runner-up there with its own greedy chain to depth k, drafted as a second block; the
-        chain alone elsewhere. (proposal, parents or None, the second block's cost in seconds.)"""
+        runner-up there (sampled: a second draw from q without the first, algorithm/tree.py:
+        draw_siblings) with its own chain to depth k, drafted as a second block; the chain
+        alone elsewhere. (proposal, parents or None, the second block's cost in seconds.)"""
         if getattr(seq.handle, "inline_tree", False):
             found = seq.handle.propose_tree(ids, k, sampling, seed, width)
             if found is None:
                 return first, None, 0.0
-            tokens, parents = found
-            return DraftProposal(tokens, None, first.dropped_on_reconcile), parents, 0.0
+            return DraftProposal(found.tokens, found.q, first.dropped_on_reconcile), found.parents, 0.0
         if not first.tokens or not first.runner_up or first.runner_up[0] is None or not first.confidence \
                 or first.confidence[0][0] >= SURE or first.runner_up[0] == first.tokens[0]:
             return first, None, 0.0
-        second = int(first.runner_up[0])
+        second = int(first.runner_up[0]) if sampling.greedy else \
+            _second_draw(first, seed, len(ids), self.drafter.vocab_size)
+        if second is None:
+            return first, None, 0.0
         rest, cost_s = (await self._draft(seq, [*ids, second], k - 1, sampling, seed)) if k > 1 else \
             (DraftProposal([], None), 0.0)
         a = len(first.tokens)
         tokens = [*first.tokens, second, *rest.tokens]
         parents = [*range(-1, a - 1), -1, *range(a, a + len(rest.tokens))]
-        return (DraftProposal(tokens, None, first.dropped_on_reconcile, first.runner_up, first.confidence),
+        q = None if sampling.greedy else _tree_q(first.q, rest.q)
+        if not sampling.greedy and q is None:
+            return first, None, cost_s
+        return (DraftProposal(tokens, q, first.dropped_on_reconcile, first.runner_up, first.confidence),
                 parents, cost_s)
 
     def _response(self, proposal: DraftProposal, elapsed_s: float, predrafted: bool,
@@ -257,3 +266,37 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         their sessions to the pool's other replicas instead of waiting out the grace."""
         for link in list(self.links):
             link.end()
+
+
+def _second_draw(first: DraftProposal, seed: int, position: int, vocab: int) -> int | None:
+    """A sampled block's second first candidate: a draw from its first q row without the
+    chain's own first token (algorithm/tree.py: draw_siblings); None where q held one token."""
+    import torch
+
+    from specserve.algorithm.rejection import q_to_dense
+    from specserve.algorithm.tree import draw_siblings
+
+    if first.q is None:
+        return None
+    q0 = q_to_dense(q_rows(first.q, slice(0, 1)), torch.tensor(first.tokens[:1]), vocab)[0]
+    drawn = draw_siblings(q0, 2, seed, position, first.tokens[0])
+    return drawn[1] if len(drawn) > 1 else None
+
+
+def _tree_q(first: QProbs, rest: QProbs) -> QProbs:
+    """The q rows of a two-branch tree: the chain's, its first row again for the second first
+    candidate (drawn from the same q), then the second branch's; None where the two blocks'
+    q forms differ (the tree is then not offered)."""
+    import torch
+
+    from specserve.algorithm.rejection import DenseQ, SparseQ
+
+    if isinstance(first, DenseQ) and (rest is None or isinstance(rest, DenseQ)):
+        return DenseQ(torch.cat([first.probs, first.probs[:1]] + ([rest.probs] if rest is not None else [])))
+    if isinstance(first, SparseQ) and (rest is None or isinstance(rest, SparseQ)):
+        parts = [first, q_rows(first, slice(0, 1))] + ([rest] if rest is not None else [])
+        if len({x.ids.shape[1] for x in parts}) > 1:  # type: ignore[union-attr]
+            return None
+        return SparseQ(torch.cat([x.ids for x in parts]), torch.cat([x.probs for x in parts]))  # type: ignore[union-attr]
+    return None
+
