@@ -437,15 +437,20 @@ def test_adaptive_k_settles_within_one_step_of_the_sweeps_best(routers, extracti
     cls = _cls("adaptive")
     _set(admin0, cls, adaptive_k=True, k_min=1, k_max=6, safety_margin=0.0, probe_fraction=0.1)
     ks_of: list[list[int]] = []
+    probes = held = 0  # in the last 10 requests: rounds that probed, and rounds held plain
     for i in range(36):
         r = _gen((gen0, gen1)[i % 2], prompts[i % len(prompts)], cls)
-        ks_of.append([x.k for x in r.stats.round if x.k > 0] if r.stats.draft_pool else [])
+        # the engine's choices: a probe's K (held plain, it asks for 2 to keep learning) is not one
+        ks_of.append([x.k for x in r.stats.round if x.k > 0 and not x.probe] if r.stats.draft_pool else [])
+        if i >= 26:
+            probes += sum(x.probe for x in r.stats.round)
+            held += sum(x.fallback_reason == "speculation_not_paying" for x in r.stats.round)
     d = _effective(admin0, cls).decision
     settled = [k for ks in ks_of[-10:] for k in ks]  # the engine's Ks in the last 10 requests
     engine_k = collections.Counter(settled).most_common(1)[0][0] if settled else 0
     print(f"sweep tokens/s { {k: round(v, 1) for k, v in rate.items()} }; best K {sorted(best)}; "
           f"controller: {d.decision}: {d.reason}; the engine's Ks in the last 10 requests "
-          f"{dict(sorted(collections.Counter(settled).items()))}")
+          f"{dict(sorted(collections.Counter(settled).items()))}, probes {probes}, held plain {held}")
     assert d.decision == "speculate", d.reason
 
     def near(k: int) -> bool:

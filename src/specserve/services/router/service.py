@@ -173,7 +173,8 @@ def stats_from(info: SessionInfo | None, joined: bool) -> generation_pb2.Generat
     """GenerationStats from the session's hash: its plan, and the rounds its driver ran."""
     p = info.params if info is not None else {}
     rounds = [generation_pb2.RoundStats(k=r[0], accepted=r[1], emitted=r[2], rejected_position=r[3], draft_ms=r[4],
-                                        verify_ms=r[5], overhead_ms=r[6], fallback_reason=r[7], predraft=r[8])
+                                        verify_ms=r[5], overhead_ms=r[6], fallback_reason=r[7], predraft=r[8],
+                                        probe=bool(r[10]) if len(r) > 10 else False)
               for r in ((info.stats or {}).get("rounds", []) if info is not None else [])]
     drafted, accepted = sum(r.k for r in rounds), sum(r.accepted for r in rounds)
     accepted_prediction, rejected_prediction = prediction_usage(p.get("pool"), drafted, accepted)

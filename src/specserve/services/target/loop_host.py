@@ -392,4 +392,4 @@ def run_summary(incarnation: str, session: EngineSession) -> str:
     return json.dumps({"target": incarnation, "rounds": [
         [r.k, r.accepted, r.emitted, -1 if r.rejected_position is None else r.rejected_position,
          round(r.draft_ms, 3), round(r.verify_ms, 3), round(r.overhead_ms, 3), r.fallback_reason, r.predraft,
-         r.k_asked] for r in session.rounds]}, separators=(",", ":"))
+         r.k_asked, int(r.probe)] for r in session.rounds]}, separators=(",", ":"))
