@@ -94,6 +94,7 @@ bench: setup
 	$(PY) bench/bench_prediction.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_batching.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_eagle.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_eagle_stack.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_rollout.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_overload.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_failover.py --models $(MODELS_DIR) --out bench/results

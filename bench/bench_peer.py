@@ -131,7 +131,7 @@ def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -
     """Stream one greedy completion: TTFT, TPOT, the text and the completion tokens, and, from
     specserve, the arm it ran (usage's `specserve` extension: pool and K; None from vLLM)."""
     t0 = time.perf_counter()
-    first, text, tokens, ran = None, [], 0, None
+    first, text, tokens, ran, rounds, accepted = None, [], 0, None, None, None
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                        stream=True, stream_options={"include_usage": True}, extra_body=extra)
     for chunk in stream:
@@ -143,10 +143,11 @@ def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -
             tokens = chunk.usage.completion_tokens
             if ext := (chunk.usage.model_extra or {}).get("specserve"):
                 ran = f"{ext['draft_pool'] or 'plain'} K={ext['k']}"
+                rounds, accepted = ext.get("rounds"), ext.get("accepted_tokens")
     end = time.perf_counter()
     first = first or end
     return {"ttft_ms": (first - t0) * 1e3, "tpot_ms": (end - first) * 1e3 / max(tokens - 1, 1),
-            "tokens": tokens, "text": "".join(text), "ran": ran}
+            "tokens": tokens, "text": "".join(text), "ran": ran, "rounds": rounds, "accepted": accepted}
 
 
 def run_cell(base_url: str, model: str, prompts: list[str], streams: int, requests: int, max_tokens: int,
@@ -168,8 +169,11 @@ def run_cell(base_url: str, model: str, prompts: list[str], streams: int, reques
     wall = run_threads(stream, streams)
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
-    cell = cell_summary([r for rs in results for _, r in rs], streams, wall,
-                        {n: r["text"] for rs in results for n, r in rs})
+    done = [r for rs in results for _, r in rs]
+    cell = cell_summary(done, streams, wall, {n: r["text"] for rs in results for n, r in rs})
+    if all(r["rounds"] for r in done):  # specserve's: target passes of the session and drafts accepted
+        cell["tokens_per_pass"] = sum(r["tokens"] for r in done) / sum(r["rounds"] for r in done)
+        cell["accepted_per_round"] = sum(r["accepted"] or 0 for r in done) / sum(r["rounds"] for r in done)
     # the arms the requests ran, by stream in order: which request of a controller cell lost
     cell["ran"] = [[r["ran"] for _, r in rs] for rs in results] if any(r["ran"] for rs in results for _, r in rs) \
         else None
