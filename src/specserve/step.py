@@ -182,6 +182,9 @@ class ModelStep(Protocol):
     runner, and the per-session target and draft."""
 
     max_batch: int | None  # the most rows one step takes (None: the caller's limit)
+    # A step whose VERIFY rows may be token trees (`StepRow.parents`, judged by
+    # algorithm/tree.py) says so with a class attribute `verifies_trees = True`; the engine
+    # gives any other step chains.
 
     def open(self, session_id: str) -> Any:
         """A slot for a new session (its KV slot or its own state)."""

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -421,6 +423,14 @@ def test_unseeded_sampled_sessions_verify_trees_with_q_and_seeded_ones_chains(de
     assert len(free.generated) == len(seeded.generated) == 40
     assert any(r.tree_size > 0 for r in free.rounds) and not any(r.tree_size > 0 for r in seeded.rounds)
     assert verified and all(r.q is not None for r in verified)
+    # a per-session target (batching off) judges rows as chains only: it is never given a tree
+    # (a sampled tree judged as a flattened chain would not be exact)
+    per_session = make_target_step(TargetModel(demo_pair.target), Batching(enabled=False))
+    loop = EngineLoop(per_session, stops, {"small": LocalDrafts(HFDrafter(demo_pair.draft))},
+                      speculation=SpeculationSettings(tree_width=2, tree_always=True))
+    loop.add("free", prompt, EnginePlan(replace(params, max_tokens=12), pool="small", seeded=False))
+    loop.run_until_idle()
+    assert loop.ended["free"].rounds and not any(r.tree_size > 0 for r in loop.ended["free"].rounds)
 
 
 def test_a_remote_replicas_sampled_tree_carries_each_nodes_q_row():
@@ -437,9 +447,16 @@ def test_a_remote_replicas_sampled_tree_carries_each_nodes_q_row():
     rest = DraftProposal([2], SparseQ(torch.tensor([[2, 4, 6]]), torch.tensor([[0.6, 0.4, 0.0]])))
     seconds = {_second_draw(first, seed, 10, V) for seed in range(200)}
     assert seconds == {5, 0}  # q's other tokens, never the chain's own first (3)
-    q = _tree_q(first.q, rest.q)
+    q = _tree_q(first, rest, V)
     dense = q_to_dense(q, torch.tensor([3, 1, 5, 2]), V)
     assert torch.equal(dense[2], dense[0]) and dense[3, 2] == pytest.approx(0.6) and dense[1, 1] == pytest.approx(0.9)
-    assert _tree_q(first.q, SparseQ(torch.tensor([[2, 4]]), torch.tensor([[0.6, 0.4]]))) is None  # widths differ
+    # whatever the second block's q looks like, the tree keeps a q row for every node (a tree
+    # offered only for some second draws would bias them): narrower sparse rows padded, mixed
+    # forms made dense
+    narrow = DraftProposal([2], SparseQ(torch.tensor([[2, 4]]), torch.tensor([[0.6, 0.4]])))
+    dense_rest = DraftProposal([2], DenseQ(torch.softmax(torch.zeros(1, V), -1)))
+    for other in (narrow, dense_rest):
+        got = q_to_dense(_tree_q(first, other, V), torch.tensor([3, 1, 5, 2]), V)
+        assert torch.equal(got[:3], dense[:3]) and got[3].sum() == pytest.approx(1.0)
     assert _second_draw(DraftProposal([3], SparseQ(torch.tensor([[3, 0]]), torch.tensor([[1.0, 0.0]]))), 0, 10, V) \
         is None  # q held one token

@@ -104,7 +104,8 @@ class DraftBlock:
     draft_ms: float = 0.0  # the replica's compute for it (0 when it was drafted ahead)
     predrafted: bool = False
     # a token tree (algorithm/tree.py, ADR 0020): each token's parent among them, -1 for the last
-    # committed token; None: a chain. A tree's q is one-hot (its candidates chosen without draws)
+    # committed token; None: a chain. A tree's q: None where its candidates were chosen without
+    # draws (one-hot), else each node's q row (a sampled tree drawn from q, algorithm/tree.py)
     parents: tuple[int, ...] | None = None
 
 

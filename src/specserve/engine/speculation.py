@@ -203,13 +203,17 @@ class Speculation:
         that drafting is fast). Blocks drafted ahead were not asked for. Per position: a token
         tree's candidates at one depth are one position (the wait for the next block is priced
         by its depth, as a chain's by its length). A pool drafted on the engine's thread: its
-        own drafting time (from the ask, the other sessions' drafting before it would count too)."""
+        own drafting time per draft (from the ask, the other sessions' drafting before it would
+        count too; a tree's every draft was computed there)."""
         asked = s.asks.pop(block.base_len, None)
         if asked is None or block.predrafted or not block.tokens:
             return
+        if (s.plan.pool or "") in self.serial_pools:  # its compute, per draft it computed (a tree's all)
+            if block.draft_ms > 0:
+                self.measured.drafted(s.plan.pool or "", block.draft_ms / 1e3 / len(block.tokens))
+            return
         positions = tree_depth(block.parents) if block.parents is not None else len(block.tokens)
-        took = block.draft_ms / 1e3 if (s.plan.pool or "") in self.serial_pools else arrived - asked
-        self.measured.drafted(s.plan.pool or "", max(took, 0.0) / max(positions, 1))
+        self.measured.drafted(s.plan.pool or "", max(arrived - asked, 0.0) / max(positions, 1))
 
     # ---- what a round teaches ----
     def learn(self, s: EngineSession, row: Row, verdict: Verdict, k_asked: int) -> int:

@@ -166,6 +166,8 @@ class _RunnerSessions:
 
 
 class BatchedTarget(_RunnerSessions):
+    verifies_trees = True  # token trees: one row each, judged by algorithm/tree.py
+
     def __init__(self, target: TargetModel, b: Batching) -> None:
         self.target = target
         super().__init__(target.model, target.max_positions, b)

@@ -192,9 +192,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         a = len(first.tokens)
         tokens = [*first.tokens, second, *rest.tokens]
         parents = [*range(-1, a - 1), -1, *range(a, a + len(rest.tokens))]
-        q = None if sampling.greedy else _tree_q(first.q, rest.q)
-        if not sampling.greedy and q is None:
-            return first, None, cost_s
+        q = None if sampling.greedy else _tree_q(first, rest, self.drafter.vocab_size)
         return (DraftProposal(tokens, q, first.dropped_on_reconcile, first.runner_up, first.confidence),
                 parents, cost_s)
 
@@ -283,20 +281,24 @@ def _second_draw(first: DraftProposal, seed: int, position: int, vocab: int) -> 
     return drawn[1] if len(drawn) > 1 else None
 
 
-def _tree_q(first: QProbs, rest: QProbs) -> QProbs:
+def _tree_q(first: DraftProposal, rest: DraftProposal, vocab: int) -> QProbs:
     """The q rows of a two-branch tree: the chain's, its first row again for the second first
-    candidate (drawn from the same q), then the second branch's; None where the two blocks'
-    q forms differ (the tree is then not offered)."""
+    candidate (drawn from the same q), then the second branch's. Always a q for every node
+    (whether a tree is offered must not depend on the second draw: that would bias it): sparse
+    rows padded to one width with zero entries, or dense where the blocks' forms differ."""
     import torch
 
-    from specserve.algorithm.rejection import DenseQ, SparseQ
+    from specserve.algorithm.rejection import DenseQ, SparseQ, q_to_dense
 
-    if isinstance(first, DenseQ) and (rest is None or isinstance(rest, DenseQ)):
-        return DenseQ(torch.cat([first.probs, first.probs[:1]] + ([rest.probs] if rest is not None else [])))
-    if isinstance(first, SparseQ) and (rest is None or isinstance(rest, SparseQ)):
-        parts = [first, q_rows(first, slice(0, 1))] + ([rest] if rest is not None else [])
-        if len({x.ids.shape[1] for x in parts}) > 1:  # type: ignore[union-attr]
-            return None
-        return SparseQ(torch.cat([x.ids for x in parts]), torch.cat([x.probs for x in parts]))  # type: ignore[union-attr]
-    return None
+    parts = [(first.q, first.tokens), (q_rows(first.q, slice(0, 1)), first.tokens[:1])]
+    if rest.tokens:
+        parts.append((rest.q, rest.tokens))
+    if all(isinstance(q, SparseQ) for q, _ in parts):
+        width = max(q.ids.shape[1] for q, _ in parts)  # type: ignore[union-attr]
 
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+        return SparseQ(torch.cat([pad(q.ids) for q, _ in parts]),  # type: ignore[union-attr]
+                       torch.cat([pad(q.probs) for q, _ in parts]))  # type: ignore[union-attr]
+    return DenseQ(torch.cat([q_to_dense(q, torch.tensor(list(t)), vocab) for q, t in parts]))
