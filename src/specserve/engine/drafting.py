@@ -153,15 +153,30 @@ class DraftPools:
         self.sources = dict(sources)
         # the pools that draft from the target's features (ADR 0020): fixed per pool
         self.feature_pools = {name for name, source in self.sources.items() if getattr(source, "wants_features", False)}
-        # the pools drafted on the engine's thread (LocalDrafts): fixed per pool
+        # the pools drafted on the engine's thread (LocalDrafts): fixed per pool; and their
+        # drafting since the step began (the step cost fit leaves it out: the K choice prices it)
         self.serial_pools = {name for name, source in self.sources.items()
                              if getattr(source, "on_engine_thread", False)}
+        self.serial_s = 0.0
         for source in self.sources.values():
             source.attach(deliver)
 
     def of(self, s: EngineSession) -> DraftSource | None:
         """The session's pool's source (None: plain, or a pool this engine has no source for)."""
         return self.sources.get(s.plan.pool or "")
+
+    def open(self, s: EngineSession, source: DraftSource) -> None:
+        self._timed(s, source.open, s)
+
+    def outcome(self, s: EngineSession, source: DraftSource, outcome: Outcome) -> None:
+        """The round's outcome to the session's source (which asks it for the next block)."""
+        self._timed(s, source.outcome, outcome)
+
+    def _timed(self, s: EngineSession, call: Callable[[Any], None], arg: Any) -> None:
+        t = time.perf_counter()
+        call(arg)
+        if (s.plan.pool or "") in self.serial_pools:  # drafted on this thread, now
+            self.serial_s += time.perf_counter() - t
 
     def live(self, s: EngineSession) -> bool:
         source = self.of(s)

@@ -123,7 +123,6 @@ class EngineLoop:
         # this engine refuses constrained sessions
         self.constrain = constrain
         self.mask_ms = 0.0  # the masks' host time in the last step (ADR 0017)
-        self._serial_s = 0.0  # this step's drafting on this thread (pools in `pools.serial_pools`)
         self.sessions: dict[str, EngineSession] = {}  # by arrival: the schedule's order
         self.last: StepReport | None = None
         self.ended: dict[str, EngineSession] = {}  # the last `keep_ended` sessions that ended
@@ -194,7 +193,7 @@ class EngineLoop:
         """One step: schedule -> one forward -> settle each row -> hand the commits over.
         None: nothing to run (or the step is held for blocks about to land)."""
         t0 = time.perf_counter()
-        self._serial_s = 0.0
+        self.pools.serial_s = 0.0
         plan = self._schedule()
         if plan is None:
             self._notify_ended()  # cancelled from the inbox
@@ -214,7 +213,7 @@ class EngineLoop:
         bookkeeping_ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
         fed = sum(max(r.fed, 1) for r in out.rows)
         # (drafting on the engine's thread is priced by the K choice itself, not by the fit)
-        self.speculation.observe_step(len(out.rows), fed, (forward_ms + bookkeeping_ms) / 1e3 - self._serial_s)
+        self.speculation.observe_step(len(out.rows), fed, (forward_ms + bookkeeping_ms) / 1e3 - self.pools.serial_s)
         record_rounds(rounds, t0, bookkeeping_ms, self.observers)
         self._notify_ended()
         self._hand_over(commits)
@@ -298,9 +297,7 @@ class EngineLoop:
         source = self.pools.of(s)
         if source is not None and (s.k_next > 0 or plan.adaptive):  # (held plain, it still probes)
             self.speculation.asked(s)
-            t = time.perf_counter()
-            source.open(s)
-            self._drafted_here(s, t)
+            self.pools.open(s, source)
         done.set_result(s)
 
     def _settle(self, row: Row, result: RowResult, forward_ms: float,
@@ -352,15 +349,7 @@ class EngineLoop:
             # (a model step that judges rows only as chains is never given a tree)
             width = self.speculation.width(s, k_next, len(self.sessions)) \
                 if getattr(self.model, "verifies_trees", False) else 1
-            t = time.perf_counter()
-            source.outcome(Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, width))
-            self._drafted_here(s, t)
-
-    def _drafted_here(self, s: EngineSession, since: float) -> None:
-        """A pool that drafts on this thread just drafted for the session: the time joins the
-        step's (the fit leaves it out; the K choice prices it)."""
-        if (s.plan.pool or "") in self.pools.serial_pools:
-            self._serial_s += time.perf_counter() - since
+            self.pools.outcome(s, source, Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, width))
 
     def _plain_reason(self, s: EngineSession, row: Row, k_asked: int) -> str:
         if not s.plan.pool:
