@@ -265,6 +265,20 @@ def test_a_step_waits_for_blocks_due_within_it_when_that_emits_more(pair, gather
     assert report is not None and report.rows == 2 and report.tokens == 2 * (len(PROMPTS[1]) + 2)
 
 
+def _k1_class(pair, source, **kw) -> EngineLoop:
+    """One adaptive session of a class whose K is 1 or 0, on pool `small` from `source`: α ≈
+    0.7 at the first position, on a memory-bound step of 7 ms whatever it holds."""
+    loop = _loop(pair, {"small": source}, **kw)
+    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=1, seed=1), pool="small",
+                      workload_class="code", adaptive=True, k_min=1, k_max=1)
+    loop.add("s", PROMPTS[1], plan)
+    loop._drain()
+    table = loop.speculation.acceptance_of(loop.sessions["s"])
+    table.reached, table.accepted = [100.0], [70.0]
+    loop.speculation.cost.coef = np.array([0.007, 0.0, 0.0])
+    return loop
+
+
 @pytest.mark.parametrize("gather", [False, True])
 def test_the_k_choice_prices_a_rounds_wait_as_the_schedule_runs_it(pair, gather):
     """Among other sessions a row joins at a step boundary: without gathering, drafts that
@@ -273,15 +287,8 @@ def test_the_k_choice_prices_a_rounds_wait_as_the_schedule_runs_it(pair, gather)
     costs 3 + 7 ms: 1.7 × 7 / 10 = 1.19, and K = 1 pays. (Measured, h100 profile, 16 streams:
     K = 1 with gathering 1.04–1.09 × plain, and the choice priced with whole steps held the
     class plain at 0.87–0.99 of the best arm.)"""
-    loop = _loop(pair, {"small": SilentDrafts(pair[1])}, gather=gather)
-    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=1, seed=1), pool="small",
-                      workload_class="code", adaptive=True, k_min=1, k_max=1)
-    loop.add("s", PROMPTS[1], plan)
-    loop._drain()
-    table = loop.speculation.acceptance_of(loop.sessions["s"])
-    table.reached, table.accepted = [100.0], [70.0]  # α ≈ 0.7 at the first position
+    loop = _k1_class(pair, SilentDrafts(pair[1]), gather=gather)
     loop.speculation.measured.draft_latency["small"] = 0.003
-    loop.speculation.cost.coef = np.array([0.007, 0.0, 0.0])  # a memory-bound step: 7 ms whatever it holds
     k = loop.speculation.best_k(loop.sessions["s"], batch=16, step_s=0.007)
     s1 = loop.speculation.estimates[("code", "small")][1]
     if gather:
@@ -299,17 +306,9 @@ def test_drafting_on_the_engine_thread_is_priced_for_every_session_of_the_step(p
     7 ms step, 1.7 × 7 / 23 = 0.52 of plain, and the engine runs plain. On the old code both
     were priced as free (the local blocks are always there in time), and `make run`'s
     controller ran eagle-local at 0.45-0.56 of plain at 16 streams (bench_eagle_stack)."""
-    source = SilentDrafts(pair[1]) if pool == "replica" else LocalDrafts(pair[1])
-    loop = _loop(pair, {"small": source})
-    plan = EnginePlan(GenerationParams(max_tokens=8, num_draft_tokens=1, seed=1), pool="small",
-                      workload_class="code", adaptive=True, k_min=1, k_max=1)
-    loop.add("s", PROMPTS[1], plan)
-    loop._drain()
-    table = loop.speculation.acceptance_of(loop.sessions["s"])
-    table.reached, table.accepted = [100.0], [70.0]  # α ≈ 0.7 at the first position
+    loop = _k1_class(pair, SilentDrafts(pair[1]) if pool == "replica" else LocalDrafts(pair[1]))
     loop.speculation.measured.draft_latency["small"] = 0.001
     loop.speculation.measured.ahead_share["small"] = 1.0  # every block there before its step
-    loop.speculation.cost.coef = np.array([0.007, 0.0, 0.0])  # a memory-bound step: 7 ms whatever it holds
     k = loop.speculation.best_k(loop.sessions["s"], batch=16, step_s=0.007)
     s1 = loop.speculation.estimates[("code", "small")][1]
     if pool == "replica":
