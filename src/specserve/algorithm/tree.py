@@ -115,7 +115,8 @@ def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree
     children = tree.children()
     depths = [0] + tree.depths
     if q is not None and not sampling.greedy:
-        return _judge_with_q(logits_to_probs(logits, sampling), tokens, tree, q, seed, start)
+        return _judge_with_q(logits_to_probs(logits, sampling), tokens, children, q,
+                             _final_uniforms(children, depths, seed, start))
     toks = to_device(list(tokens), device, torch.long)
     parent_rows = to_device([p + 1 for p in tree.parents], device, torch.long)  # [m]
     # children's tokens removed at each node that has any (a leaf keeps all of p)
@@ -134,21 +135,25 @@ def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree
         p_tok = p.index_select(0, parent_rows).gather(1, toks[:, None])[:, 0].double() if m else \
             logits.new_zeros(0, dtype=torch.float64)
         rest = p.masked_fill(ban, 0.0)
-        kind = [Purpose.RECOVER if children[n] else Purpose.BONUS for n in range(m + 1)]
-        u = np.array([uniform(seed, [start + depths[n]], kind[n])[0] for n in range(m + 1)])
+        u = _final_uniforms(children, depths, seed, start)
         empty = rest.sum(-1) <= 0  # every token of p is a child: unreachable, drawn from p instead
         final = draw(torch.where(empty[:, None], p, rest), to_device(u, device))
     root = torch.zeros(1, dtype=torch.float64, device=device)
     return torch.stack([torch.cat([root, p_tok]), final.double()], 1)
 
 
-def _judge_with_q(p: torch.Tensor, tokens: Sequence[int], tree: Tree, q: QProbs, seed: int,
-                  start: int) -> torch.Tensor:
+def _final_uniforms(children: list[list[int]], depths: list[int], seed: int, start: int) -> np.ndarray:
+    """Per node, the uniform of its final token: RECOVER where it has children (drawn if all
+    are rejected), BONUS at a leaf; keyed by the node's absolute position."""
+    return np.array([uniform(seed, [start + d], Purpose.RECOVER if kids else Purpose.BONUS)[0]
+                     for kids, d in zip(children, depths, strict=True)])
+
+
+def _judge_with_q(p: torch.Tensor, tokens: Sequence[int], children: list[list[int]], q: QProbs,
+                  u: np.ndarray) -> torch.Tensor:
     """`tree_judge_on_device`'s rows for a tree with its drafter's q (recursive rejection
-    sampling without replacement at each node; module docstring)."""
-    device, m = p.device, tree.size
-    children = tree.children()
-    depths = [0] + tree.depths
+    sampling without replacement at each node; module docstring); `u` its final uniforms."""
+    device, m = p.device, len(tokens)
     qd = q_to_dense(q, to_device(list(tokens), device, torch.long), p.shape[-1])  # [m, V] float32
     px = [p.new_zeros(())] * (m + 1)
     qx = [p.new_zeros(())] * (m + 1)
@@ -168,8 +173,6 @@ def _judge_with_q(p: torch.Tensor, tokens: Sequence[int], tree: Tree, q: QProbs,
                 q_cur = q_cur.index_fill(0, to_device([x], device, torch.long), 0.0)
                 q_cur = q_cur / q_cur.sum().clamp(min=1e-30)
         dists.append(dist)
-    kind = [Purpose.RECOVER if children[n] else Purpose.BONUS for n in range(m + 1)]
-    u = np.array([uniform(seed, [start + depths[n]], kind[n])[0] for n in range(m + 1)])
     final = draw(torch.stack(dists), to_device(u, device))
     return torch.stack([torch.stack(px).double(), final.double(), torch.stack(qx).double()], 1)
 
