@@ -308,8 +308,7 @@ class EagleSession:
         one-hot q; sampled: draws with uniform(seed, position, DRAFT), q dense); the cache is
         left holding the committed positions only."""
         from specserve.algorithm.rejection import DenseQ
-        from specserve.algorithm.rng import Purpose, uniform
-        from specserve.algorithm.sampling import draw, logits_to_probs
+        from specserve.algorithm.sampling import logits_to_probs
 
         saved = (self.cache.k, self.cache.v, self.cache.length)
         out: list[int] = []
@@ -322,10 +321,8 @@ class EagleSession:
                 if sampling.greedy:
                     token = int(logits.argmax())
                 else:
-                    probs = logits_to_probs(logits, sampling)
-                    u = torch.from_numpy(uniform(seed, [n + i], Purpose.DRAFT))
-                    token = int(draw(probs[None], u)[0])
-                    qs.append(probs)
+                    qs.append(logits_to_probs(logits, sampling))
+                    token = _drawn(qs[-1], seed, n + i)
                 out.append(token)
                 x = pred
         finally:
@@ -340,8 +337,7 @@ class EagleSession:
         first draw, then more drawn from the head's q without replacement (algorithm/tree.py:
         draw_siblings), each followed by draws as a chain's, with every node's q row."""
         from specserve.algorithm.rejection import DenseQ
-        from specserve.algorithm.rng import Purpose, uniform
-        from specserve.algorithm.sampling import draw, logits_to_probs
+        from specserve.algorithm.sampling import logits_to_probs
         from specserve.algorithm.tree import draw_siblings
 
         saved = (self.cache.k, self.cache.v, self.cache.length)
@@ -354,7 +350,7 @@ class EagleSession:
             if greedy:
                 return int(logits.argmax())
             qs.append(logits_to_probs(logits, sampling))
-            return int(draw(qs[-1][None], torch.from_numpy(uniform(seed, [pos], Purpose.DRAFT)))[0])
+            return _drawn(qs[-1], seed, pos)
 
         try:
             first = self.head.extend(self.cache, inp[None], self.parts.embed(torch.tensor([token])))
@@ -364,7 +360,7 @@ class EagleSession:
                 top = probs.topk(width)
                 cands, sure = top.indices.tolist(), float(top.values[0])
             else:
-                drawn = int(draw(probs[None], torch.from_numpy(uniform(seed, [n], Purpose.DRAFT)))[0])
+                drawn = _drawn(probs, seed, n)
                 cands, sure = draw_siblings(probs, width, seed, n, drawn), float(probs[drawn])
             if sure >= SURE or len(cands) < 2:
                 return [], None, None
@@ -417,6 +413,15 @@ class EagleDrafter:
 
     def start(self) -> EagleSession:
         return EagleSession(self.head, self.parts)
+
+
+def _drawn(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The head's sampled draft at `position` from its distribution there: uniform(seed,
+    position, DRAFT), as every drafter draws (a chain's and a tree's first candidate alike)."""
+    from specserve.algorithm.rng import Purpose, uniform
+    from specserve.algorithm.sampling import draw
+
+    return int(draw(probs[None], torch.from_numpy(uniform(seed, [position], Purpose.DRAFT)))[0])
 
 
 def features_to_wire(feats: torch.Tensor) -> tuple[int, int, bytes]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from specserve.algorithm.rejection import DenseQ, SparseQ
+from specserve.algorithm.rejection import DenseQ, SparseQ, q_to_dense
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import (
     SamplingParams,
@@ -142,7 +142,7 @@ class HFDraftSession:
         logits = self.lm.extend(token_ids[self.lm.length:])[-1]
         n, d = len(token_ids), self.drafter
         root = draft_step(logits, sampling, seed, n, d.q_mass, d.q_max_entries)
-        q0 = _dense(root, logits.shape[-1])
+        q0 = q_to_dense(_pack_q([root]), torch.tensor([root.token]), logits.shape[-1])[0].cpu()
         if float(q0[root.token]) >= sure:
             return None
         base = self.lm.length
@@ -269,15 +269,6 @@ def _banned(logits: torch.Tensor, samplings: Sequence[SamplingParams]) -> torch.
     for i, ids in banned:
         masked[i].index_fill_(0, to_device(ids, logits.device), float("-inf"))
     return masked
-
-
-def _dense(step: DraftStep, vocab: int) -> torch.Tensor:
-    """A step's q as a dense [V] float32."""
-    assert step.q is not None
-    q = torch.from_numpy(np.asarray(step.q, dtype=np.float32))
-    if step.q_ids is None:
-        return q
-    return torch.zeros(vocab, dtype=torch.float32).index_add_(0, torch.from_numpy(step.q_ids), q)
 
 
 def pad_to(row: torch.Tensor, width: int) -> torch.Tensor:
