@@ -126,27 +126,20 @@ def first_branch(tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
     return out
 
 
-def subtree(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int]
-            ) -> tuple[list[int], list[int]] | None:
-    """The token tree below the node that `path` (tokens, from the root) reaches, re-indexed
-    with that node as its root: a tree block drafted for prefix P still drafts P + path there
-    (a plain round committed the path meanwhile). None where the path leaves the tree.
-
-    Example: tokens [5, 6, 7], parents [-1, 0, -1], path [5] -> ([6], [-1])."""
-    nodes = subtree_nodes(tokens, parents, path)
-    if nodes is None:
-        return None
-    where: dict[int, int] = {}
-    out_parents: list[int] = []
-    for i in nodes:
-        out_parents.append(where.get(parents[i], -1))
-        where[i] = len(out_parents) - 1
-    return [int(tokens[i]) for i in nodes], out_parents
+def reparented(parents: Sequence[int], nodes: Sequence[int]) -> list[int]:
+    """The parents of a subtree's `nodes` (indices into the tree, parents first) among them,
+    -1 for those whose parent is the subtree's root."""
+    where = {n: i for i, n in enumerate(nodes)}
+    return [where.get(parents[n], -1) for n in nodes]
 
 
 def subtree_nodes(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int]) -> list[int] | None:
-    """`subtree`'s nodes, as indices into the tree (their q rows, where it has q); None where
-    the path leaves the tree."""
+    """The nodes of the token tree below the node that `path` (tokens, from the root) reaches,
+    as indices into the tree (their q rows, where it has q; `reparented` gives their parents
+    with that node as the root): a tree block drafted for prefix P still drafts P + path there
+    (a plain round committed the path meanwhile). None where the path leaves the tree.
+
+    Example: tokens [5, 6, 7], parents [-1, 0, -1], path [5] -> [1] (token 6, parent -1)."""
     node = -1
     for t in path:
         node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == t), -2)

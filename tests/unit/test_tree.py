@@ -338,12 +338,13 @@ def test_a_late_tree_is_used_below_the_path_a_plain_round_committed():
     from specserve.engine.scheduler import Budget, schedule
     from specserve.engine.session import DraftBlock, EnginePlan, EngineSession
     from specserve.params import GenerationParams
-    from specserve.step import subtree
+    from specserve.step import reparented, subtree_nodes
 
-    assert subtree([5, 6, 7], [-1, 0, -1], [5]) == ([6], [-1])
-    assert subtree([5, 6, 7, 8], [-1, 0, -1, 2], []) == ([5, 6, 7, 8], [-1, 0, -1, 2])
-    assert subtree([5, 6, 7, 8], [-1, 0, -1, 2], [7]) == ([8], [-1])
-    assert subtree([5, 6, 7, 8], [-1, 0, -1, 2], [9]) is None
+    assert subtree_nodes([5, 6, 7], [-1, 0, -1], [5]) == [1] and reparented([-1, 0, -1], [1]) == [-1]
+    assert subtree_nodes([5, 6, 7, 8], [-1, 0, -1, 2], []) == [0, 1, 2, 3]
+    assert reparented([-1, 0, -1, 2], [0, 1, 2, 3]) == [-1, 0, -1, 2]
+    assert subtree_nodes([5, 6, 7, 8], [-1, 0, -1, 2], [7]) == [3] and reparented([-1, 0, -1, 2], [3]) == [-1]
+    assert subtree_nodes([5, 6, 7, 8], [-1, 0, -1, 2], [9]) is None
     plan = EnginePlan(GenerationParams(max_tokens=20, num_draft_tokens=3, seed=1), pool="p")
     s = EngineSession.new("s", [1, 2, 3], plan, StopChecker(frozenset(), (), lambda ids: ""))
     s.cached = 3

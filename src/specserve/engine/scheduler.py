@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specserve.engine.session import DraftBlock, EngineSession
-from specserve.step import q_rows, subtree_nodes
+from specserve.step import q_rows, reparented, subtree_nodes
 
 if TYPE_CHECKING:
     from specserve.algorithm.rejection import QProbs
@@ -119,12 +119,11 @@ def tree_row(s: EngineSession, block: DraftBlock, feed: int, offset: int) -> Row
     """A tree block's row: all its nodes below the path the committed tokens took into it
     (`offset` of them since it was drafted), re-rooted there, with their q rows."""
     assert block.parents is not None
-    nodes = subtree_nodes(block.tokens, block.parents, s.committed.ids[block.base_len:]) if offset else \
-        list(range(len(block.tokens)))
+    if not offset:  # the whole tree, as drafted
+        return Row(s, block, feed + len(block.tokens), tree=(list(block.tokens), list(block.parents), block.q))
+    nodes = subtree_nodes(block.tokens, block.parents, s.committed.ids[block.base_len:])
     assert nodes is not None  # (`usable` kept the block: the path is in it)
-    where = {n: i for i, n in enumerate(nodes)}
-    parents = [where.get(block.parents[n], -1) for n in nodes]
-    view = ([int(block.tokens[n]) for n in nodes], parents, q_rows(block.q, nodes))
+    view = ([int(block.tokens[n]) for n in nodes], reparented(block.parents, nodes), q_rows(block.q, nodes))
     return Row(s, block, feed + len(nodes), offset=offset, tree=view)
 
 

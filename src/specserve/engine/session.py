@@ -19,7 +19,7 @@ from specserve.algorithm.stops import IncrementalText, StopChecker
 from specserve.control.arms import Fallback
 from specserve.params import GenerationParams, SamplingParams
 from specserve.state.prefix import CommittedPrefix
-from specserve.step import subtree
+from specserve.step import subtree_nodes
 from specserve.structured.constraint import Constraint
 
 if TYPE_CHECKING:
@@ -228,9 +228,9 @@ class EngineSession:
         d = len(self.committed) - block.base_len
         if d < 0 or d >= len(block.tokens) or block.base_hash != self.committed.hash_at(block.base_len):
             return None
-        if block.parents is not None:  # a tree: the committed tokens are a path in it, with a node below
-            below = subtree(block.tokens, block.parents, self.committed.ids[block.base_len:]) if d else None
-            return d if not d or below else None
+        if block.parents is not None:  # a tree: the committed tokens are a path in it
+            inside = subtree_nodes(block.tokens, block.parents, self.committed.ids[block.base_len:]) if d else []
+            return d if inside is not None else None
         if self.committed.ids[block.base_len :] != list(block.tokens[:d]):
             return None
         return d
