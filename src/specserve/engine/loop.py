@@ -113,7 +113,10 @@ class EngineLoop:
         self.observers = list(observers)
         self.budget = budget or Budget()
         self.clock = clock
-        self.speculation = Speculation(speculation or SpeculationSettings(), clock, self.pools.serial_pools)
+        settings = speculation or SpeculationSettings()
+        if not getattr(model, "verifies_trees", False):  # a step that judges rows as chains only: no trees
+            settings = replace(settings, tree_width=1)
+        self.speculation = Speculation(settings, clock, self.pools.serial_pools)
         # a simulated device (benchmarks, tests): a step takes this long, the real forward of a
         # small model padded up to it (ADR 0014's device profiles)
         self.simulated_step_ms = simulated_step_ms
@@ -346,9 +349,7 @@ class EngineLoop:
             self._end(s, Status.FINISHED, settled.finish_reason)
         elif (source := self.pools.of(s)) is not None and (k_next > 0 or s.plan.adaptive):
             self.speculation.asked_again(s)
-            # (a model step that judges rows only as chains is never given a tree)
-            width = self.speculation.width(s, k_next, len(self.sessions)) \
-                if getattr(self.model, "verifies_trees", False) else 1
+            width = self.speculation.width(s, k_next, len(self.sessions))
             self.pools.outcome(s, source, Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, width))
 
     def _plain_reason(self, s: EngineSession, row: Row, k_asked: int) -> str:
