@@ -317,6 +317,13 @@ def test_drafting_on_the_engine_thread_is_priced_for_every_session_of_the_step(p
         assert k == 0 and s1 == pytest.approx(1.7 * 7 / 23, abs=0.03)
     # one session alone: its own 1 ms of drafting beside the 7 ms step, and K = 1 pays
     assert loop.speculation.best_k(loop.sessions["s"], batch=1, step_s=0.007) == 1
+    if pool == "engine thread":  # its drafting time is its own compute per draft: a tree's every draft
+        loop.speculation.measured.draft_latency.clear()
+        s = loop.sessions["s"]
+        s.asks[len(s.committed)] = 0.0
+        tree = DraftBlock("s", len(s.committed), 0, (1, 2, 3, 4, 5, 6), draft_ms=12.0, parents=(-1, 0, 1, -1, 3, 4))
+        loop.speculation.block_arrived(s, tree, arrived=5.0)  # (not the 5 s since the ask)
+        assert loop.speculation.measured.draft_latency["small"] == pytest.approx(0.002)  # not per depth (4 ms)
 
 
 def test_the_step_cost_fit_leaves_out_drafting_on_the_engine_thread(pair):
