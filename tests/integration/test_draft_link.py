@@ -143,7 +143,8 @@ def test_remote_replicas_draft_token_trees_and_the_output_stays_the_targets(mode
     trees = [r for r in rounds if r.tree_size]
     # (a late tree is verified below the token a plain round committed: a smaller tree, or a branch)
     assert all(r.k <= 3 and r.tree_size <= 6 for r in trees), [(r.k, r.tree_size) for r in trees]
-    assert any(r.k < r.tree_size for r in trees)  # trees that branch
+    # trees that branch (a failure lists every round: late blocks show as draft_late)
+    assert any(r.k < r.tree_size for r in trees), [(r.k, r.tree_size, r.fallback_reason) for r in rounds]
     assert sum(r.accepted for r in trees) > 0
 
 
