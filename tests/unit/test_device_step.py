@@ -88,7 +88,7 @@ def _record_runs(ds: DeviceStep) -> list[OpTrace]:
 
 def _step_buffers(ds: DeviceStep) -> set[int]:
     r = ds.r
-    return storages(r.w, r.kv.keys, r.kv.values, ds.ints, ds.keys_at, ds.neg_inf, ds.causal, ds.within, ds.logits,
+    return storages(r.w, r.kv.keys, r.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within, ds.logits,
                     ds.verdicts, ds.picks, ds.heads)
 
 

@@ -107,7 +107,6 @@ class DeviceStep:
         self.inputs = StepInputs(max_rows, max_width, self.scratch, max_len, runner.vocab_size, self.device)
         t, r, w = max_rows * max_width, max_rows, max_width
         self.keys_at = torch.arange(max_len, dtype=torch.long, device=self.device)  # key positions
-        self.neg_inf = torch.full((), float("-inf"), dtype=runner.w.embed.dtype, device=self.device)
         # the rows' block masks: [R, W, W] bool, query i sees new token j; causal unless a step says otherwise
         self.causal = torch.ones(w, w, dtype=torch.bool, device=self.device).tril()
         self.within = self.causal.expand(r, w, w).clone()
@@ -291,7 +290,9 @@ class DeviceStep:
         rel = self.keys_at[:s].unsqueeze(0) - self.field("start", r).unsqueeze(1)  # [R, S]
         block = self.within[:r, :w, :w].gather(2, rel.clamp(0, w - 1).unsqueeze(1).expand(r, w, s))  # [R, W, S]
         seen = (rel < 0).unsqueeze(1) | (block & (rel < w).unsqueeze(1))  # [R, W, S]
-        add = torch.zeros(r, w, s, dtype=self.r.w.embed.dtype, device=self.device).masked_fill_(~seen, self.neg_inf)
+        # a Python float, not a device scalar: CUDA's masked_fill with a tensor value reads it
+        # back to the host (`.item()`), which a graph's capture refuses
+        add = torch.zeros(r, w, s, dtype=self.r.w.embed.dtype, device=self.device).masked_fill_(~seen, float("-inf"))
         return add.unsqueeze(1).expand(r, g, w, s).reshape(r, 1, g * w, s)
 
     def _attend(self, layer: int, q: torch.Tensor, mask: torch.Tensor, b: Bucket) -> torch.Tensor:
