@@ -87,8 +87,9 @@ class Batching:
     cuda_graphs: str = "auto"
     fixed_step: bool | None = None
     capture_budget_s: float = 60.0  # start-up capture of the common buckets stops after this long
-    # torch.compile in the device step (ADR 0019): False, "whole" (the run) or "pieces" (a layer's
-    # two pieces around attention); measured in gpu_check, off by default
+    # torch.compile in the device step (ADR 0019): False, "whole" (the run), "pieces" (a layer's
+    # two pieces around attention), or "auto" (the settings' cuda_compile: pieces with the CUDA
+    # graphs on where torch finds Triton, else none)
     compile_step: bool | str = False
 
     @classmethod
@@ -97,10 +98,30 @@ class Batching:
         return cls(enabled=s.batching, kv_budget_mb=s.kv_budget_mb, max_sessions=s.max_sessions, max_len=s.max_len,
                    prefill_chunk=s.prefill_chunk, device=s.device, dtype=s.dtype,
                    gpu_memory_utilization=s.gpu_memory_utilization, max_batch=s.max_batch,
-                   tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs)
+                   tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs,
+                   compile_step="auto" if s.cuda_compile == "auto" else False)
 
 
 _handles = itertools.count()
+
+
+def step_compile(b: Batching, graphs: bool) -> bool | str:
+    """What the device step compiles: `compile_step` as given, or for "auto" the layer's
+    pieces where the graphs are on and torch has Triton for the device (ADR 0019)."""
+    if b.compile_step != "auto":
+        return b.compile_step
+    from torch.utils._triton import has_triton
+
+    return "pieces" if graphs and has_triton() else False
+
+
+def eager_tile(b: Batching, graphs: bool) -> int | None:
+    """The eager forward's tile (ADR 0008) under these settings. With the CUDA graphs on, a
+    decode or verify row's bits already follow its bucket (ADR 0019), so tiles would keep
+    nothing invariant and only run each prefill chunk a tile at a time: on the H200 a 16 × 128
+    token prefill of the 1.1B target took 3.2 s so, one launch sequence per 4 tokens per layer
+    (session 21's probe). There the prefill is one batched forward (`fast`)."""
+    return None if graphs else b.tile
 
 
 def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
@@ -117,10 +138,10 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
     fixed = b.fixed_step if b.fixed_step is not None else graphs
     # the device step's scratch slot comes on top of the sessions' (within the byte budget)
     runner = ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions + int(fixed),
-                                 max_len=b.max_len or None, device=device, dtype=dtype, tile=b.tile,
-                                 fuse_upto=b.fuse_upto)
+                                 max_len=b.max_len or None, device=device, dtype=dtype,
+                                 tile=eager_tile(b, graphs), fuse_upto=b.fuse_upto)
     if fixed:
-        step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=b.compile_step)
+        step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs))
         step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
     return runner
 
