@@ -4,7 +4,8 @@ load with no speculation at all.
 
 One stack per arm: the demo target at --pass-ms a simulated forward pass with a batch of
 --max-batch rows; one `small` replica on a slow simulated device (--draft-token-ms a drafted
-token), its queue bounded by --max-queue (the `shed` arm) or unbounded (`unbounded`). The
+token), its queue bounded by --max-queue (the `shed` arms) or unbounded (`unbounded`); in `shed-nice`
+the replica runs at --draft-nice (a replica sharing the target's host yields it the cores). The
 load is 2 x max_batch streaming clients: half plain (draft_pool "none"), half speculative on
 `small`, each sending requests back to back for --seconds. The `no-draft` arm runs every
 client plain. Reported per arm: plain requests' TPOT p50 / p90 (from the stream's chunk
@@ -12,11 +13,13 @@ times), speculative requests' TPOT, the sessions the replica refused or shed, an
 every output equalled the target's alone (greedy). Writes <out>/overload.json.
 
     python bench/bench_overload.py [--seconds 40] [--max-batch 4] [--pass-ms 30] [--draft-token-ms 40]
+        [--arms no-draft,unbounded,shed,shed-nice] [--draft-nice 10]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -69,10 +72,14 @@ def arm(pair: Path, name: str, prompts: list[str], a) -> dict:
             pair_dir=str(pair), run_dir=str(Path(tmp) / "run"), routers=1, target_threads=1,
             pools={"small": PoolSpec("draft", env={"SPECSERVE_DRAFT_SIMULATED_TOKEN_MS": str(a.draft_token_ms),
                                                    "SPECSERVE_DRAFT_MAX_QUEUE": str(
-                                                       a.max_queue if name == "shed" else 0),
+                                                       a.max_queue if name.startswith("shed") else 0),
                                                    "SPECSERVE_DRAFT_MAX_BATCH": "1"})},
             env={"SPECSERVE_TARGET_SIMULATED_PASS_MS": str(a.pass_ms), "SPECSERVE_TARGET_MAX_BATCH": str(a.max_batch)})
         with Stack(spec).running(timeout_s=480) as stack:
+            if name.endswith("-nice"):  # the replica yields the host's cores to the target (a shared host)
+                for proc_name, proc in stack.procs.items():
+                    if proc_name.startswith("draft"):
+                        os.setpriority(os.PRIO_PROCESS, proc.pid, a.draft_nice)
             channel = grpc.insecure_channel(stack.info.routers[0])
             stub = generation_pb2_grpc.GenerationStub(channel)
             results: list[dict] = []
@@ -106,12 +113,15 @@ def main() -> None:
     ap.add_argument("--pass-ms", type=float, default=30.0)
     ap.add_argument("--draft-token-ms", type=float, default=40.0, help="the replica's simulated device: slow")
     ap.add_argument("--max-queue", type=int, default=1)
+    ap.add_argument("--draft-nice", type=int, default=10,
+                    help="the draft replicas' niceness in an arm named ...-nice (the target's stays 0)")
+    ap.add_argument("--arms", default="no-draft,unbounded,shed,shed-nice")
     a = ap.parse_args()
     load = warn_if_busy()
     pair = find_pair(a.models)
     prompts = [p["prompt"] for p in load_eval_prompts(pair) if p["workload_class"] == "code"]
     rows = []
-    for name in ("no-draft", "unbounded", "shed"):
+    for name in a.arms.split(","):
         r = arm(pair, name, prompts, a)
         rows.append(r)
         print(f"{name:10} plain TPOT p50 {r['plain_tpot_ms_p50']} p90 {r['plain_tpot_ms_p90']} ms "

@@ -108,3 +108,25 @@ def test_reconcile_keeps_the_agreeing_prefix_and_leaves_one_token_to_feed():
     assert kv.reconcile("s", [1, 2, 3, 4]) == 0
     assert list(kv.ids[kv.slot("s")]) == [1, 2, 3]  # nothing new: the last token is fed again
     assert kv.reconcile("s", [7, 8]) == 3 and kv.length("s") == 0  # disagreement at 0
+
+
+def test_common_prefix_agrees_with_the_position_by_position_walk():
+    """The reconcile's common prefix: the usual case (cached is a prefix of the sequence,
+    compared in C) and every other shape (a divergence, cached longer, an UNKNOWN position, a
+    tuple) give what the position-by-position walk gives."""
+    from specserve.models.kv_slots import UNKNOWN
+    from specserve.models.kvcache import common_prefix
+
+    def walk(a, b):
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    seq = list(range(100, 140))
+    cases = [(seq[:10], seq), (seq, seq), (seq, seq[:10]), ([], seq), (seq[:5] + [7] + seq[6:12], seq),
+             (seq[:8] + [UNKNOWN, UNKNOWN], seq), (seq[:10], tuple(seq)), (seq[:3], [])]
+    for cached, ids in cases:
+        assert common_prefix(cached, ids) == walk(cached, ids), (cached, ids)

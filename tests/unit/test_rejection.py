@@ -120,3 +120,36 @@ def test_same_inputs_same_verdict(start):
     a = _run_fast(p, [1, 2, 3], q, 99, start)
     b = _run_fast(p, [1, 2, 3], q, 99, start)
     assert a.tokens == b.tokens
+
+
+def test_greedy_rows_judged_together_equal_each_row_alone():
+    """judge_on_device's greedy group takes one argmax over every row's positions: with mixed
+    K, banned tokens, a constraint and exact ties, each row's verdict is the one it gets alone,
+    and the runner's back-to-back logits are read in place (no copy)."""
+    from specserve.models.verifier import JudgeRow, greedy_targets, joined, judge_rows
+    from specserve.params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    vocab, sizes = 11, [1, 4, 3, 1, 5, 2]
+    out = torch.randn(sum(sizes), vocab, generator=g)
+    out[1, 4] = out[1, 7] = out[1].max() + 1  # a tie: the first index wins
+    logits = list(out.split(sizes))  # as the runner hands them out
+    allowed = torch.ones(3, vocab, dtype=torch.bool)
+    allowed[:, int(logits[2][0].argmax())] = False  # the constraint forbids row 2's first pick
+    rows = []
+    for b, lg in enumerate(logits):
+        top = lg.argmax(-1).tolist()
+        drafts = top[:-1] if b % 2 else [(t + 1) % vocab for t in top[:-1]]  # accepted, or rejected at once
+        banned = [int(lg[-1].argmax())] if b == 4 else []
+        rows.append(JudgeRow(lg, drafts, None, SamplingParams(banned_token_ids=banned), b, 10,
+                             allowed if b == 2 else None))
+    together = judge_rows(rows)
+    alone = [judge_rows([r])[0] for r in rows]
+    assert together == alone
+    assert together[1].num_accepted == 3 and together[0].num_accepted == 0  # (the setup bites)
+    assert together[4].tokens[-1] != int(logits[4][-1].argmax())  # the banned token is not the bonus
+    assert int(greedy_targets(rows[1:2], 3)[0, 0]) == 4  # the tie, to the first index
+    view = joined(logits)
+    assert view.untyped_storage()._cdata == out.untyped_storage()._cdata and torch.equal(view, out)
+    assert not torch.equal(joined([logits[1], logits[0]]), out[:5])  # out of order: a copy, in that order
+    assert torch.equal(joined([logits[1], logits[0]]), torch.cat([logits[1], logits[0]]))

@@ -25,10 +25,19 @@ class StopChecker:
 
     def _stop_string_at(self, generated: Sequence[int], i: int) -> bool:
         # Only a stop string that ends inside token i's text counts here, so earlier
-        # tokens (checked before) are never re-reported.
-        before = self.decode(generated[:i])
-        text = self.decode(generated[: i + 1])
+        # tokens (checked before) are never re-reported. The text is decoded from a few
+        # tokens back, not from the start (that made each token cost a decode of everything
+        # generated): the window starts early enough that its first character, which a
+        # tokenizer may decode differently mid-sequence (a leading space), is not looked at.
         longest = max(len(s) for s in self.stop_strings)
+        span = longest + 2
+        while True:
+            j = max(0, i - span)
+            before = self.decode(generated[j:i])
+            text = self.decode(generated[j : i + 1])
+            if j == 0 or len(before) > longest:
+                break
+            span *= 2  # tokens of little text (bytes of one character): further back
         window = text[max(0, len(before) - longest + 1) :]
         return any(s in window for s in self.stop_strings)
 
@@ -44,16 +53,30 @@ class StopChecker:
 class IncrementalText:
     """The newly visible text after each commit. Until the end, a tail that could still
     become a stop string, or an incomplete UTF-8 character, is held back, so a client never
-    sees text that a later round would take away."""
+    sees text that a later round would take away.
+
+    Until the end only the new tokens are decoded, with the round before as context (the
+    text decoded from `prefix` on, less that of `prefix` to `read`): decoding everything
+    generated at every round cost 124 µs a round at 1,024 tokens with the demo tokenizer,
+    per session. The end decodes it all once, as the client's final text."""
 
     def __init__(self, stops: StopChecker) -> None:
         self.stops = stops
         self.published = ""
+        self.decoded = ""  # the text of generated[:read]
+        self.prefix = self.read = 0  # token offsets: the context window's start, and its end
 
     def advance(self, generated: Sequence[int], finish_reason: str | None) -> str:
-        text = self.stops.visible_text(generated, finish_reason or "")
-        if finish_reason is None:
-            text = text[: len(text) - self._hold(text)]
+        if finish_reason is not None:
+            text = self.stops.visible_text(generated, finish_reason)
+        else:
+            before = self.stops.decode(generated[self.prefix : self.read])
+            now = self.stops.decode(generated[self.prefix :])
+            # (where the new tokens changed their context's text: everything decoded, as it was)
+            full = self.decoded + now[len(before) :] if now.startswith(before) else self.stops.decode(generated)
+            if not full.endswith("\ufffd"):  # (a character still incomplete: kept to decode again)
+                self.decoded, self.prefix, self.read = full, self.read, len(generated)
+            text = full[: len(full) - self._hold(full)]
         if len(text) <= len(self.published) or not text.startswith(self.published):
             return ""  # nothing new (or a decode that rewrote earlier text: wait for more)
         new = text[len(self.published) :]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import InvalidRequest, KVBudgetExhausted
+from specserve.models.kvcache import common_prefix
 
 __all__ = ["ContextTooLong", "KVBudgetExhausted", "KVLayout", "KVSlots", "prefill_chunks"]
 
@@ -142,11 +143,7 @@ class KVSlots:
         that agrees with `token_ids`, leaving at least `feed_at_least` of them to feed;
         returns the provisional positions rolled back. Feed `token_ids[length:]` next."""
         ids = self.ids[self.slot(session)]
-        common = 0
-        for a, b in zip(ids, token_ids, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(ids, token_ids)
         rolled_back = len(ids) - common
         self.rollback(session, min(common, max(len(token_ids) - feed_at_least, 0)))
         return rolled_back

@@ -31,6 +31,20 @@ def crop_cache(cache: DynamicCache, keep: int) -> None:
         raise RuntimeError(f"DynamicCache.crop kept {got} positions, expected {keep}")
 
 
+def common_prefix(cached: list[int], token_ids: Sequence[int]) -> int:
+    """How many of `cached` agree with `token_ids` from the start. The usual case (what is
+    cached is a prefix of the sequence) compares in C: a Python loop took ~0.5 ms a call at
+    1,000 tokens, per row per step."""
+    n = len(cached)
+    if n <= len(token_ids) and cached == list(token_ids[:n]):
+        return n
+    common = 0
+    for a, b in zip(cached, token_ids, strict=False):
+        if a != b:
+            break
+        common += 1
+    return common
+
 class CachedLM:
     """One sequence's view of a causal LM: model + KV cache + the ids in the cache."""
 
@@ -47,11 +61,7 @@ class CachedLM:
         """Crop to the longest common prefix with `token_ids`, leaving at least
         `feed_at_least` of them to be fed (a forward needs an input). Returns the number of
         provisional positions rolled back (cached past or disagreeing with `token_ids`)."""
-        common = 0
-        for a, b in zip(self.ids, token_ids, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self.ids, token_ids)
         rolled_back = self.length - common
         self.crop(min(common, max(len(token_ids) - feed_at_least, 0)))
         return rolled_back

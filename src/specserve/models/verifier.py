@@ -19,7 +19,7 @@ from specserve.algorithm.rejection import (
     rejection_judge,
     verdicts_from_host,
 )
-from specserve.algorithm.sampling import greedy_tokens, logits_to_probs
+from specserve.algorithm.sampling import logits_to_probs, mask_logits
 from specserve.device import to_device, to_host
 from specserve.models.kvcache import CachedLM
 from specserve.params import SamplingParams
@@ -144,8 +144,7 @@ def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool], l
                             torch.long).reshape(len(rs), kmax)
         num = to_device([len(r.drafts) for r in rs], device)
         if greedy:
-            tgt = torch.stack([_pad_rows(greedy_tokens(r.masked_logits, r.sampling), kmax + 1) for r in rs])
-            parts.append(greedy_judge(tgt, draft_t, num).packed())
+            parts.append(greedy_judge(greedy_targets(rs, kmax), draft_t, num).packed())
             continue
         p = torch.stack([_pad_rows(logits_to_probs(r.masked_logits, r.sampling), kmax + 1) for r in rs])
         q = None if no_q else torch.stack([
@@ -155,6 +154,37 @@ def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool], l
         parts.append(rejection_judge(p, draft_t, num, q, uniforms).packed())
     width = max(t.shape[1] for t in parts)
     return groups, torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])
+
+
+def greedy_targets(rows: Sequence[JudgeRow], kmax: int) -> torch.Tensor:
+    """[B, kmax + 1] int64: each row's greedy token at each of its positions (after its banned
+    tokens and its constraint), zero past its own. One argmax over all the rows' positions,
+    where there was one a row: the argmax is row-wise, so a row's tokens are those it gets
+    alone (ties to the first index either way). The runner's logits lie back to back in one
+    buffer, so the rows without a mask are read in place (`joined`)."""
+    logits = [r.masked_logits if not r.sampling.banned_token_ids else mask_logits(r.masked_logits, r.sampling)
+              for r in rows]
+    top = joined(logits).argmax(dim=-1)  # [sum of the rows' positions]
+    sizes = [lg.shape[0] for lg in logits]
+    if all(n == kmax + 1 for n in sizes):
+        return top.view(len(rows), kmax + 1)
+    at = [b * (kmax + 1) + j for b, n in enumerate(sizes) for j in range(n)]
+    out = torch.zeros(len(rows) * (kmax + 1), dtype=torch.long, device=top.device)
+    return out.index_copy_(0, to_device(at, top.device, torch.long), top).view(len(rows), kmax + 1)
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[sum n, V]: 2-D tensors of one width stacked by rows; a view where they already lie back
+    to back in one buffer, in order (the runner's `split` of its logits), else a copy."""
+    first = parts[0]
+    at = first.storage_offset()
+    for t in parts:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != at
+                or t.untyped_storage()._cdata != first.untyped_storage()._cdata):
+            return torch.cat(list(parts))
+        at += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in parts), first.shape[1]), (first.shape[1], 1),
+                            first.storage_offset())
 
 
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
