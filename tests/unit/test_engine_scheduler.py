@@ -112,6 +112,22 @@ def test_max_batch_caps_the_rows():
     assert len(schedule(sessions, 0.0, Budget(max_batch=3), wait).rows) == 3
 
 
+def test_a_newer_session_waits_for_a_seat_and_is_not_preempted_once_started():
+    """max_batch seats, by arrival: a session past them gets no row even where a seated one
+    waits for its block, so that once started, a plain session's tokens come every step
+    (before: it took the waiting session's row, then lost it when the block landed)."""
+    spec, a, b, newer = _session("spec", k=2), _session("a"), _session("b"), _session("newer")
+    budget = Budget(max_batch=3)
+    first = schedule([spec, a, b, newer], 0.0, budget, wait)
+    assert [r.session.id for r in first.rows] == ["a", "b"] and first.waiting == [spec]  # newer: no seat
+    spec.offer(_block(spec, tokens=(9, 9)))
+    assert [r.session.id for r in schedule([spec, a, b, newer], 0.001, budget, wait).rows] == ["spec", "a", "b"]
+    a.finish(Status.FINISHED, "length")  # a seat frees: the next by arrival takes it, for good
+    assert [r.session.id for r in schedule([spec, a, b, newer], 0.002, budget, wait).rows] == ["spec", "b", "newer"]
+    held = schedule([spec, a, b, newer], 0.002, budget, wait, held=lambda s: s.id == "b").rows
+    assert [r.session.id for r in held] == ["spec", "newer"]  # a held session keeps its seat, no row
+
+
 def test_sessions_that_ended_get_no_row():
     s = _session("a")
     s.finish(Status.CANCELLED, "cancelled")

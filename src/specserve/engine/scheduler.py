@@ -16,6 +16,15 @@ back-pressure of ADR 0014) gets no row until its commits are answered.
 The step holds at most `max_batch` rows and `max_batched_tokens` tokens fed. The first row
 is always taken, so one long chunk cannot stall the engine. Sessions left out this step go
 first next step, because the order is by arrival.
+
+**Seats** (ADR 0021): only the `max_batch` oldest running sessions are scheduled at all (each
+holds its seat until it ends, held or waiting for its block included); the rest wait for a
+seat. Before, a newer session took the row of an older one waiting for its block and lost it
+when the block landed: under overload a plain request started, then sat out steps while
+speculative ones reclaimed them, and its TPOT went up by a third (bench_overload: 1.21-1.37x
+the all-plain run at p90). A step may now run fewer rows than `max_batch` while a block is
+late; a plain session's tokens, once started, come at every step, as vLLM's running queue
+keeps them.
 """
 
 from __future__ import annotations
@@ -75,10 +84,15 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
     """
     rows: list[Row] = []
     waiting: list[EngineSession] = []
-    used = 0
+    used = seated = 0
     wake_at: float | None = None
     for s in sessions:
-        if not s.running or held(s):
+        if not s.running:
+            continue
+        seated += 1
+        if seated > budget.max_batch:  # no seat yet: the older sessions' rows come first, every step
+            break
+        if held(s):
             continue
         row = _row(s, now, budget.prefill_chunk, block_wait_s, can_draft)
         if row is None:  # waiting for its block
