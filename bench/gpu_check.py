@@ -209,22 +209,20 @@ def speculative(target: BatchedTarget, draft: BatchedDraft, prompts: list[list[i
         seqs = _prefill(target, th, prompts)
         start = [len(s) for s in seqs]
 
-        def drafting(live: list[int]) -> None:
-            jobs = Step([StepRow.draft(dh[i], seqs[i], k, GREEDY, i) for i in live])
+        def drafting(live: list[int], upto: int = 0, kk: int = k) -> None:
+            jobs = Step([StepRow.draft(dh[i], seqs[i][:len(seqs[i]) + upto], kk, GREEDY, i) for i in live])
             while any(r.again for r in draft.step(jobs).rows):  # (the prompt's chunks first)
                 pass
 
-        # the draft's prompt and first K forwards before the clock, as plain's prefill is: an
-        # earlier version timed the draft's prefill inside the cell (ADR 0019, session 21)
-        drafting(list(range(len(prompts))))
+        # the draft's prompt before the clock, as plain's prefill is (an earlier version timed
+        # it inside the cell, ADR 0019, session 21): all but its last token, and one draft
+        # position, which the first round drops; each round then feeds and drafts K in the cell
+        drafting(list(range(len(prompts))), upto=-1, kk=1)
         sync(device)
         t0 = time.perf_counter()
-        first = True
         while any(len(s) - b < decode for s, b in zip(seqs, start, strict=True)):
             live = [i for i, s in enumerate(seqs) if len(s) - start[i] < decode]
-            if not first:
-                drafting(live)
-            first = False
+            drafting(live)
             batch = []
             for i in live:
                 done = len(seqs[i]) - len(prompts[i])

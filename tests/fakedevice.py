@@ -39,6 +39,10 @@ SYNCS_ON_CUDA = frozenset({
     aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default, aten.equal.default,
     aten.is_nonzero.default, aten._local_scalar_dense.default,
 })
+# indexing with a boolean mask (`x[m]`, `x[m] = v`) turns the mask into positions with a
+# `nonzero` inside the kernel's C++ (a synchronisation the trace cannot see as an op of its own)
+BOOL_INDEXED = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+                          aten._index_put_impl_.default})
 
 
 def _expand(t: torch.Tensor, idx) -> tuple:
@@ -211,7 +215,8 @@ class OpTrace(TorchDispatchMode):
         if "cpu" in devices or (func in (aten._to_copy.default, aten.copy_.default) and any(
                 t.device.type == "cpu" for t in ins)):
             self.from_host.append(str(func))
-        if func in SYNCS_ON_CUDA:
+        if func in SYNCS_ON_CUDA or (func in BOOL_INDEXED and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
             self.syncs.append(str(func))
         desc = tuple(self._describe(t) for t in ins)
         out = func(*args, **kwargs)

@@ -22,6 +22,7 @@ and run on the device as one function a CUDA graph can replay.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -525,3 +526,29 @@ def test_the_compiled_pieces_compute_what_the_plain_ones_do(one_thread, monkeypa
         runs.append([lg.clone() for step in got for lg in step])
     for plain, compiled in zip(*runs, strict=True):
         assert torch.allclose(plain, compiled, atol=1e-5), (plain - compiled).abs().max()
+
+
+def test_the_audit_names_the_ops_that_synchronise_on_cuda():
+    """What a capture refuses but the fake device runs without complaint: a tensor-valued
+    masked_fill (its kernel reads the value back: the H200's capture failed on it), a
+    boolean-mask index or assignment (a nonzero inside), a nonzero; plain indexing is fine."""
+    with fake_cuda():
+        x = torch.zeros(4, 8, device="cuda")
+        m = x > 0
+        idx = torch.arange(2, device="cuda")
+        cases = {
+            "masked_fill with a 0-dim tensor": lambda: x.masked_fill(m, torch.full((), 1.0, device="cuda")),
+            "boolean index": lambda: x[m],
+            "boolean assignment": lambda: x.__setitem__(m, 0.0),
+            "nonzero": lambda: torch.ops.aten.nonzero.default(m),  # (the method takes a CUDA guard here)
+        }
+        for name, fn in cases.items():
+            # (the fake device cannot size a data-dependent output: the op is still seen)
+            with OpTrace() as t, contextlib.suppress(Exception):
+                fn()
+            assert audit_runs([t], set(storages(x, m, idx))) != [], name
+        with OpTrace() as t:
+            x.masked_fill(m, float("-inf"))
+            x.index_select(0, idx)
+            x[idx]
+        assert audit_runs([t], set(storages(x, m, idx))) == []

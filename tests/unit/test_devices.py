@@ -4,6 +4,8 @@ slots and RoPE tables in bf16 and still returns float32 logits."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -200,7 +202,10 @@ def test_with_cuda_graphs_on_the_prefill_is_one_batched_forward(monkeypatch):
         b = Batching(kv_budget_mb=1, max_sessions=4, max_len=64, device="cuda", dtype="bf16", max_batch=4,
                      prefill_chunk=8, cuda_graphs="auto")
         runner = make_runner(_tiny_llama(), b)
+        # graphs on but the fixed step forced off: everything is eager, and the tiles keep it invariant
+        eager = make_runner(_tiny_llama(), replace(b, fixed_step=False, fuse_upto=0))  # (no start-up check here)
     assert asked == [b.capture_budget_s] and b.tile == 4 and runner.tile is None
+    assert eager.tile == 4 and len(asked) == 1
 
 
 def test_cuda_compile_auto_compiles_the_pieces_only_with_the_graphs_on_and_triton(monkeypatch):

@@ -651,3 +651,19 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
         loop.speculation.observe_tree(g, *tree, Verdict(0, [3], 0))  # the siblings never hold the token
     assert loop.speculation.width(g, 4, len(loop.sessions)) == 1
     assert _loop(pair).speculation.width(g, 4, 1) == 1  # tree_width 1 (the default): chains
+
+
+def test_the_k_choice_prices_a_step_of_the_seated_sessions_not_of_all(pair, monkeypatch):
+    """Five adaptive sessions and two seats (max_batch 2): a step holds two rows, so the K
+    choice and the tree width are priced at a batch of two (they were priced at every session
+    the engine held, the ones waiting for a seat included), and the tokens are plain's."""
+    params = GenerationParams(max_tokens=12, num_draft_tokens=4, seed=3)
+    plain = _run(_loop(pair), [(f"s{i}", PROMPTS[i], EnginePlan(params)) for i in range(5)])
+    loop = _loop(pair, budget=Budget(max_batch=2, prefill_chunk=16))
+    batches = []
+    choose = loop.speculation.choose_k
+    monkeypatch.setattr(loop.speculation, "choose_k",
+                        lambda s, batch, *a, **kw: (batches.append(batch), choose(s, batch, *a, **kw))[1])
+    plan = EnginePlan(params, pool="small", workload_class="code", adaptive=True)
+    assert _run(loop, [(f"s{i}", PROMPTS[i], plan) for i in range(5)]) == plain
+    assert batches and max(batches) == 2, batches

@@ -335,7 +335,7 @@ class EngineLoop:
             probe=bool(k_asked and s.probing))
         # after the record: its fallback reason is this round's, not the next's
         if s.plan.adaptive and not s.plan.exact:  # (the engine picks K for these only)
-            self.speculation.choose_k(s, len(self.sessions), forward_ms / 1e3, verified=k > 0)
+            self.speculation.choose_k(s, self._batch(), forward_ms / 1e3, verified=k > 0)
         self._next_round(s, settled)
         return s, stats
 
@@ -349,8 +349,13 @@ class EngineLoop:
             self._end(s, Status.FINISHED, settled.finish_reason)
         elif (source := self.pools.of(s)) is not None and (k_next > 0 or s.plan.adaptive):
             self.speculation.asked_again(s)
-            width = self.speculation.width(s, k_next, len(self.sessions))
+            width = self.speculation.width(s, k_next, self._batch())
             self.pools.outcome(s, source, Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, width))
+
+    def _batch(self) -> int:
+        """The rows a step holds at this load: the running sessions, at most the seats
+        (`max_batch`; the rest wait for one, scheduler.py)."""
+        return min(len(self.sessions), self.budget.max_batch)
 
     def _plain_reason(self, s: EngineSession, row: Row, k_asked: int) -> str:
         if not s.plan.pool:

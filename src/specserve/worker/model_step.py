@@ -116,8 +116,10 @@ def step_compile(b: Batching, graphs: bool) -> bool | str:
 
 
 def eager_tile(b: Batching, graphs: bool) -> int | None:
-    """The eager forward's tile (ADR 0008) under these settings. With the CUDA graphs on, a
-    decode or verify row's bits already follow its bucket (ADR 0019), so tiles would keep
+    """The eager forward's tile (ADR 0008) under these settings; `graphs`: the device step
+    runs with CUDA graphs (not the graphs setting alone: with the fixed step forced off,
+    everything is eager and the tiles keep it invariant). There a decode or verify row's
+    bits already follow its bucket (ADR 0019), so tiles would keep
     nothing invariant and only run each prefill chunk a tile at a time: on the H200 a 16 × 128
     token prefill of the 1.1B target took 3.2 s so, one launch sequence per 4 tokens per layer
     (session 21's probe). There the prefill is one batched forward (`fast`)."""
@@ -139,7 +141,7 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
     # the device step's scratch slot comes on top of the sessions' (within the byte budget)
     runner = ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions + int(fixed),
                                  max_len=b.max_len or None, device=device, dtype=dtype,
-                                 tile=eager_tile(b, graphs), fuse_upto=b.fuse_upto)
+                                 tile=eager_tile(b, graphs and fixed), fuse_upto=b.fuse_upto)
     if fixed:
         step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs))
         step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
