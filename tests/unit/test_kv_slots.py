@@ -117,13 +117,8 @@ def test_common_prefix_agrees_with_the_position_by_position_walk():
     from specserve.models.kv_slots import UNKNOWN
     from specserve.models.kvcache import common_prefix
 
-    def walk(a, b):
-        n = 0
-        for x, y in zip(a, b, strict=False):
-            if x != y:
-                break
-            n += 1
-        return n
+    def walk(a, b):  # the first position where they part, or the shorter's length
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
     seq = list(range(100, 140))
     cases = [(seq[:10], seq), (seq, seq), (seq, seq[:10]), ([], seq), (seq[:5] + [7] + seq[6:12], seq),
