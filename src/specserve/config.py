@@ -37,7 +37,9 @@ class WorkerSettings(BaseSettings):
     # continuous batching (ADR 0013): queued calls run as one batch on the batched runner
     # (Llama/Qwen2/Qwen3; other architectures fall back to the per-session HF path)
     batching: bool = True
-    max_batch: int = Field(32, ge=1)  # work items per batch
+    # work items per batch; the target's engine: rows per step, i.e. the sessions decoding at
+    # once, each seated until it ends (the others wait for a seat, ADR 0021)
+    max_batch: int = Field(32, ge=1)
     kv_budget_mb: float = Field(256.0, gt=0)  # KV slots allocated at start (at most max_sessions)
     max_len: int = Field(0, ge=0)  # positions per KV slot; 0 = the model's context length
     prefill_chunk: int = Field(128, ge=1)  # long prompts are fed in chunks of this many tokens
