@@ -9,7 +9,8 @@ the replica runs at --draft-nice (a replica sharing the target's host yields it 
 load is 2 x max_batch streaming clients: half plain (draft_pool "none"), half speculative on
 `small`, each sending requests back to back for --seconds. The `no-draft` arm runs every
 client plain. Reported per arm: plain requests' TPOT p50 / p90 (from the stream's chunk
-times), speculative requests' TPOT, the sessions the replica refused or shed, and whether
+times), their time to the first token and end to end (what TPOT leaves out: a wait for a
+seat, ADR 0021), speculative requests' TPOT, the sessions the replica refused or shed, and whether
 every output equalled the target's alone (greedy). Writes <out>/overload.json.
 
     python bench/bench_overload.py [--seconds 40] [--max-batch 4] [--pass-ms 30] [--draft-token-ms 40]
@@ -44,13 +45,15 @@ def _client(stub, prompts: list[str], speculative: bool, max_tokens: int, until:
         req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, workload_class="code",
                                              draft_pool="small" if speculative else "none")
         times, tokens = [], []
+        sent = time.monotonic()
         for chunk in stub.GenerateStream(req, timeout=300):
             if chunk.token_ids:
                 times.append(time.monotonic())
                 tokens.extend(chunk.token_ids)
         if len(tokens) > 1:
             out.append({"speculative": speculative, "prompt": prompt, "tokens": tokens,
-                        "tpot_ms": (times[-1] - times[0]) * 1e3 / (len(tokens) - 1)})
+                        "tpot_ms": (times[-1] - times[0]) * 1e3 / (len(tokens) - 1),
+                        "ttft_ms": (times[0] - sent) * 1e3, "e2e_ms": (times[-1] - sent) * 1e3})
 
 
 def _shed(stack) -> dict[str, float]:
@@ -95,11 +98,16 @@ def arm(pair: Path, name: str, prompts: list[str], a) -> dict:
             channel.close()
     plain = sorted(r["tpot_ms"] for r in results if not r["speculative"])
     spec_ = sorted(r["tpot_ms"] for r in results if r["speculative"])
+    # what TPOT leaves out: the wait for a seat (before the first token) and the whole request
+    ttft = sorted(r["ttft_ms"] for r in results if not r["speculative"])
+    e2e = sorted(r["e2e_ms"] for r in results if not r["speculative"])
 
     def p90(xs: list[float]) -> float | None:
         return xs[int(0.9 * (len(xs) - 1))] if xs else None
 
     return {"arm": name, "plain_requests": len(plain), "speculative_requests": len(spec_),
+            "plain_ttft_ms_p50": statistics.median(ttft) if ttft else None, "plain_ttft_ms_p90": p90(ttft),
+            "plain_e2e_ms_p50": statistics.median(e2e) if e2e else None, "plain_e2e_ms_p90": p90(e2e),
             "plain_tpot_ms_p50": statistics.median(plain) if plain else None, "plain_tpot_ms_p90": p90(plain),
             "speculative_tpot_ms_p50": statistics.median(spec_) if spec_ else None,
             "speculative_tpot_ms_p90": p90(spec_), "shed": shed, "outputs": results}
@@ -124,7 +132,9 @@ def main() -> None:
     for name in a.arms.split(","):
         r = arm(pair, name, prompts, a)
         rows.append(r)
-        print(f"{name:10} plain TPOT p50 {r['plain_tpot_ms_p50']} p90 {r['plain_tpot_ms_p90']} ms "
+        print(f"{name:10} plain TTFT p90 {r['plain_ttft_ms_p90']} ms, end to end p50 {r['plain_e2e_ms_p50']} "
+              f"p90 {r['plain_e2e_ms_p90']} ms; plain TPOT p50 {r['plain_tpot_ms_p50']} "
+              f"p90 {r['plain_tpot_ms_p90']} ms "
               f"({r['plain_requests']} requests); speculative p50 {r['speculative_tpot_ms_p50']} p90 "
               f"{r['speculative_tpot_ms_p90']} ms ({r['speculative_requests']}); shed {r['shed']}", flush=True)
     # greedy: every output is the target's alone, whatever arm and load it ran in
@@ -137,11 +147,15 @@ def main() -> None:
     summary = {"load_before": load, "args": vars(a), "same_outputs": same,
                "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
                "plain_p90_vs_no_draft": {r["arm"]: (r["plain_tpot_ms_p90"] / base if base and r["plain_tpot_ms_p90"]
-                                                    else None) for r in rows}}
+                                                    else None) for r in rows},
+               "plain_e2e_p50_vs_no_draft": {r["arm"]: (r["plain_e2e_ms_p50"] / rows[0]["plain_e2e_ms_p50"]
+                                                        if rows[0]["plain_e2e_ms_p50"] and r["plain_e2e_ms_p50"]
+                                                        else None) for r in rows}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overload.json").write_text(json.dumps(summary, indent=1))
-    print(f"plain TPOT p90 against no-draft: {summary['plain_p90_vs_no_draft']}; same outputs: {same}")
+    print(f"plain TPOT p90 against no-draft: {summary['plain_p90_vs_no_draft']}; plain end to end p50: "
+          f"{summary['plain_e2e_p50_vs_no_draft']}; same outputs: {same}")
 
 
 if __name__ == "__main__":

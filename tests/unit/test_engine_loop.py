@@ -23,7 +23,7 @@ from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.engine.drafting import DRAFT_UNAVAILABLE, LocalDrafts
 from specserve.engine.loop import NOT_PAYING, EngineLoop
-from specserve.engine.scheduler import DRAFT_LATE, Budget
+from specserve.engine.scheduler import DRAFT_LATE, Budget, schedule
 from specserve.engine.session import DraftBlock, EnginePlan, Status
 from specserve.engine.speculation import SpeculationSettings
 from specserve.models.verifier import TargetModel
@@ -667,3 +667,23 @@ def test_the_k_choice_prices_a_step_of_the_seated_sessions_not_of_all(pair, monk
     plan = EnginePlan(params, pool="small", workload_class="code", adaptive=True)
     assert _run(loop, [(f"s{i}", PROMPTS[i], plan) for i in range(5)]) == plain
     assert batches and max(batches) == 2, batches
+
+
+def test_a_session_driven_again_keeps_its_seat(pair):
+    """Adopted again (a new epoch, after a shorter Redis), a session keeps the `arrived` of its
+    first run, so its seat (scheduler.py orders seats by it), not a place behind every session
+    that came after it (the second review found the re-added session at the table's end)."""
+    now = [10.0]
+    loop = _loop(pair, clock=lambda: now[0])
+    params = GenerationParams(max_tokens=8, seed=1)
+    loop.add("s", PROMPTS[0], EnginePlan(params))
+    loop._drain()
+    now[0] = 11.0
+    loop.add("t", PROMPTS[1], EnginePlan(params))
+    loop._drain()
+    now[0] = 12.0
+    again = loop.add("s", PROMPTS[0], EnginePlan(params), generated=[5], epoch=2)
+    loop._drain()
+    assert again.result().epoch == 2 and loop.sessions["s"].arrived == 10.0 and loop.sessions["t"].arrived == 11.0
+    plan = schedule(loop.sessions.values(), now[0], Budget(max_batch=1), lambda s: 0.0)
+    assert [r.session.id for r in plan.rows] == ["s"]

@@ -4,6 +4,8 @@ step's budget."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specserve.algorithm.stops import StopChecker
@@ -126,6 +128,25 @@ def test_a_newer_session_waits_for_a_seat_and_is_not_preempted_once_started():
     assert [r.session.id for r in schedule([spec, a, b, newer], 0.002, budget, wait).rows] == ["spec", "b", "newer"]
     held = schedule([spec, a, b, newer], 0.002, budget, wait, held=lambda s: s.id == "b").rows
     assert [r.session.id for r in held] == ["spec", "newer"]  # a held session keeps its seat, no row
+
+
+def test_seats_go_by_arrival_and_free_rows_to_twins_then_to_prompt_chunks_that_emit_nothing():
+    """The second review's cases. A session driven again keeps its `arrived`, so its seat,
+    wherever it stands in the engine's table; a shadow twin (commits nothing) gets a row only
+    where the served sessions leave one; a session waiting for a seat may feed a prompt chunk
+    that stops short of its prompt's end (it emits nothing), never its last."""
+    again, a = _session("again", k=2), _session("a")
+    again.arrived, a.arrived = 1.0, 2.0
+    assert [r.session.id for r in schedule([a, again], 0.0, Budget(max_batch=1), wait).rows] == []  # again waits
+    twin = _session("twin", k=0)
+    twin.plan = replace(twin.plan, shadow=True)
+    rows = schedule([again, twin, a], 0.0, Budget(max_batch=2), wait).rows
+    assert [r.session.id for r in rows] == ["a", "twin"]  # again waits for its block: its free row to the twin
+    assert [r.session.id for r in schedule([twin, a], 0.0, Budget(max_batch=1), wait).rows] == ["a"]
+    long, last = _session("long", prompt_len=300, cached=0), _session("last", prompt_len=300, cached=250)
+    long.arrived, last.arrived = 3.0, 4.0
+    rows = schedule([again, a, long, last], 0.0, Budget(max_batch=2, prefill_chunk=128), wait).rows
+    assert [(r.session.id, r.tokens) for r in rows] == [("a", 1), ("long", 128)]  # last's chunk would emit
 
 
 def test_sessions_that_ended_get_no_row():

@@ -285,7 +285,7 @@ class EngineLoop:
             self._forget_ended()
         try:
             s = EngineSession.new(session_id, prompt_ids, plan, self.stops_for(plan.params), generated, epoch,
-                                  self.clock())
+                                  self.clock() if old is None else old.arrived)  # (driven again: its seat kept)
             if plan.constraint is not None:
                 if self.constrain is None:
                     raise ValueError("this engine has no grammar compiler: constrained output is off")

@@ -17,14 +17,15 @@ The step holds at most `max_batch` rows and `max_batched_tokens` tokens fed. The
 is always taken, so one long chunk cannot stall the engine. Sessions left out this step go
 first next step, because the order is by arrival.
 
-**Seats** (ADR 0021): only the `max_batch` oldest running sessions are scheduled at all (each
-holds its seat until it ends, held or waiting for its block included); the rest wait for a
-seat. Before, a newer session took the row of an older one waiting for its block and lost it
-when the block landed: under overload a plain request started, then sat out steps while
-speculative ones reclaimed them, and its TPOT went up by a third (bench_overload: 1.21-1.37x
-the all-plain run at p90). A step may now run fewer rows than `max_batch` while a block is
-late; a plain session's tokens, once started, come at every step, as vLLM's running queue
-keeps them.
+**Seats** (ADR 0021): the `max_batch` oldest served sessions (by `arrived`, which a session
+driven again keeps) decode; each holds its seat until it ends, held or waiting for its block
+included, and the rest wait for a seat. Before, a newer session took the row of an older one
+waiting for its block and lost it when the block landed: under overload a plain request
+started, then sat out steps while speculative ones reclaimed them, and its TPOT went up by a
+third (bench_overload: 1.21-1.37x the all-plain run at p90). Rows the seated sessions leave
+free go to shadow twins, then to prompt chunks of unseated sessions that emit nothing. A
+started session is not preempted by another's block; it can still sit out a step when held
+(commit back-pressure) or cut by the token budget.
 """
 
 from __future__ import annotations
@@ -82,18 +83,23 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
     Example: a plain session, a speculating one whose block has arrived and one whose block
     is 1 ms late with a 2 ms bound -> rows [plain, verify], wake_at = its wait start + 2 ms.
     """
+    running = sorted((s for s in sessions if s.running), key=lambda s: s.arrived)  # (stable: ties by order)
+    served = [s for s in running if not s.plan.shadow]
+    seated, unseated = served[:budget.max_batch], served[budget.max_batch:]
+    waits_for_seat = {id(s) for s in unseated}
     rows: list[Row] = []
     waiting: list[EngineSession] = []
-    used = seated = 0
+    used = 0
     wake_at: float | None = None
-    for s in sessions:
-        if not s.running:
-            continue
-        seated += 1
-        if seated > budget.max_batch:  # no seat yet: the older sessions' rows come first, every step
-            break
+    # the seated sessions first; then, in rows they leave free, shadow twins (they commit
+    # nothing and yield to served requests) and the prompt chunks of sessions still waiting
+    # for a seat that stop short of the prompt's end (they emit nothing, so no one's tokens
+    # wait on them: a seat, once given, is then closer to the first token)
+    for s in [*seated, *(t for t in running if t.plan.shadow), *unseated]:
         if held(s):
             continue
+        if id(s) in waits_for_seat and len(s.committed) - s.cached <= budget.prefill_chunk:
+            continue  # (its next row would emit a token: that waits for its seat)
         row = _row(s, now, budget.prefill_chunk, block_wait_s, can_draft)
         if row is None:  # waiting for its block
             deadline = (s.waiting_since or now) + block_wait_s(s)
