@@ -664,9 +664,12 @@ def test_the_k_choice_prices_a_step_of_the_seated_sessions_not_of_all(pair, monk
     choose = loop.speculation.choose_k
     monkeypatch.setattr(loop.speculation, "choose_k",
                         lambda s, batch, *a, **kw: (batches.append(batch), choose(s, batch, *a, **kw))[1])
+    reports = []
+    loop.on_step = reports.append  # (what the target exports as specserve_target_queue_depth)
     plan = EnginePlan(params, pool="small", workload_class="code", adaptive=True)
     assert _run(loop, [(f"s{i}", PROMPTS[i], plan) for i in range(5)]) == plain
     assert batches and max(batches) == 2, batches
+    assert max(r.unseated for r in reports) == 3 and reports[-1].unseated == 0
 
 
 def test_a_session_driven_again_keeps_its_seat(pair):

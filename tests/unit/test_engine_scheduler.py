@@ -179,3 +179,14 @@ def test_a_step_does_not_hold_its_rows_for_a_few_blocks_or_when_rows_cost_time()
     # blocks due past the horizon, or overdue (their time passed: no telling when): run now
     assert gather_wait(2.1, [(0.009, 2.1)] * 3, lambda n: FLAT, 1, FLAT) == 0.0
     assert gather_wait(2.1, [(-0.001, 2.1)] * 3, lambda n: FLAT, 1, FLAT) == 0.0
+
+
+def test_the_schedule_counts_the_sessions_waiting_for_a_seat():
+    """What `specserve_target_queue_depth` exports for the engine (its StepReport carries it):
+    served sessions past the seats; shadow twins and ended sessions are not counted."""
+    sessions = [_session(str(i)) for i in range(5)]
+    twin = _session("twin")
+    twin.plan = replace(twin.plan, shadow=True)
+    sessions[0].finish(Status.FINISHED, "length")
+    assert schedule([*sessions, twin], 0.0, Budget(max_batch=3), wait).unseated == 1
+    assert schedule(sessions, 0.0, Budget(max_batch=4), wait).unseated == 0

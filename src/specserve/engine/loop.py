@@ -59,6 +59,7 @@ class StepReport:
     tokens: int  # tokens fed
     forward_ms: float  # the model step (forward + rejection sampling)
     bookkeeping_ms: float  # schedule + postprocess: the engine's own Python per step
+    unseated: int = 0  # sessions waiting for a seat at this step (scheduler.py)
 
 
 class Inbox:
@@ -221,7 +222,7 @@ class EngineLoop:
         self._notify_ended()
         self._hand_over(commits)
         self._forget_ended()
-        self.last = StepReport(len(plan.rows), fed, forward_ms, bookkeeping_ms)
+        self.last = StepReport(len(plan.rows), fed, forward_ms, bookkeeping_ms, plan.unseated)
         if self.on_step is not None:
             self.on_step(self.last)
         return self.last

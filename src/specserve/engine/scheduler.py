@@ -59,6 +59,7 @@ class Schedule:
     rows: list[Row]
     wake_at: float | None  # the earliest block deadline of a waiting session (None: none waits)
     waiting: list[EngineSession] = field(default_factory=list)  # the sessions waiting for their block
+    unseated: int = 0  # served sessions waiting for a seat (past the max_batch oldest)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def schedule(sessions: Iterable[EngineSession], now: float, budget: Budget,
             break
         rows.append(row)
         used += row.tokens
-    return Schedule(rows, wake_at, waiting)
+    return Schedule(rows, wake_at, waiting, len(unseated))
 
 
 def _row(s: EngineSession, now: float, chunk: int, block_wait_s: Callable[[EngineSession], float],
