@@ -45,6 +45,7 @@ import statistics
 import threading
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -305,6 +306,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the target steps: cpu, cuda (with --profiles real)")
     ap.add_argument("--model", choices=("tiny", "1b"), default="tiny",
                     help="tiny: the 2 x 64 stand-in; 1b: gpu_check's 1B-class target (for a GPU)")
+    ap.add_argument("--real-draft-ms", type=float, default=None,
+                    help="with --profiles real: the synthetic pool's time a drafted token (default: the h100 "
+                         "profile's, 2.7 ms, which is slower than a graphed 1B step; the H200's 100M-class draft "
+                         "took 0.50 ms a position as a graph, ADR 0019)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     tile = None if a.exact_batching == "fast" else Batching.tile
@@ -321,7 +326,10 @@ def main() -> None:
         for n in streams:
             prompts = dict(list(all_prompts.items())[:n])
             for arm in a.arms.split(","):
-                r = {"profile": pname, **cell(target, prompts, refs, PROFILES["h100" if real else pname], arm,
+                prof = PROFILES["h100" if real else pname]
+                if real and a.real_draft_ms is not None:  # the drafts timed as this device's own draft
+                    prof = replace(prof, draft_step_ms=a.real_draft_ms, draft_token_ms=0.0)
+                r = {"profile": pname, **cell(target, prompts, refs, prof, arm,
                                               a.tokens, a.alpha, tile, a.gather == "on", a.device, real, a.beta)}
                 rows.append(r)
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "

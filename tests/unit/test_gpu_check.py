@@ -52,7 +52,8 @@ def test_the_engine_loops_real_device_mode_runs_unpadded_on_the_cpu(tmp_path):
     output is still the target's alone (the script asserts it), and its forward times are
     reported, where a simulated profile has none."""
     proc = subprocess.run([sys.executable, "bench/bench_engine_loop.py", "--profiles", "real,h100", "--streams", "1",
-                           "--arms", "plain,K=2", "--tokens", "8", "--out", str(tmp_path)], cwd=ROOT,
+                           "--arms", "plain,K=2", "--tokens", "8", "--real-draft-ms", "0.5", "--out", str(tmp_path)],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((tmp_path / "engine_loop.json").read_text())
@@ -65,3 +66,5 @@ def test_the_engine_loops_real_device_mode_runs_unpadded_on_the_cpu(tmp_path):
     # the stand-in's real forward is far below the profile's 6.4 ms floor a pass: unpadded
     # (its fastest step; a median on a loaded machine has passed 6.4 ms, 7.2 once in CI)
     assert real[0]["forward_ms_min"] < 6.4
+    # --real-draft-ms: the real arm's pool drafts at 0.5 ms a token, the h100 profile's at 2.7
+    assert real[1]["draft_latency_ms_per_token"] < simulated[1]["draft_latency_ms_per_token"]
