@@ -114,8 +114,7 @@ def test_common_prefix_agrees_with_the_position_by_position_walk():
     """The reconcile's common prefix: the usual case (cached is a prefix of the sequence,
     compared in C) and every other shape (a divergence, cached longer, an UNKNOWN position, a
     tuple) give what the position-by-position walk gives."""
-    from specserve.models.kv_slots import UNKNOWN
-    from specserve.models.kvcache import common_prefix
+    from specserve.models.kv_slots import UNKNOWN, common_prefix
 
     def walk(a, b):  # the first position where they part, or the shorter's length
         return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

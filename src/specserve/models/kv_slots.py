@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import InvalidRequest, KVBudgetExhausted
-from specserve.models.kvcache import common_prefix
 
 __all__ = ["ContextTooLong", "KVBudgetExhausted", "KVLayout", "KVSlots", "prefill_chunks"]
 
@@ -220,3 +219,18 @@ def prefill_chunks(start: int, token_ids: list[int], chunk: int) -> list[list[in
         i += take
         pos += take
     return out
+
+
+def common_prefix(cached: list[int], token_ids: Sequence[int]) -> int:
+    """How many of `cached` agree with `token_ids` from the start. The usual case (what is
+    cached is a prefix of the sequence) compares in C: a Python loop took ~0.5 ms a call at
+    1,000 tokens, per row per step."""
+    n = len(cached)
+    if n <= len(token_ids) and cached == list(token_ids[:n]):
+        return n
+    common = 0
+    for a, b in zip(cached, token_ids, strict=False):
+        if a != b:
+            break
+        common += 1
+    return common
