@@ -77,11 +77,14 @@ def truncate_mass(probs: torch.Tensor, mass: float, max_entries: int) -> torch.T
     return out / out.sum(-1, keepdim=True)
 
 
+def greedy_masked(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What greedy takes the argmax of: the logits, with banned tokens at -inf where any are."""
+    return mask_logits(logits, params) if params.banned_token_ids else logits
+
+
 def greedy_tokens(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Greedy fast path: logits [..., V] -> argmax ids [...] after banning."""
-    if params.banned_token_ids:
-        return mask_logits(logits, params).argmax(dim=-1)
-    return logits.argmax(dim=-1)
+    return greedy_masked(logits, params).argmax(dim=-1)
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from specserve.algorithm.rejection import (
     rejection_judge,
     verdicts_from_host,
 )
-from specserve.algorithm.sampling import logits_to_probs, mask_logits
+from specserve.algorithm.sampling import greedy_masked, logits_to_probs
 from specserve.device import to_device, to_host
 from specserve.models.kvcache import CachedLM
 from specserve.params import SamplingParams
@@ -162,8 +162,7 @@ def greedy_targets(rows: Sequence[JudgeRow], kmax: int) -> torch.Tensor:
     where there was one a row: the argmax is row-wise, so a row's tokens are those it gets
     alone (ties to the first index either way). The runner's logits lie back to back in one
     buffer, so the rows without a mask are read in place (`joined`)."""
-    logits = [r.masked_logits if not r.sampling.banned_token_ids else mask_logits(r.masked_logits, r.sampling)
-              for r in rows]
+    logits = [greedy_masked(r.masked_logits, r.sampling) for r in rows]
     top = joined(logits).argmax(dim=-1)  # [sum of the rows' positions]
     sizes = [lg.shape[0] for lg in logits]
     if all(n == kmax + 1 for n in sizes):
