@@ -274,10 +274,10 @@ class LoopHost:
         self.loop.call_soon_threadsafe(self._ended, session, time.perf_counter())
 
     def _on_step(self, report: StepReport) -> None:
-        if self.worker_metrics is not None and report.rows:
-            worker_step(self.worker_metrics, report, self.engine.model)
-        if self.worker_metrics is not None:  # the engine's queue: sessions waiting for a seat (ADR 0021)
-            self.worker_metrics.queue_depth.set(report.unseated)
+        if self.worker_metrics is not None:
+            if report.rows:
+                worker_step(self.worker_metrics, report, self.engine.model)
+            self.worker_metrics.queue_depth.set(report.unseated)  # the sessions waiting for a seat (ADR 0021)
         self.loop.call_soon_threadsafe(self._drain_rounds)
 
     def _refused(self, session_id: str, why: str) -> None:
