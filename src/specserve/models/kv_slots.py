@@ -223,8 +223,8 @@ def prefill_chunks(start: int, token_ids: list[int], chunk: int) -> list[list[in
 
 def common_prefix(cached: list[int], token_ids: Sequence[int]) -> int:
     """How many of `cached` agree with `token_ids` from the start. The usual case (what is
-    cached is a prefix of the sequence) compares in C: a Python loop took ~0.5 ms a call at
-    1,000 tokens, per row per step."""
+    cached is a prefix of the sequence) compares in C: at 1,024 tokens 4.4 µs a call, where the
+    position-by-position loop took 40.3 µs, per row per step (`python -m timeit`, session 21)."""
     n = len(cached)
     if n <= len(token_ids) and cached == list(token_ids[:n]):
         return n
