@@ -83,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--graphs", default="auto,off",
                    help="the arms to measure, side by side (ADR 0019): auto replays the device step's graphs "
                         "uncompiled, pieces with a layer's two pieces compiled (the workers' default on CUDA: "
-                        "cuda_compile auto), compile with the whole run compiled, off is the eager forward of "
+                        "cuda_compile auto), layer with a whole layer compiled (its KV scatter and attention in), "
+                        "compile with the whole run compiled, off is the eager forward of "
                         "before; the first is the one judged")
     p.add_argument("--off-decode", type=int, default=32, help="tokens a session in the off (eager) arm: it is slow")
     a = p.parse_args(argv)
@@ -111,8 +112,8 @@ def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: 
     for mode in graphs:  # the eager forward, and the device step replayed from graphs (ADR 0019)
         runner = ModelRunner.from_hf(model, max_sessions=3, max_len=1024, device=device, dtype=dtype, fuse_upto=0)
         if mode != "off":
-            runner.enable_device_step(max_rows=4, graphs=True,
-                                      compile={"compile": "whole", "pieces": "pieces"}.get(mode, False))
+            how = {"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(mode, False)
+            runner.enable_device_step(max_rows=4, graphs=True, compile=how)
         out[mode] = greedy_agreement(model, runner, prompts, new_tokens, TOLERANCE[dtype])
         if runner.device_step is not None:
             out[mode]["steps"] = {"replayed": runner.device_step.counts.replayed,
@@ -383,9 +384,15 @@ def replay_profile(engine, name: str, device: torch.device, reps: int = 20) -> d
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize(device)
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {f"{name}_graph_ms": start.elapsed_time(end) / reps, f"{name}_kernels": kernels,
-            f"{name}_bucket": str(ds.last)}
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in events:  # where one replay's device time goes, by kernel (names cut short)
+        by_name.setdefault(e.name[:60], []).append(e.device_time_total if hasattr(e, "device_time_total")
+                                                   else e.cuda_time_total)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {f"{name}_graph_ms": start.elapsed_time(end) / reps, f"{name}_kernels": len(events),
+            f"{name}_bucket": str(ds.last),
+            f"{name}_top_kernels": [(k, len(v), round(sum(v), 1)) for k, v in top]}
 
 
 def speculative_bound(alpha: float, k: int, phases: dict) -> float:
@@ -425,7 +432,7 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
                  max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
                  kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs="off" if mode == "off" else "auto",
                  fixed_step=True if (args.smoke and mode != "off") else None,
-                 compile_step={"compile": "whole", "pieces": "pieces"}.get(mode, False),
+                 compile_step={"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(mode, False),
                  tile=Batching.tile if args.exact_batching == "invariant" else None)
     target = BatchedTarget(TargetModel(target_model), b)
     draft = BatchedDraft(HFDrafter(draft_model), b)
@@ -584,7 +591,12 @@ def main(argv=None) -> int:
     plot(res, out / "gpu_check.png")
     for mode, m in res["modes"].items():
         print(f"## cuda_graphs: {mode}\n" + table(m, args.alphas))
-        print(f"phases at 1 stream (ms): {fmt(m['phases'])}; speculative bound at alpha 0.8: "
+        tops = {k: m["phases"].pop(k) for k in [k for k in m["phases"] if k.endswith("_top_kernels")]}
+        for k, top in tops.items():  # kernel, launches in one replay, device microseconds in all
+            print(f"{k} (name, launches, us): " + "; ".join(f"{n} x{c} {us}" for n, c, us in top))
+        m["phases"].update(tops)
+        print(f"phases at 1 stream (ms): {fmt({k: v for k, v in m['phases'].items() if k not in tops})}; "
+              f"speculative bound at alpha 0.8: "
               f"{m.get('spec_bound', float('nan')):.2f}x; steps: {m['counts']}")
     print(f"transformers at 1 stream: plain {res['hf']['plain_tok_s']:.1f} tok/s, assisted (K={args.k}) "
           f"{res['hf']['assisted_tok_s']:.1f} tok/s")

@@ -509,13 +509,15 @@ def test_the_workers_count_how_their_device_steps_ran():
 
 
 def test_the_compiled_pieces_compute_what_the_plain_ones_do(one_thread, monkeypatch):
-    """compile_step "pieces" (ADR 0019: off by default, measured on a GPU): a layer's two
-    pieces around attention through torch.compile (C++ on this CPU, Triton on CUDA) give the
-    plain pieces' logits within float32 rounding, for every layer and bucket from one program."""
+    """compile_step "pieces" and "layer" (ADR 0019: off on the CPU, measured on a GPU): a
+    layer's two pieces around attention, or the whole layer with its KV scatter and attention,
+    through torch.compile (C++ on this CPU, Triton on CUDA) give the plain pieces' logits
+    within float32 rounding, for every layer and bucket from one program, and write the same
+    KV (the next steps read it)."""
     monkeypatch.setenv("SPECSERVE_ONEDNN_LINEAR", "0")  # (oneDNN's packed GEMM does not compile)
     model = RANDOM_MODELS["qwen3"]()
     runs = []
-    for compile in (False, "pieces"):
+    for compile in (False, "pieces", "layer"):
         runner = ModelRunner.from_hf(model, max_sessions=4, max_len=64, tile=None, fuse_upto=0)
         runner.enable_device_step(max_rows=4, compile=compile)
         for s in "ab":
@@ -524,8 +526,9 @@ def test_the_compiled_pieces_compute_what_the_plain_ones_do(one_thread, monkeypa
                runner.forward([Row("a", [10, 11, 12, 13]), Row("b", [14])]),
                runner.forward([Row("b", [15, 16]), Row("a", [17])])]
         runs.append([lg.clone() for step in got for lg in step])
-    for plain, compiled in zip(*runs, strict=True):
-        assert torch.allclose(plain, compiled, atol=1e-5), (plain - compiled).abs().max()
+    for plain, pieces, layer in zip(*runs, strict=True):
+        for compiled in (pieces, layer):
+            assert torch.allclose(plain, compiled, atol=1e-5), (plain - compiled).abs().max()
 
 
 def test_the_audit_names_the_ops_that_synchronise_on_cuda():

@@ -83,6 +83,39 @@ def attention_out(h: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, bo: torch.
     return out
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rslot: torch.Tensor,
+           mask: torch.Tensor) -> torch.Tensor:
+    """q [R W, Hq, D] -> [R W, Hq D]: each row over the first S positions of its slot
+    (keys, values: one layer's [slots, Hkv, S, D] views), in one SDPA call under the additive
+    mask [R, 1, G W, S]. GQA without copying keys: the G query heads of a KV head are one axis."""
+    r, s = rslot.shape[0], mask.shape[-1]
+    t, hq, d = q.shape
+    w, hkv = t // r, keys.shape[1]
+    g = hq // hkv
+    k = keys[:, :, :s].index_select(0, rslot)  # [R, Hkv, S, D]
+    v = values[:, :, :s].index_select(0, rslot)
+    qf = q.view(r, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * w, d)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=d ** -0.5)  # [R, Hkv, G W, D]
+    return out.view(r, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(r * w, hq * d)
+
+
+def layer_forward(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, wo: torch.Tensor,
+                  bo: torch.Tensor | None, mlp_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, wslot: torch.Tensor, at: torch.Tensor,
+                  rslot: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                  hq: int, hkv: int, d: int, linear: Linear) -> torch.Tensor:
+    """One decoder layer of the device step, whole: `attention_in`, the new keys and values
+    written into the KV (`KVSlots.write`'s scatter), `attend`, `attention_out`. Compiled as
+    one program (compile "layer"), its KV scatter, gathers and layout copies fuse around the
+    GEMMs and SDPA; the same ops as `run`'s uncompiled loop."""
+    qk, v = attention_in(h, attn_norm, wqkv, bqkv, q_norm, k_norm, cos, sin, eps, hq, hkv, d, linear)
+    keys[wslot, :, at] = qk[:, hq:]
+    values[wslot, :, at] = v
+    return attention_out(h, attend(qk[:, :hq], keys, values, rslot, mask), wo, bo, mlp_norm, w_gate_up, w_down,
+                         eps, linear)
+
+
 class DeviceStep:
     """The fixed-shape step of one `ModelRunner` (which owns the weights and KV): its buckets,
     its device buffers and run (here), its host-written inputs (`StepInputs`) and its CUDA
@@ -90,14 +123,15 @@ class DeviceStep:
 
     def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
                  max_graphs: int = 512, compile: bool | str = False, heads: bool = False) -> None:
-        """`compile`: False; True or "whole" (torch.compile the whole run, dynamic shapes); or
+        """`compile`: False; True or "whole" (torch.compile the whole run, dynamic shapes);
         "pieces" (compile a layer's two pieces around attention, `attention_in` and
-        `attention_out`: one program serves every layer and bucket)."""
+        `attention_out`: one program serves every layer and bucket); or "layer" (compile
+        `layer_forward`, a whole layer with its KV scatter and attention: one program too)."""
         self.r = runner
         self.device = runner.device
         # compiled (torch.compile, dynamic shapes): no bucket of 1 row or 1 token, so one compiled
         # program serves every bucket (a size of 1 would be specialised: a compile of its own)
-        least = 2 if compile and compile != "pieces" else 1
+        least = 2 if compile and compile not in ("pieces", "layer") else 1
         max_len = runner.kv.max_len
         self.row_buckets, self.width_buckets, self.span_buckets = bucket_ladders(max_rows, max_width, max_len, least)
         self.max_rows, self.max_width = max_rows, max_width
@@ -127,6 +161,7 @@ class DeviceStep:
         self.chain_base = torch.zeros(5, r, dtype=torch.long, device=self.device)
         self._run = self.run
         self._pre, self._post = attention_in, attention_out
+        self._layer: Callable[..., torch.Tensor] | None = None
         if compile:
             self._compile(compile)
         if runner.feature_layers:
@@ -142,6 +177,8 @@ class DeviceStep:
         if how == "pieces":  # a layer's two pointwise-heavy pieces, one program for every layer
             self._pre = torch.compile(attention_in, dynamic=True)
             self._post = torch.compile(attention_out, dynamic=True)
+        elif how == "layer":  # a whole layer, KV scatter and attention in: one program for every layer
+            self._layer = torch.compile(layer_forward, dynamic=True)
         else:
             self._run = torch.compile(self.run, dynamic=True)
 
@@ -229,12 +266,19 @@ class DeviceStep:
         h = w.embed.index_select(0, ids)  # [T, H]
         kept = self.r.feature_layers
         width = w.embed.shape[1]
+        rslot = self.field("rslot", b.rows)
         for li, layer in enumerate(w.layers):
-            qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
-                              w.eps, hq, hkv, d, linear)
-            self.r.kv.write(li, wslot, at, qk[:, hq:], v)
-            h = self._post(h, self._attend(li, qk[:, :hq], mask, b), layer.wo, layer.bo, layer.mlp_norm,
-                           layer.w_gate_up, layer.w_down, w.eps, linear)
+            if self._layer is not None:
+                h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
+                                layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
+                                self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear)
+            else:
+                qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
+                                  w.eps, hq, hkv, d, linear)
+                self.r.kv.write(li, wslot, at, qk[:, hq:], v)
+                o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
+                h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
+                               linear)
             if li in kept:
                 j = kept.index(li)
                 self.features[:t, j * width:(j + 1) * width].copy_(h)
@@ -284,7 +328,7 @@ class DeviceStep:
         once a step rather than converted from bool by every layer's attention): query i of
         row r sees the keys before the row's start, and the row's new tokens its block mask
         allows (causal: j <= i). The queries of the G heads that share a KV head are folded
-        into one axis (`_attend`)."""
+        into one axis (`attend`)."""
         r, w, s = b.rows, b.width, b.span
         g = self.r.w.num_heads // self.r.w.num_kv_heads
         rel = self.keys_at[:s].unsqueeze(0) - self.field("start", r).unsqueeze(1)  # [R, S]
@@ -294,19 +338,6 @@ class DeviceStep:
         # back to the host (`.item()`), which a graph's capture refuses
         add = torch.zeros(r, w, s, dtype=self.r.w.embed.dtype, device=self.device).masked_fill_(~seen, float("-inf"))
         return add.unsqueeze(1).expand(r, g, w, s).reshape(r, 1, g * w, s)
-
-    def _attend(self, layer: int, q: torch.Tensor, mask: torch.Tensor, b: Bucket) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq D]: each row over the first S positions of its slot, in
-        one call. GQA without copying keys: the G query heads of a KV head are one axis."""
-        r, w, s = b.rows, b.width, b.span
-        hq, hkv, d = q.shape[1], self.r.w.num_kv_heads, q.shape[2]
-        g = hq // hkv
-        rslot = self.field("rslot", r)
-        keys = self.r.kv.keys[layer][:, :, :s].index_select(0, rslot)  # [R, Hkv, S, D]
-        values = self.r.kv.values[layer][:, :, :s].index_select(0, rslot)
-        qf = q.view(r, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * w, d)
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=d ** -0.5)  # [R, Hkv, G W, D]
-        return out.view(r, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(r * w, hq * d)
 
     # ---- graphs ----------------------------------------------------------------------------
 

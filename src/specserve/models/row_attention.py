@@ -1,7 +1,7 @@
 """The eager forward's attention (`runner.ModelRunner._forward_eager`): each row attends over
 its own KV slot, alone (one call per row, exact whatever the batch) or, for the short rows
 under exact_batching "fast", all in one padded call (`runner.ShortRows`). The fixed-shape
-device step has its own (`device_step.DeviceStep._attend`)."""
+device step has its own (`device_step.attend`)."""
 
 from __future__ import annotations
 
