@@ -82,8 +82,9 @@ def parse_args(argv=None):
     # or compile (auto with the whole run torch.compile'd) or pieces (a layer's two pieces compiled)
     p.add_argument("--graphs", default="auto,off",
                    help="the arms to measure, side by side (ADR 0019): auto replays the device step's graphs "
-                        "uncompiled, pieces with a layer's two pieces compiled (the workers' default on CUDA: "
-                        "cuda_compile auto), layer with a whole layer compiled (its KV scatter and attention in), "
+                        "uncompiled, pieces with a layer's two pieces compiled, layer with a whole layer compiled "
+                        "(its KV scatter and attention in: the workers' default on CUDA, cuda_compile auto), a "
+                        "-sync suffix without the target's lookahead steps, "
                         "compile with the whole run compiled, off is the eager forward of "
                         "before; the first is the one judged")
     p.add_argument("--off-decode", type=int, default=32, help="tokens a session in the off (eager) arm: it is slow")
@@ -111,8 +112,8 @@ def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: 
     out = {}
     for mode in graphs:  # the eager forward, and the device step replayed from graphs (ADR 0019)
         runner = ModelRunner.from_hf(model, max_sessions=3, max_len=1024, device=device, dtype=dtype, fuse_upto=0)
-        if mode != "off":
-            how = {"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(mode, False)
+        if mode.removesuffix("-sync") != "off":
+            how = {"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(mode.removesuffix("-sync"), False)
             runner.enable_device_step(max_rows=4, graphs=True, compile=how)
         out[mode] = greedy_agreement(model, runner, prompts, new_tokens, TOLERANCE[dtype])
         if runner.device_step is not None:
@@ -428,12 +429,14 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
     """One cuda_graphs setting: the workers built with it, every shape warmed up (graphs
     captured) unmeasured, then plain and speculative at each load, the phases at one stream,
     and how the decode and verify steps ran (replayed / eager)."""
+    base = mode.removesuffix("-sync")  # "-sync": without the target's lookahead steps
     b = Batching(device=str(device), dtype=args.dtype, max_sessions=most + 2,
                  max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
-                 kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs="off" if mode == "off" else "auto",
-                 fixed_step=True if (args.smoke and mode != "off") else None,
-                 compile_step={"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(mode, False),
-                 tile=Batching.tile if args.exact_batching == "invariant" else None)
+                 kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs="off" if base == "off" else "auto",
+                 fixed_step=True if (args.smoke and base != "off") else None,
+                 compile_step={"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(base, False),
+                 tile=Batching.tile if args.exact_batching == "invariant" else None,
+                 lookahead=False if mode.endswith("-sync") else None)
     target = BatchedTarget(TargetModel(target_model), b)
     draft = BatchedDraft(HFDrafter(draft_model), b)
     decode = shape["decode"] if mode == args.graphs[0] else min(shape["decode"], args.off_decode)
@@ -460,6 +463,7 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
               f"{base['prefill_ms']:.1f} ms); " + ", ".join(
                   f"alpha {s['alpha']}: {s['tok_s']:.1f} ({s['speedup']:.2f}x)" for s in row["speculative"]),
               flush=True)
+    out["lookahead"] = {"on": target.lookahead, **target.ahead_counts}
     out["counts"] = diff_counts(step_counts(target, draft), before)
     out["counts_total"] = step_counts(target, draft)
     prompt = _prompts(1, shape["prompt_len"], shape["target"]["vocab_size"], seed=5)
@@ -597,7 +601,7 @@ def main(argv=None) -> int:
         m["phases"].update(tops)
         print(f"phases at 1 stream (ms): {fmt({k: v for k, v in m['phases'].items() if k not in tops})}; "
               f"speculative bound at alpha 0.8: "
-              f"{m.get('spec_bound', float('nan')):.2f}x; steps: {m['counts']}")
+              f"{m.get('spec_bound', float('nan')):.2f}x; steps: {m['counts']}; lookahead steps: {m['lookahead']}")
     print(f"transformers at 1 stream: plain {res['hf']['plain_tok_s']:.1f} tok/s, assisted (K={args.k}) "
           f"{res['hf']['assisted_tok_s']:.1f} tok/s")
     print("targets (issue 39):")

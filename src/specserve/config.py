@@ -61,9 +61,9 @@ class WorkerSettings(BaseSettings):
     # off keeps the eager forward (and, with exact_batching invariant, bitwise batch invariance
     # on the GPU too). The CPU runs eagerly either way.
     cuda_graphs: str = Field("auto", pattern=r"^(auto|off)$")
-    # ADR 0019: with the graphs on, auto compiles a layer's two pieces around attention
-    # (torch.compile to Triton, where torch finds Triton for the device): on an H200 a 1.1B
-    # plain step went from 2.24 to 1.87 ms and its graph from 773 kernels to 402; off: uncompiled
+    # ADR 0019: with the graphs on, auto compiles each decoder layer whole, its KV scatter and
+    # attention in (torch.compile to Triton, where torch finds Triton for the device): on an
+    # H200 a 1.1B plain step's graph went from 773 kernels to 380 (ADR 0019's table); off: uncompiled
     cuda_compile: str = Field("auto", pattern=r"^(auto|off)$")
 
 

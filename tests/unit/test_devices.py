@@ -222,7 +222,7 @@ def test_cuda_compile_auto_compiles_the_pieces_only_with_the_graphs_on_and_trito
     with pytest.raises(ValidationError):
         TargetSettings(cuda_compile="always")
     monkeypatch.setattr(triton_module, "has_triton", lambda: True)
-    assert step_compile(auto, graphs=True) == "pieces" and step_compile(auto, graphs=False) is False
+    assert step_compile(auto, graphs=True) == "layer" and step_compile(auto, graphs=False) is False
     assert step_compile(Batching(compile_step="whole"), graphs=False) == "whole"  # (gpu_check's arms)
     monkeypatch.setattr(triton_module, "has_triton", lambda: False)
     assert step_compile(auto, graphs=True) is False

@@ -53,7 +53,7 @@ from specserve.drafters.hf import (
     pick_on_device,
     q_entries,
 )
-from specserve.models.kv_slots import prefill_chunks
+from specserve.models.kv_slots import common_prefix, prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
 from specserve.models.verifier import (
     JudgeRow,
@@ -88,9 +88,13 @@ class Batching:
     fixed_step: bool | None = None
     capture_budget_s: float = 60.0  # start-up capture of the common buckets stops after this long
     # torch.compile in the device step (ADR 0019): False, "whole" (the run), "pieces" (a layer's
-    # two pieces around attention), or "auto" (the settings' cuda_compile: pieces with the CUDA
-    # graphs on where torch finds Triton, else none)
+    # two pieces around attention), "layer" (a whole layer, attention in), or "auto" (the
+    # settings' cuda_compile: layer with the CUDA graphs on where torch finds Triton, else none)
     compile_step: bool | str = False
+    # ADR 0019, async steps: a target step of greedy plain rows only launches the next step of
+    # the same rows (fed its own picks, on the device) before it returns, so the engine's
+    # bookkeeping runs while the device computes. None: on where the CUDA graphs are
+    lookahead: bool | None = None
 
     @classmethod
     def from_settings(cls, s) -> Batching:
@@ -106,13 +110,13 @@ _handles = itertools.count()
 
 
 def step_compile(b: Batching, graphs: bool) -> bool | str:
-    """What the device step compiles: `compile_step` as given, or for "auto" the layer's
-    pieces where the graphs are on and torch has Triton for the device (ADR 0019)."""
+    """What the device step compiles: `compile_step` as given, or for "auto" each layer whole
+    where the graphs are on and torch has Triton for the device (ADR 0019)."""
     if b.compile_step != "auto":
         return b.compile_step
     from torch.utils._triton import has_triton
 
-    return "pieces" if graphs and has_triton() else False
+    return "layer" if graphs and has_triton() else False
 
 
 def eager_tile(b: Batching, graphs: bool) -> int | None:
@@ -188,16 +192,134 @@ class _RunnerSessions:
         return dropped, first, True
 
 
+@dataclass
+class _Ahead:
+    """A lookahead step on the device (`BatchedTarget._launch_ahead`): its rows' sessions in
+    the device step's order, each one's cached length before it (the lookahead fed one token
+    there), the tokens fed (None until the step before is read), and its verdicts' copy."""
+
+    slots: list[Any]
+    lengths: list[int]
+    tokens: list[int] | None
+    host: torch.Tensor  # [R, 2] float64: accepted, final token (pinned on CUDA)
+    done: Any  # a CUDA event recorded after the copy, or None (the CPU: copied already)
+
+    def read(self) -> list[list[float]]:
+        if self.done is not None:
+            self.done.synchronize()  # this step's copy only: the lookahead after it runs on
+        out: list[list[float]] = self.host.tolist()
+        return out
+
+
+def snapshot(verdicts: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The step's verdicts copied to the host once the device is done with them, without
+    waiting now (pinned memory and an event on CUDA); read with `_Ahead.read`."""
+    if verdicts.device.type != "cuda":
+        return verdicts.to("cpu", copy=True), None
+    host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
+    host.copy_(verdicts, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 class BatchedTarget(_RunnerSessions):
     verifies_trees = True  # token trees: one row each, judged by algorithm/tree.py
 
     def __init__(self, target: TargetModel, b: Batching) -> None:
         self.target = target
         super().__init__(target.model, target.max_positions, b)
+        ds = self.runner.device_step
+        self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
+        self._ahead: _Ahead | None = None
+        self.ahead_counts = {"hit": 0, "missed": 0}  # lookahead steps taken / thrown away
 
     def step(self, step: Step) -> StepResult:
         """Every VERIFY row (a prefill chunk, a plain row, a verify row) in one forward, then
-        the verdicts in one copy to the host and the rejected drafts rolled back."""
+        the verdicts in one copy to the host and the rejected drafts rolled back. A step of
+        greedy plain rows may already be on the device: the lookahead the step before launched
+        (`_from_ahead`); a step that is may launch the next (`_launch_ahead`)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            taken = self._from_ahead(ahead, step)
+            if taken is not None:
+                self.ahead_counts["hit"] += 1
+                return taken
+            self.ahead_counts["missed"] += 1  # (its KV position is UNKNOWN: reconciling drops it)
+        out = self._step(step)
+        if self.lookahead and self._plain_only(step) and all(r.verdict is not None for r in out.rows) \
+                and len(self.runner.fixed_rows) == len(step.rows):
+            self._launch_ahead([job.slot for job in step.rows], [len(job.ids) for job in step.rows],
+                               [r.verdict.tokens[-1] for r in out.rows])
+        return out
+
+    @staticmethod
+    def _plain_only(step: Step) -> bool:
+        """Every row a greedy plain row whose verdict the device step computes (no drafts,
+        banned tokens, constraint, tree or features): what a lookahead can run."""
+        return bool(step.rows) and all(
+            j.kind is Kind.VERIFY and not j.drafts and j.sampling.greedy and not j.sampling.banned_token_ids
+            and j.allowed is None and j.parents is None and not j.features for j in step.rows)
+
+    def _launch_ahead(self, slots: list[Any], lengths: list[int], tokens: list[int] | None) -> None:
+        """Launch the next step of these plain rows (in the device step's row order: row j fed
+        the pick the last step left in `picks[j]`), and copy its verdicts to the host as soon
+        as it is done, without waiting. `tokens`: the picks fed, where known (else filled in
+        by `_from_ahead` once read)."""
+        ds = self.runner.device_step
+        assert ds is not None
+        try:
+            for h, n in zip(slots, lengths, strict=True):
+                self.runner.kv.check_room(h, 1)
+                if self.runner.length(h) != n:
+                    return  # (not where the step left it)
+        except Exception:
+            return  # a full slot: the next step finds out, synchronously
+        rows = [Row(h, ds.picks[j:j + 1], num_logits=1) for j, h in enumerate(slots)]
+        self.runner.forward(rows)
+        if len(self.runner.fixed_rows) != len(rows):  # (not bucketed: it ran eagerly; nothing to gain)
+            for h, n in zip(slots, lengths, strict=True):
+                self.runner.rollback(h, n)
+            return
+        self._ahead = _Ahead(slots, lengths, tokens, *snapshot(ds.verdicts[:len(rows)]))
+
+    def _from_ahead(self, ahead: _Ahead, step: Step) -> StepResult | None:
+        """This step's results from the lookahead, where it is the step that lookahead ran:
+        the same sessions, each asking for the next token after the one the lookahead fed
+        (which the step before judged). Else None (the caller runs the step)."""
+        if len(step.rows) != len(ahead.slots) or not self._plain_only(step):
+            return None
+        where = {h: j for j, h in enumerate(ahead.slots)}
+        if len(where) != len(ahead.slots):
+            return None
+        tokens = ahead.tokens
+        order = []
+        for job in step.rows:
+            j = where.get(job.slot)
+            if j is None or len(job.ids) != ahead.lengths[j] + 1 or tokens is None or job.ids[-1] != tokens[j]:
+                return None
+            cached = self.runner.kv.ids[self.runner.kv.slot(job.slot)]
+            if len(cached) != ahead.lengths[j] + 1 or common_prefix(cached, job.ids) < ahead.lengths[j]:
+                return None
+            order.append(j)
+        for job, j in zip(step.rows, order, strict=True):
+            self.runner.kv.settle(job.slot, ahead.lengths[j], [tokens[j]])
+        # the step after, launched before this one is read: the device is never left idle
+        if self.lookahead:
+            self._launch_ahead(list(ahead.slots), [n + 1 for n in ahead.lengths], None)
+        packed = ahead.read()
+        following = self._ahead
+        if following is not None:
+            following.tokens = [int(p[1]) for p in packed]
+        verdicts = verdicts_from_host([packed[j][:2] for j in order], [[] for _ in order], False)
+        results = []
+        for job, v in zip(step.rows, verdicts, strict=True):
+            r = RowResult(fed=1)
+            r.verdict, r.cached_len, r.rolled_back = v, len(job.ids), 0
+            results.append(r)
+        return StepResult(results)
+
+    def _step(self, step: Step) -> StepResult:
         results = [RowResult() for _ in step.rows]
         rows, live = [], []
         for i, job in enumerate(step.rows):

@@ -1,0 +1,101 @@
+"""The target's lookahead steps (ADR 0019, async steps): a step of greedy plain rows launches
+the next step of the same rows, fed its own picks on the device, before it returns; the next
+call takes that step's results when it asks for exactly that step, and throws it away when
+not. Proven here on the CPU (where the device step runs eagerly, so the lookahead only adds a
+forward): the tokens are those of the engine without it, whatever the steps in between do,
+and a taken lookahead launches the one after it before reading its own verdicts."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from test_runner_exactness import RANDOM_MODELS
+
+from specserve.algorithm.sampling import SamplingParams
+from specserve.models.verifier import TargetModel
+from specserve.step import Step, StepRow
+from specserve.worker import model_step as model_step_module
+from specserve.worker.model_step import BatchedTarget, Batching
+
+GREEDY = SamplingParams()
+
+
+def _engine(model, lookahead: bool) -> BatchedTarget:
+    return BatchedTarget(TargetModel(model), Batching(max_sessions=8, max_len=96, tile=None, fuse_upto=0,
+                                                      prefill_chunk=16, fixed_step=True, lookahead=lookahead))
+
+
+def _script(engine: BatchedTarget, seed: int = 0) -> tuple[list[list[int]], list]:
+    """One fixed schedule of steps: plain runs (the lookahead's case), a session joining with
+    its prompt, a verify row with drafts, a sampled row, the rows in another order, a session
+    closed, a prompt fed in chunks. Returns every step's tokens per row, and the sessions'."""
+    rng = random.Random(seed)
+    vocab = engine.runner.vocab_size
+    seqs = {n: [rng.randrange(vocab) for _ in range(ln)] for n, ln in (("a", 7), ("b", 20), ("c", 3))}
+    handles = {n: engine.open(n) for n in "abc"}
+    sampled = SamplingParams(temperature=0.8)
+    plan: list[list[tuple[str, list[int], SamplingParams]]] = (
+        [[("a", [], GREEDY), ("b", [], GREEDY)]] * 6  # b's 20-token prompt: two chunks, then plain
+        + [[("a", [], GREEDY), ("b", [], GREEDY), ("c", [], GREEDY)]] * 5  # c joins
+        + [[("a", [], GREEDY), ("b", [5, 7, 9], GREEDY), ("c", [], GREEDY)]]  # a verify row
+        + [[("c", [], GREEDY), ("a", [], GREEDY), ("b", [], GREEDY)]] * 4  # another order
+        + [[("a", [], GREEDY), ("b", [], sampled), ("c", [], GREEDY)]]  # a sampled row
+        + [[("a", [], GREEDY), ("c", [], GREEDY)]] * 6  # b gone
+    )
+    out = []
+    for i, rows in enumerate(plan):
+        if i == 17:
+            engine.close(handles.pop("b"))
+        step = Step([StepRow.verify(handles[n], list(seqs[n]), d, None, sp, 11) for n, d, sp in rows])
+        res = engine.step(step)
+        got = []
+        for (n, _, _), r in zip(rows, res.rows, strict=True):
+            assert r.error is None, r.error
+            if r.verdict is not None:
+                seqs[n].extend(r.verdict.tokens)
+                assert r.cached_len == len(seqs[n]) - 1  # the last token is fed next step
+            got.append(None if r.verdict is None else list(r.verdict.tokens))
+        out.append(got)
+    return out, [seqs[n] for n in "abc"]
+
+
+def test_lookahead_steps_give_the_tokens_of_the_engine_without_them(one_thread):
+    torch.manual_seed(0)
+    model = RANDOM_MODELS["qwen3"]()
+    plain_steps, plain_seqs = _script(_engine(model, lookahead=False))
+    engine = _engine(model, lookahead=True)
+    ahead_steps, ahead_seqs = _script(engine)
+    assert ahead_steps == plain_steps and ahead_seqs == plain_seqs
+    # most plain steps were taken from a lookahead; a join, a verify row, a sampled row, a
+    # session gone each threw one away (the KV position it wrote dropped, the tokens unchanged)
+    assert engine.ahead_counts["hit"] >= 14, engine.ahead_counts
+    assert engine.ahead_counts["missed"] >= 3, engine.ahead_counts
+
+
+def test_a_taken_lookahead_launches_the_next_before_it_reads_its_own(one_thread, monkeypatch):
+    """The point of it: while the host reads step N's verdicts and the engine does its
+    bookkeeping, step N + 1 is already on the device."""
+    model = RANDOM_MODELS["qwen3"]()
+    engine = _engine(model, lookahead=True)
+    ds = engine.runner.device_step
+    calls: list[str] = []
+    launch, read = ds.launch, model_step_module._Ahead.read
+    monkeypatch.setattr(ds, "launch", lambda b: (calls.append("launch"), launch(b))[1])
+    monkeypatch.setattr(model_step_module._Ahead, "read", lambda self: (calls.append("read"), read(self))[1])
+    h = engine.open("a")
+    seq = list(range(1, 9))
+    for _ in range(6):
+        seq.extend(engine.step(Step([StepRow.verify(h, list(seq), [], None, GREEDY, 0)])).rows[0].verdict.tokens)
+    assert engine.ahead_counts["hit"] == 5
+    # step 1: its own launch, then the lookahead's; each step after: the next launch, then its read
+    assert calls == ["launch", "launch"] + ["launch", "read"] * 5
+    # and nothing it fed is left UNKNOWN but the lookahead in flight
+    cached = engine.runner.kv.ids[engine.runner.kv.slot(h)]
+    assert cached[:-1] == seq[:len(cached) - 1] and len(cached) == len(seq)
+
+
+def test_lookahead_is_off_on_the_cpu_by_default_and_on_with_the_graphs():
+    model = RANDOM_MODELS["qwen3"]()
+    cpu = BatchedTarget(TargetModel(model), Batching(max_sessions=2, max_len=32, fixed_step=True))
+    assert not cpu.lookahead  # (the CPU has no graphs: a lookahead there would only add forwards)
