@@ -99,24 +99,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rslot: tor
     return out.view(r, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(r * w, hq * d)
 
 
-def attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rslot: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
-    """`attend` written out (scores, softmax, weighted sum; float32 inside) for a compiler to
-    fuse: under torch.compile the slots' gathers load inside the score and output kernels, and
-    no SDPA kernel runs. On the H200 a one-query SDPA call was 6.7 us of a layer's ~70
-    (bench/results/gpu, run 6); these sizes are small enough that plain reductions do."""
-    r, s = rslot.shape[0], mask.shape[-1]
-    t, hq, d = q.shape
-    w, hkv = t // r, keys.shape[1]
-    g = hq // hkv
-    k = keys[:, :, :s].index_select(0, rslot).float()  # [R, Hkv, S, D]
-    v = values[:, :, :s].index_select(0, rslot).float()
-    qf = q.view(r, w, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * w, d).float()
-    scores = (qf.unsqueeze(3) * k.unsqueeze(2)).sum(-1) * d ** -0.5 + mask.float()  # [R, Hkv, G W, S]
-    out = (scores.softmax(-1).unsqueeze(-1) * v.unsqueeze(2)).sum(-2)  # [R, Hkv, G W, D]
-    return out.to(q.dtype).view(r, hkv, g, w, d).permute(0, 3, 1, 2, 4).reshape(r * w, hq * d)
-
-
 def layer_forward(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, wo: torch.Tensor,
                   bo: torch.Tensor | None, mlp_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -124,14 +106,16 @@ def layer_forward(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, 
                   rslot: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                   hq: int, hkv: int, d: int, linear: Linear) -> torch.Tensor:
     """One decoder layer of the device step, whole: `attention_in`, the new keys and values
-    written into the KV (`KVSlots.write`'s scatter), `attend_fused`, `attention_out`. Compiled
-    as one program (compile "layer"), its KV scatter, gathers, attention and layout copies fuse
-    into a few kernels around the GEMMs; the same values as `run`'s uncompiled loop."""
+    written into the KV (`KVSlots.write`'s scatter), `attend`, `attention_out`. Compiled as one
+    program (compile "layer"), its KV scatter, gathers and layout copies fuse around the GEMMs
+    and SDPA; the same ops as `run`'s uncompiled loop. (Attention written out as reductions for
+    the compiler to fuse lost on the H200: 0.48 against 0.27 ms a one-row graph, 1.0 against
+    0.3 ms a verify graph; ADR 0019, run 7.)"""
     qk, v = attention_in(h, attn_norm, wqkv, bqkv, q_norm, k_norm, cos, sin, eps, hq, hkv, d, linear)
     keys[wslot, :, at] = qk[:, hq:]
     values[wslot, :, at] = v
-    return attention_out(h, attend_fused(qk[:, :hq], keys, values, rslot, mask), wo, bo, mlp_norm, w_gate_up,
-                         w_down, eps, linear)
+    return attention_out(h, attend(qk[:, :hq], keys, values, rslot, mask), wo, bo, mlp_norm, w_gate_up, w_down,
+                         eps, linear)
 
 
 class DeviceStep:
