@@ -264,8 +264,8 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
     run_wave("warm-")
     busy.clear()
     meter = BusyMeter(window_s=1e9)  # the workers' specserve_device_busy_ratio, over the whole wave
-    loop.on_step = lambda r: (book.append(r.bookkeeping_ms), real and busy.append(r.forward_ms),
-                              meter.add(r.forward_ms / 1e3))
+    loop.on_step = lambda r: (book.append(r.bookkeeping_ms), real and busy.append(r.busy_ms),
+                              meter.add(r.busy_ms / 1e3))
     gc.collect()  # the cells before left garbage: a full collection mid-wave would count as bookkeeping
     meter.started = time.monotonic()
     wall = run_wave("")
@@ -287,7 +287,8 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
             "tokens_per_pass": sum(r.emitted for r in rounds) / max(len(rounds), 1),
             "tree_share": sum(r.tree_size > 0 for r in rounds) / max(len(rounds), 1),
             "estimates": loop.speculation.estimates.get(("code", "syn"), {}),
-            "draft_latency_ms_per_token": loop.speculation.measured.draft_latency.get("syn", 0.0) * 1e3}
+            "draft_latency_ms_per_token": loop.speculation.measured.draft_latency.get("syn", 0.0) * 1e3,
+            "lookahead": dict(getattr(loop.model, "ahead_counts", {}))}  # the target's lookahead steps
 
 
 def main() -> None:
@@ -337,7 +338,8 @@ def main() -> None:
                       f"book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
                       f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
                       f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}  trees {r['tree_share']:.0%}"
-                      + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else ""),
+                      + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else "")
+                      + (f"  lookahead {r['lookahead']['hit']}/{r['lookahead']['missed']}" if r["lookahead"] else ""),
                       flush=True)
             if not real:
                 _bounds([r for r in rows if r["profile"] == pname and r["streams"] == n], PROFILES[pname], a)

@@ -113,6 +113,9 @@ class Step:
 @dataclass
 class StepResult:
     rows: list[RowResult]
+    # the device's time for this step where it is not the call's: a step launched before the
+    # call (the target's lookahead, ADR 0019) ran on the device while the caller did its own work
+    device_ms: float | None = None
 
 
 def first_branch(tokens: Sequence[int], parents: Sequence[int]) -> list[int]:

@@ -60,6 +60,14 @@ class StepReport:
     forward_ms: float  # the model step (forward + rejection sampling)
     bookkeeping_ms: float  # schedule + postprocess: the engine's own Python per step
     unseated: int = 0  # sessions waiting for a seat at this step (scheduler.py)
+    # the device's time for the step where the model says it differs from forward_ms (a
+    # lookahead step ran while the engine did its bookkeeping: ADR 0019); None: forward_ms
+    device_ms: float | None = None
+
+    @property
+    def busy_ms(self) -> float:
+        """The device's time for this step: what the busy share counts (ADR 0021)."""
+        return self.forward_ms if self.device_ms is None else self.device_ms
 
 
 class Inbox:
@@ -222,7 +230,8 @@ class EngineLoop:
         self._notify_ended()
         self._hand_over(commits)
         self._forget_ended()
-        self.last = StepReport(len(plan.rows), fed, forward_ms, bookkeeping_ms, plan.unseated)
+        self.last = StepReport(len(plan.rows), fed, forward_ms, bookkeeping_ms, plan.unseated,
+                               None if self.simulated_step_ms is not None else out.device_ms)
         if self.on_step is not None:
             self.on_step(self.last)
         return self.last

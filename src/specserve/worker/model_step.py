@@ -21,6 +21,7 @@ a long prompt never stalls the running sessions.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +204,7 @@ class _Ahead:
     tokens: list[int] | None
     host: torch.Tensor  # [R, 2] float64: accepted, final token (pinned on CUDA)
     done: Any  # a CUDA event recorded after the copy, or None (the CPU: copied already)
+    launched: float = 0.0  # perf_counter when it was launched
 
     def read(self) -> list[list[float]]:
         if self.done is not None:
@@ -233,6 +235,7 @@ class BatchedTarget(_RunnerSessions):
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
         self._ahead: _Ahead | None = None
         self.ahead_counts = {"hit": 0, "missed": 0}  # lookahead steps taken / thrown away
+        self._done_at = 0.0  # when the host last saw the device finish a step (perf_counter)
 
     def step(self, step: Step) -> StepResult:
         """Every VERIFY row (a prefill chunk, a plain row, a verify row) in one forward, then
@@ -250,7 +253,9 @@ class BatchedTarget(_RunnerSessions):
         if self.lookahead and self._plain_only(step) and all(r.verdict is not None for r in out.rows) \
                 and len(self.runner.fixed_rows) == len(step.rows):
             self._launch_ahead([job.slot for job in step.rows], [len(job.ids) for job in step.rows],
-                               [r.verdict.tokens[-1] for r in out.rows])
+                               [r.verdict.tokens[-1] for r in out.rows if r.verdict is not None],
+                               list(range(len(step.rows))))
+        self._done_at = time.perf_counter()
         return out
 
     @staticmethod
@@ -261,11 +266,12 @@ class BatchedTarget(_RunnerSessions):
             j.kind is Kind.VERIFY and not j.drafts and j.sampling.greedy and not j.sampling.banned_token_ids
             and j.allowed is None and j.parents is None and not j.features for j in step.rows)
 
-    def _launch_ahead(self, slots: list[Any], lengths: list[int], tokens: list[int] | None) -> None:
-        """Launch the next step of these plain rows (in the device step's row order: row j fed
-        the pick the last step left in `picks[j]`), and copy its verdicts to the host as soon
-        as it is done, without waiting. `tokens`: the picks fed, where known (else filled in
-        by `_from_ahead` once read)."""
+    def _launch_ahead(self, slots: list[Any], lengths: list[int], tokens: list[int] | None,
+                      picks_at: list[int]) -> None:
+        """Launch the next step of these plain rows, each fed the pick the last step left in
+        `picks[picks_at[i]]` (the device step's rows are the rows here, in this order), and copy
+        its verdicts to the host as soon as it is done, without waiting. `tokens`: the picks
+        fed, where known (else filled in by `_from_ahead` once read)."""
         ds = self.runner.device_step
         assert ds is not None
         try:
@@ -275,30 +281,35 @@ class BatchedTarget(_RunnerSessions):
                     return  # (not where the step left it)
         except Exception:
             return  # a full slot: the next step finds out, synchronously
-        rows = [Row(h, ds.picks[j:j + 1], num_logits=1) for j, h in enumerate(slots)]
+        rows = [Row(h, ds.picks[j:j + 1], num_logits=1) for j, h in zip(picks_at, slots, strict=True)]
+        launched = time.perf_counter()
         self.runner.forward(rows)
         if len(self.runner.fixed_rows) != len(rows):  # (not bucketed: it ran eagerly; nothing to gain)
             for h, n in zip(slots, lengths, strict=True):
                 self.runner.rollback(h, n)
             return
-        self._ahead = _Ahead(slots, lengths, tokens, *snapshot(ds.verdicts[:len(rows)]))
+        self._ahead = _Ahead(slots, lengths, tokens, *snapshot(ds.verdicts[:len(rows)]), launched=launched)
 
     def _from_ahead(self, ahead: _Ahead, step: Step) -> StepResult | None:
-        """This step's results from the lookahead, where it is the step that lookahead ran:
-        the same sessions, each asking for the next token after the one the lookahead fed
-        (which the step before judged). Else None (the caller runs the step)."""
-        if len(step.rows) != len(ahead.slots) or not self._plain_only(step):
+        """This step's results from the lookahead, where it is the step that lookahead ran, or
+        a part of it: sessions it ran (in any order; a session it ran may have ended), each
+        asking for the next token after the one the lookahead fed (which the step before
+        judged). Else None (the caller runs the step). The result's `device_ms`: from the
+        lookahead's launch (or the device's last step, if later) to its verdicts read."""
+        if len(step.rows) > len(ahead.slots) or not self._plain_only(step):
             return None
         where = {h: j for j, h in enumerate(ahead.slots)}
-        if len(where) != len(ahead.slots):
+        if len(where) != len(ahead.slots) or len({job.slot for job in step.rows}) != len(step.rows):
             return None
         tokens = ahead.tokens
+        if tokens is None:
+            return None
         order = []
         for job in step.rows:
-            j = where.get(job.slot)
-            if j is None or len(job.ids) != ahead.lengths[j] + 1 or tokens is None or job.ids[-1] != tokens[j]:
+            j, slot = where.get(job.slot), self.runner.kv.slot_of.get(job.slot)
+            if j is None or slot is None or len(job.ids) != ahead.lengths[j] + 1 or job.ids[-1] != tokens[j]:
                 return None
-            cached = self.runner.kv.ids[self.runner.kv.slot(job.slot)]
+            cached = self.runner.kv.ids[slot]
             if len(cached) != ahead.lengths[j] + 1 or common_prefix(cached, job.ids) < ahead.lengths[j]:
                 return None
             order.append(j)
@@ -306,18 +317,21 @@ class BatchedTarget(_RunnerSessions):
             self.runner.kv.settle(job.slot, ahead.lengths[j], [tokens[j]])
         # the step after, launched before this one is read: the device is never left idle
         if self.lookahead:
-            self._launch_ahead(list(ahead.slots), [n + 1 for n in ahead.lengths], None)
+            self._launch_ahead([job.slot for job in step.rows], [ahead.lengths[j] + 1 for j in order], None, order)
         packed = ahead.read()
+        done = time.perf_counter()
+        device_ms = (done - max(ahead.launched, self._done_at)) * 1e3
+        self._done_at = done
         following = self._ahead
         if following is not None:
-            following.tokens = [int(p[1]) for p in packed]
+            following.tokens = [int(packed[j][1]) for j in order]
         verdicts = verdicts_from_host([packed[j][:2] for j in order], [[] for _ in order], False)
         results = []
         for job, v in zip(step.rows, verdicts, strict=True):
             r = RowResult(fed=1)
             r.verdict, r.cached_len, r.rolled_back = v, len(job.ids), 0
             results.append(r)
-        return StepResult(results)
+        return StepResult(results, device_ms=device_ms)
 
     def _step(self, step: Step) -> StepResult:
         results = [RowResult() for _ in step.rows]

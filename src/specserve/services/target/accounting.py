@@ -113,9 +113,9 @@ class RoundTelemetry:
 
 def worker_step(m: WorkerMetrics, report: StepReport, model: Any) -> None:
     """An engine step in the target worker's metrics: the device's busy time (the step's
-    forward, padded to a simulated device's time), the batch, the KV slots of a batched
-    runner and its device step's counters."""
-    m.busy.add(report.forward_ms / 1e3)
+    forward, padded to a simulated device's time; a lookahead step's own device time), the
+    batch, the KV slots of a batched runner and its device step's counters."""
+    m.busy.add(report.busy_ms / 1e3)
     m.batch_size.observe(report.rows)
     m.call_latency.labels("step").observe(report.forward_ms / 1e3)
     slots = getattr(model, "slots", None)  # the batched runner's KV (not the HF path)
