@@ -153,6 +153,11 @@ class TargetSettings(WorkerSettings):
     # (low load on a memory-bound device); 1 = chains (the default until trees are measured on a
     # GPU: on a CPU they rarely pay, and the engine's exploration of them costs draft work)
     tree_width: int = Field(1, ge=1, le=8)
+    # ADR 0019, async steps: auto launches the next step of a step of greedy plain rows before
+    # the engine has read it (fed its own picks on the device), so the engine's bookkeeping runs
+    # while the device computes; on where the CUDA graphs are (on an H200: 2.43 -> 1.61 ms a
+    # token at one session); off: each step launched once the one before is read
+    async_steps: str = Field("auto", pattern=r"^(auto|off)$")
     max_batched_tokens: int = Field(2048, ge=1)  # tokens fed per engine step (verify rows + prefill chunks)
     redis_outage_s: float = Field(30.0, ge=0)  # commits ride a Redis outage this long
     # commit back-pressure: a session with this many rounds not yet committed (Redis slow or

@@ -96,10 +96,14 @@ def test_a_taken_lookahead_launches_the_next_before_it_reads_its_own(one_thread,
     assert cached[:-1] == seq[:len(cached) - 1] and len(cached) == len(seq)
 
 
-def test_lookahead_is_off_on_the_cpu_by_default_and_on_with_the_graphs():
+def test_lookahead_follows_the_graphs_unless_the_setting_turns_it_off():
+    from specserve.config import TargetSettings
+
     model = RANDOM_MODELS["qwen3"]()
     cpu = BatchedTarget(TargetModel(model), Batching(max_sessions=2, max_len=32, fixed_step=True))
     assert not cpu.lookahead  # (the CPU has no graphs: a lookahead there would only add forwards)
+    assert Batching.from_settings(TargetSettings()).lookahead is None  # auto: with the graphs
+    assert Batching.from_settings(TargetSettings(async_steps="off")).lookahead is False
 
 
 def test_the_engine_loop_over_lookahead_steps_generates_the_same_and_counts_the_device_time(one_thread):

@@ -104,7 +104,8 @@ class Batching:
                    prefill_chunk=s.prefill_chunk, device=s.device, dtype=s.dtype,
                    gpu_memory_utilization=s.gpu_memory_utilization, max_batch=s.max_batch,
                    tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs,
-                   compile_step="auto" if s.cuda_compile == "auto" else False)
+                   compile_step="auto" if s.cuda_compile == "auto" else False,
+                   lookahead=False if getattr(s, "async_steps", "auto") == "off" else None)
 
 
 _handles = itertools.count()
