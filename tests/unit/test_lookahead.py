@@ -67,11 +67,71 @@ def test_lookahead_steps_give_the_tokens_of_the_engine_without_them(one_thread):
     engine = _engine(model, lookahead=True)
     ahead_steps, ahead_seqs = _script(engine)
     assert ahead_steps == plain_steps and ahead_seqs == plain_seqs
-    # the plain steps after a plain step were taken from its lookahead, also the first after
-    # b's session ended (a part of it) and those in another order; c joining and the verify
-    # row each threw one away (its KV position dropped, the tokens unchanged); after the verify
-    # and the sampled step (no lookahead launched) the next step ran as it came
-    assert engine.ahead_counts == {"hit": 17, "missed": 2}, engine.ahead_counts
+    # the plain steps after a plain step were taken from its lookahead, also those in another
+    # order; c joining, the verify row and b's session ending (two rows of three left: a
+    # smaller bucket) each threw one away (its KV position dropped, the tokens unchanged);
+    # after the verify and the sampled step (no lookahead launched) the next ran as it came
+    assert engine.ahead_counts == {"hit": 16, "missed": 3}, engine.ahead_counts
+
+
+def test_a_part_of_the_lookahead_is_taken_only_in_the_bucket_the_step_would_run_in(one_thread):
+    """A row's bits follow its bucket (ADR 0019): when a session ends, the rest of the
+    lookahead stands for the next step only where that step's rows still fill the same bucket
+    (4 rows -> 3: the bucket of 4; 3 -> 2: a bucket of 2, run as it comes)."""
+    model = RANDOM_MODELS["qwen3"]()
+    out = {}
+    for lookahead in (False, True):
+        engine = _engine(model, lookahead)
+        names = ["a", "b", "c", "d"]
+        handles = {n: engine.open(n) for n in names}
+        seqs = {n: [3 + i, 5, 8] for i, n in enumerate(names)}
+        for t in range(12):
+            if t in (5, 9):  # d, then c, ends
+                engine.close(handles.pop(names.pop()))
+            res = engine.step(Step([StepRow.verify(handles[n], list(seqs[n]), [], None, GREEDY, 0) for n in names]))
+            for n, r in zip(names, res.rows, strict=True):
+                seqs[n].extend(r.verdict.tokens)
+        out[lookahead] = seqs
+        if lookahead:
+            # steps 2-12 followed a plain step; the step after c ended (3 -> 2 rows) was run
+            assert engine.ahead_counts == {"hit": 10, "missed": 1}, engine.ahead_counts
+    assert out[True] == out[False]
+
+
+def test_the_lookahead_asks_the_room_its_step_would_ask():
+    """At the end of a KV slot a session fails where it fails without the lookahead (the step
+    it stands for needs room for the token it feeds and the one it adds)."""
+    model = RANDOM_MODELS["qwen3"]()
+    ends = {}
+    for lookahead in (False, True):
+        engine = BatchedTarget(TargetModel(model), Batching(max_sessions=2, max_len=32, tile=None, fuse_upto=0,
+                                                            prefill_chunk=16, fixed_step=True, lookahead=lookahead))
+        h = engine.open("a")
+        seq = list(range(1, 9))
+        for _ in range(40):
+            r = engine.step(Step([StepRow.verify(h, list(seq), [], None, GREEDY, 0)])).rows[0]
+            if r.error is not None:
+                ends[lookahead] = (len(seq), type(r.error).__name__)
+                break
+            seq.extend(r.verdict.tokens)
+    assert ends[True] == ends[False] == (32, "ContextTooLong")
+
+
+def test_a_taken_steps_device_time_is_its_own_not_the_wall_between_calls(one_thread):
+    """The busy share must not count the host's idle time: with 50 ms between calls, a taken
+    step reports its own time (on the CPU, its forward's; on CUDA, events around its launch)."""
+    import time
+
+    engine = _engine(RANDOM_MODELS["qwen3"](), lookahead=True)
+    h = engine.open("a")
+    seq = list(range(1, 9))
+    times = []
+    for _ in range(5):
+        res = engine.step(Step([StepRow.verify(h, list(seq), [], None, GREEDY, 0)]))
+        seq.extend(res.rows[0].verdict.tokens)
+        times.append(res.device_ms)
+        time.sleep(0.05)
+    assert times[0] is None and all(t is not None and 0 < t < 40 for t in times[1:]), times
 
 
 def test_a_taken_lookahead_launches_the_next_before_it_reads_its_own(one_thread, monkeypatch):

@@ -205,7 +205,8 @@ class _Ahead:
     tokens: list[int] | None
     host: torch.Tensor  # [R, 2] float64: accepted, final token (pinned on CUDA)
     done: Any  # a CUDA event recorded after the copy, or None (the CPU: copied already)
-    launched: float = 0.0  # perf_counter when it was launched
+    bucket: Any = None  # the device step's bucket it ran in
+    clock: StepClock | None = None  # its own time on the device
 
     def read(self) -> list[list[float]]:
         if self.done is not None:
@@ -222,8 +223,37 @@ def snapshot(verdicts: torch.Tensor) -> tuple[torch.Tensor, Any]:
     host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
     host.copy_(verdicts, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(verdicts.device))  # (the verdicts' device: cuda:N, not the current one)
     return host, done
+
+
+class StepClock:
+    """A launched step's own time on the device: CUDA events on the device's stream before
+    and after its launch (the stream runs in order, so the time between them is the step's,
+    not the host's or another step's); on the CPU, where a launch runs the step, the call's
+    wall time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.t1 = self.t0
+        self.events: tuple[Any, Any] | None = None
+        if self.cuda:
+            stream = torch.cuda.current_stream(device)
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record(stream)
+            self.stream = stream
+
+    def stop(self) -> None:
+        self.t1 = time.perf_counter()
+        if self.events is not None:
+            self.events[1].record(self.stream)
+
+    def ms(self) -> float:
+        """Once the step is done (its verdicts read)."""
+        if self.events is not None:
+            return float(self.events[0].elapsed_time(self.events[1]))
+        return (self.t1 - self.t0) * 1e3
 
 
 class BatchedTarget(_RunnerSessions):
@@ -236,7 +266,6 @@ class BatchedTarget(_RunnerSessions):
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
         self._ahead: _Ahead | None = None
         self.ahead_counts = {"hit": 0, "missed": 0}  # lookahead steps taken / thrown away
-        self._done_at = 0.0  # when the host last saw the device finish a step (perf_counter)
 
     def step(self, step: Step) -> StepResult:
         """Every VERIFY row (a prefill chunk, a plain row, a verify row) in one forward, then
@@ -256,7 +285,6 @@ class BatchedTarget(_RunnerSessions):
             self._launch_ahead([job.slot for job in step.rows], [len(job.ids) for job in step.rows],
                                [r.verdict.tokens[-1] for r in out.rows if r.verdict is not None],
                                list(range(len(step.rows))))
-        self._done_at = time.perf_counter()
         return out
 
     @staticmethod
@@ -277,26 +305,30 @@ class BatchedTarget(_RunnerSessions):
         assert ds is not None
         try:
             for h, n in zip(slots, lengths, strict=True):
-                self.runner.kv.check_room(h, 1)
+                # the room the step it stands for asks (`_feed`): the token fed and the one it adds
+                self.runner.kv.check_room(h, 2)
                 if self.runner.length(h) != n:
                     return  # (not where the step left it)
         except Exception:
             return  # a full slot: the next step finds out, synchronously
         rows = [Row(h, ds.picks[j:j + 1], num_logits=1) for j, h in zip(picks_at, slots, strict=True)]
-        launched = time.perf_counter()
+        clock = StepClock(ds.device)
         self.runner.forward(rows)
+        clock.stop()
         if len(self.runner.fixed_rows) != len(rows):  # (not bucketed: it ran eagerly; nothing to gain)
             for h, n in zip(slots, lengths, strict=True):
                 self.runner.rollback(h, n)
             return
-        self._ahead = _Ahead(slots, lengths, tokens, *snapshot(ds.verdicts[:len(rows)]), launched=launched)
+        assert ds.last is not None
+        self._ahead = _Ahead(slots, lengths, tokens, *snapshot(ds.verdicts[:len(rows)]), bucket=ds.last,
+                             clock=clock)
 
     def _from_ahead(self, ahead: _Ahead, step: Step) -> StepResult | None:
         """This step's results from the lookahead, where it is the step that lookahead ran, or
         a part of it: sessions it ran (in any order; a session it ran may have ended), each
         asking for the next token after the one the lookahead fed (which the step before
-        judged). Else None (the caller runs the step). The result's `device_ms`: from the
-        lookahead's launch (or the device's last step, if later) to its verdicts read."""
+        judged), and in the bucket that step would run in. Else None (the caller runs the step).
+        The result's `device_ms`: the lookahead's own time on the device (`StepClock`)."""
         if len(step.rows) > len(ahead.slots) or not self._plain_only(step):
             return None
         where = {h: j for j, h in enumerate(ahead.slots)}
@@ -305,6 +337,8 @@ class BatchedTarget(_RunnerSessions):
         tokens = ahead.tokens
         if tokens is None:
             return None
+        ds = self.runner.device_step
+        assert ds is not None
         order = []
         for job in step.rows:
             j, slot = where.get(job.slot), self.runner.kv.slot_of.get(job.slot)
@@ -314,15 +348,19 @@ class BatchedTarget(_RunnerSessions):
             if len(cached) != ahead.lengths[j] + 1 or common_prefix(cached, job.ids) < ahead.lengths[j]:
                 return None
             order.append(j)
+        # a row's bits follow its bucket: a part of the lookahead stands for the step only where
+        # that step would run in the same bucket (the same row count and key span buckets)
+        if len(order) != len(ahead.slots) and ds.bucket_for(
+                [Row(job.slot, [tokens[j]], num_logits=1) for job, j in zip(step.rows, order, strict=True)],
+                [ahead.lengths[j] for j in order]) != ahead.bucket:
+            return None
         for job, j in zip(step.rows, order, strict=True):
             self.runner.kv.settle(job.slot, ahead.lengths[j], [tokens[j]])
         # the step after, launched before this one is read: the device is never left idle
         if self.lookahead:
             self._launch_ahead([job.slot for job in step.rows], [ahead.lengths[j] + 1 for j in order], None, order)
         packed = ahead.read()
-        done = time.perf_counter()
-        device_ms = (done - max(ahead.launched, self._done_at)) * 1e3
-        self._done_at = done
+        device_ms = ahead.clock.ms() if ahead.clock is not None else None
         following = self._ahead
         if following is not None:
             following.tokens = [int(packed[j][1]) for j in order]
