@@ -268,6 +268,9 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
                               meter.add(r.busy_ms / 1e3))
     gc.collect()  # the cells before left garbage: a full collection mid-wave would count as bookkeeping
     meter.started = time.monotonic()
+    gaps = getattr(loop.model, "gaps_ms", None)  # the target's lookahead steps: the device idle between them
+    if gaps is not None:
+        gaps.clear()
     wall = run_wave("")
     busy_metric = meter.ratio()
     drafts.stop()
@@ -288,7 +291,8 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
             "tree_share": sum(r.tree_size > 0 for r in rounds) / max(len(rounds), 1),
             "estimates": loop.speculation.estimates.get(("code", "syn"), {}),
             "draft_latency_ms_per_token": loop.speculation.measured.draft_latency.get("syn", 0.0) * 1e3,
-            "lookahead": dict(getattr(loop.model, "ahead_counts", {}))}  # the target's lookahead steps
+            "lookahead": dict(getattr(loop.model, "ahead_counts", {})),  # the target's lookahead steps
+            "gap_ms_p50": statistics.median(gaps) if gaps else None}
 
 
 def main() -> None:
@@ -339,7 +343,8 @@ def main() -> None:
                       f"{r['bookkeeping_ms_p99']:.2f} ms  pushed {r['pushed_share']:.0%}  late {r['late_share']:.0%}"
                       f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}  trees {r['tree_share']:.0%}"
                       + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else "")
-                      + (f"  lookahead {r['lookahead']['hit']}/{r['lookahead']['missed']}" if r["lookahead"] else ""),
+                      + (f"  lookahead {r['lookahead']['hit']}/{r['lookahead']['missed']}" if r["lookahead"] else "")
+                      + (f"  gap p50 {r['gap_ms_p50']:.3f} ms" if r["gap_ms_p50"] is not None else ""),
                       flush=True)
             if not real:
                 _bounds([r for r in rows if r["profile"] == pname and r["streams"] == n], PROFILES[pname], a)

@@ -132,6 +132,8 @@ def test_a_taken_steps_device_time_is_its_own_not_the_wall_between_calls(one_thr
         times.append(res.device_ms)
         time.sleep(0.05)
     assert times[0] is None and all(t is not None and 0 < t < 40 for t in times[1:]), times
+    # and between two taken steps, the time nothing ran (here the host's 50 ms sleep and its work)
+    assert len(engine.gaps_ms) == 3 and all(45 < g < 500 for g in engine.gaps_ms), engine.gaps_ms
 
 
 def test_a_taken_lookahead_launches_the_next_before_it_reads_its_own(one_thread, monkeypatch):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +256,14 @@ class StepClock:
             return float(self.events[0].elapsed_time(self.events[1]))
         return (self.t1 - self.t0) * 1e3
 
+    def gap_to(self, after: StepClock) -> float:
+        """ms from this step's end to the start of the step launched `after` it, both done: on
+        CUDA the device's idle time between them (an event runs when the stream reaches it, so
+        a step launched while this one ran starts as it ends: 0); on the CPU the host's."""
+        if self.events is not None and after.events is not None:
+            return max(float(self.events[1].elapsed_time(after.events[0])), 0.0)
+        return max((after.t0 - self.t1) * 1e3, 0.0)
+
 
 class BatchedTarget(_RunnerSessions):
     verifies_trees = True  # token trees: one row each, judged by algorithm/tree.py
@@ -266,6 +275,9 @@ class BatchedTarget(_RunnerSessions):
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
         self._ahead: _Ahead | None = None
         self.ahead_counts = {"hit": 0, "missed": 0}  # lookahead steps taken / thrown away
+        # between consecutive taken lookahead steps: the device's idle ms (`StepClock.gap_to`)
+        self.gaps_ms: deque[float] = deque(maxlen=4096)
+        self._last_clock: StepClock | None = None
 
     def step(self, step: Step) -> StepResult:
         """Every VERIFY row (a prefill chunk, a plain row, a verify row) in one forward, then
@@ -279,6 +291,7 @@ class BatchedTarget(_RunnerSessions):
                 self.ahead_counts["hit"] += 1
                 return taken
             self.ahead_counts["missed"] += 1  # (its KV position is UNKNOWN: reconciling drops it)
+        self._last_clock = None  # (the step below runs between: no gap to the next)
         out = self._step(step)
         if self.lookahead and self._plain_only(step) and all(r.verdict is not None for r in out.rows) \
                 and len(self.runner.fixed_rows) == len(step.rows):
@@ -361,6 +374,9 @@ class BatchedTarget(_RunnerSessions):
             self._launch_ahead([job.slot for job in step.rows], [ahead.lengths[j] + 1 for j in order], None, order)
         packed = ahead.read()
         device_ms = ahead.clock.ms() if ahead.clock is not None else None
+        if self._last_clock is not None and ahead.clock is not None:
+            self.gaps_ms.append(self._last_clock.gap_to(ahead.clock))
+        self._last_clock = ahead.clock
         following = self._ahead
         if following is not None:
             following.tokens = [int(packed[j][1]) for j in order]
