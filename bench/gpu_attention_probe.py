@@ -30,6 +30,17 @@ from specserve.models.device_step import attend  # noqa: E402
 HQ, HKV, D, L, LAYERS = 32, 4, 64, 1024, 22
 
 
+def events_ms(fn, reps: int) -> float:
+    """Device ms of one `fn()`, the mean over `reps` calls between two CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
 def graph_ms(fn, reps: int = 50) -> float:
     """Device ms of one `fn()` (which runs LAYERS calls), replayed from a CUDA graph."""
     s = torch.cuda.Stream()
@@ -42,25 +53,13 @@ def graph_ms(fn, reps: int = 50) -> float:
     with torch.cuda.graph(g):
         fn()
     g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return events_ms(g.replay, reps)
 
 
 def eager_ms(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return events_ms(fn, reps)
 
 
 def guarded(spec: str, fn):
