@@ -328,13 +328,15 @@ def test_drafting_on_the_engine_thread_is_priced_for_every_session_of_the_step(p
 
 def test_the_step_cost_fit_leaves_out_drafting_on_the_engine_thread(pair):
     """The K choice prices a serial pool's drafting itself (above); the step cost fit must not
-    count it again. A pool that takes 40 ms to draft each block on the engine's thread: the
-    walls the fit observes stay under it (on the old code every step's wall held the 40 ms)."""
+    count it again. A pool that takes 200 ms to draft each block on the engine's thread: the
+    walls the fit observes stay under it (on the old code every step's wall held the 200 ms;
+    a step of the test pair's own is a few ms, 45 ms once on a slow, loaded machine, which
+    had failed this test at 40 ms)."""
     import time
 
     class Slow(LocalDrafts):
         def _propose(self, *args, **kw) -> None:
-            time.sleep(0.04)
+            time.sleep(0.2)
             super()._propose(*args, **kw)
 
     loop = _loop(pair, {"small": Slow(pair[1])})
@@ -343,7 +345,7 @@ def test_the_step_cost_fit_leaves_out_drafting_on_the_engine_thread(pair):
     loop.speculation.observe_step = lambda rows, fed, wall_s: (walls.append(wall_s), observe(rows, fed, wall_s))
     _run(loop, [("s", PROMPTS[1], EnginePlan(GenerationParams(max_tokens=10, num_draft_tokens=2, seed=1),
                                              pool="small"))])
-    assert len(walls) >= 3 and max(walls) < 0.04, walls
+    assert len(walls) >= 3 and max(walls) < 0.2, walls
 
 
 def test_commits_are_contiguous_and_spell_the_output(pair):
