@@ -235,11 +235,10 @@ class StepClock:
     wall time."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
         self.t0 = time.perf_counter()
         self.t1 = self.t0
         self.events: tuple[Any, Any] | None = None
-        if self.cuda:
+        if device.type == "cuda":
             stream = torch.cuda.current_stream(device)
             self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self.events[0].record(stream)
