@@ -49,12 +49,15 @@ class StepRow:
     q: QProbs = None  # VERIFY: the block's draft distribution (None: one-hot)
     allowed: Any = None  # VERIFY: [len(drafts) + 1, V] bool, a constraint's legal tokens
     mask: Any = None  # VERIFY: [n, n] bool block mask over the new tokens (a token tree)
-    k: int = 0  # DRAFT: positions to draft
+    k: int = 0  # DRAFT: positions to draft; VERIFY with `head`: drafts the target's own head gives
     grammar: Any = None  # DRAFT: structured/grammar.py DraftGrammar (q masked to the constraint)
     features: bool = False  # VERIFY: hand out the target's features of the committed positions fed (ADR 0020)
     # VERIFY: the drafts form a token tree (algorithm/tree.py): each one's parent among them, or
     # -1 for the last committed token; None: a chain
     parents: list[int] | None = None
+    # VERIFY: the session drafts on the target's own EAGLE head, inside the step (ADR 0025): every
+    # row feeds the head its committed positions, and `k` drafts come from it (no `drafts`)
+    head: bool = False
 
     @classmethod
     def verify(cls, slot: Any, ids: Sequence[int], drafts: list[int], q: QProbs, sampling: SamplingParams,
@@ -87,6 +90,9 @@ class RowResult:
     # committed tokens and the accepted drafts)
     features: Any = None
     features_start: int = 0
+    # VERIFY rows of a session drafting on the target's own head (ADR 0025): the drafts the head
+    # gave this round (empty: it was not current, the row ran plain); None for other rows
+    drafted: list[int] | None = None
 
     @property
     def again(self) -> bool:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import secrets
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # (torch only where the device's uniforms are drawn: this module stays torch-free)
+    from torch import Tensor
 
 
 class Purpose(IntEnum):
@@ -76,3 +80,38 @@ def fresh_seed() -> int:
     """A random 63-bit seed for a request that did not give one (it is reported back)."""
     return secrets.randbits(63)
 
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch stores it (two's complement)."""
+    x &= MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_S_GOLDEN, _S_M1, _S_M2 = _signed(GOLDEN), _signed(M1), _signed(M2)
+
+
+def _shr(x: Tensor, n: int) -> Tensor:
+    """Logical right shift of an int64 tensor (torch's >> is arithmetic: the sign bit spreads)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix_t(x: Tensor) -> Tensor:
+    x = x ^ _shr(x, 30)
+    x = x * _S_M1  # int64 products wrap as uint64's do (two's complement), on every device
+    x = x ^ _shr(x, 27)
+    x = x * _S_M2
+    return x ^ _shr(x, 31)
+
+
+def uniform_on_device(seed: Tensor, positions: Tensor, purpose: Purpose) -> Tensor:
+    """`uniform` computed where `seed` and `positions` are (int64 tensors, broadcast
+    together): the same float64 numbers bit for bit, as a pure tensor function (no host read,
+    no branch on data), so a sampled verdict whose positions the device computed (a round
+    chained on the device, ADR 0025) can draw inside a CUDA graph. Seeds are the 64-bit
+    patterns `uniform` takes, stored as int64 (`_signed`)."""
+    tag = int(purpose)
+    h = _mix_t(seed + _S_GOLDEN)
+    h = _mix_t(h ^ (positions * _S_GOLDEN + tag))
+    h = _mix_t(h + _signed(tag * M1))
+    return _shr(h, 11).double() * (1.0 / 9007199254740992.0)

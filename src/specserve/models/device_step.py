@@ -45,6 +45,8 @@ from specserve.models.step_graphs import StepCounts, StepGraphs
 from specserve.models.step_inputs import StepInputs
 
 if TYPE_CHECKING:
+    from specserve.drafters.eagle import EagleHead
+    from specserve.models.head_step import DeviceHead
     from specserve.models.runner import ModelRunner, Row
 
 # a projection: F.linear, or the oneDNN-packed one (models/runner.py: onednn_linear)
@@ -169,6 +171,18 @@ class DeviceStep:
         if runner.feature_layers:
             self.keep_features()
         self.last: Bucket | None = None
+        # the target's own EAGLE head, run inside the step's rounds (ADR 0025; `enable_head`)
+        self.head: DeviceHead | None = None
+        self._head_rows = (False, False)  # the prepared step: (any row drafts on the head, any feeds it)
+
+    def enable_head(self, head: EagleHead) -> DeviceHead:
+        """Run `head` inside this step's rounds (models/head_step.py); the runner keeps the
+        head's feature layers. Graphs captured before are dropped (the features change them)."""
+        from specserve.models.head_step import DeviceHead
+
+        self.r.keep_features(head.cfg.feature_layers)
+        self.head = DeviceHead(self, head)
+        return self.head
 
     def _compile(self, how: bool | str) -> None:
         """torch.compile the run whole, or a layer's two pieces around attention ("pieces")."""
@@ -236,6 +250,7 @@ class DeviceStep:
         None: 0, 1, 2, ...). Token i still takes slot position start + i: the mask says who
         sees it. `chain`: per row, the chain positions it drafts (`run_chain`)."""
         self.inputs.write(rows, slots, starts, b, depths, chain)
+        self._head_rows = (any((r.head or 0) > 0 for r in rows), any(r.head is not None for r in rows))
         self._set_block_masks(masks)
         self.last = b
 
@@ -345,7 +360,11 @@ class DeviceStep:
 
     def launch(self, b: Bucket) -> None:
         """Run the prepared bucket: its graph's replay where graphs are on (captured now if
-        this is the bucket's first step), else `run` eagerly."""
+        this is the bucket's first step), else `run` eagerly. A step with rows of sessions
+        that draft on the target's own head runs as its round (`DeviceHead.launch`)."""
+        if self.head is not None and self._head_rows[1]:
+            self.head.launch(b, self._head_rows[0])
+            return
         self.step_graphs.launch(b, lambda: self._run(b))
 
     def launch_chain(self, b: Bucket, steps: int) -> None:

@@ -208,6 +208,10 @@ class Row:
     # KV still goes to slot position start + i; its rotary position is start + depths[i].
     mask: torch.Tensor | None = None
     depths: Sequence[int] | None = None
+    # a row of a session drafting on the target's own head (ADR 0025, models/head_step.py): the
+    # head drafts this many of the row's tokens after its first (the row holds placeholders
+    # there) and, where the row is judged, is fed its committed positions; None: not such a row
+    head: int | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

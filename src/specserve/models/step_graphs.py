@@ -52,6 +52,8 @@ class StepGraphs:
         self.counts = StepCounts()
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.chain_graphs: dict[tuple[Bucket, int], torch.cuda.CUDAGraph] = {}
+        # a step's variants by (variant, bucket): the rounds with the target's own head (ADR 0025)
+        self.variant_graphs: dict[tuple[tuple[object, ...], Bucket], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # the graphs' shared memory pool
 
     def launch(self, b: Bucket, run: Callable[[], object]) -> None:
@@ -77,6 +79,18 @@ class StepGraphs:
             run_chain()
             return
         self.counts.replayed += steps
+        graph.replay()
+
+    def launch_variant(self, variant: tuple[object, ...], b: Bucket, run: Callable[[], object]) -> None:
+        """A variant of the prepared bucket's step (a round with the target's own head, ADR
+        0025), replayed from its graph (one per variant and bucket) where graphs are on."""
+        self.counts.by_bucket[b] = self.counts.by_bucket.get(b, 0) + 1
+        graph = self._captured(self.variant_graphs, (variant, b), run) if self.on else None
+        if graph is None:
+            self.counts.eager += 1
+            run()
+            return
+        self.counts.replayed += 1
         graph.replay()
 
     def capture(self, buckets: Sequence[Bucket], budget_s: float, prepare: Callable[[Bucket], object],
@@ -123,7 +137,7 @@ class StepGraphs:
 
     def _full(self) -> bool:
         """`max_graphs` bounds the graphs of both kinds together (their memory is one pool's)."""
-        return len(self.graphs) + len(self.chain_graphs) >= self.max_graphs
+        return len(self.graphs) + len(self.chain_graphs) + len(self.variant_graphs) >= self.max_graphs
 
     def _timed_capture(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()

@@ -36,8 +36,9 @@ class StepInputs:
         t, r = max_rows * max_width, max_rows
         # pos: a token's rotary position; at: the slot position its KV goes to (start + i: they
         # differ in a token tree, whose tokens sit in order but rotate by depth)
+        # hdraft, hfeed: a row's drafts by the target's own head and whether it feeds the head (ADR 0025)
         sizes = {"ids": t, "pos": t, "at": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t,
-                 "ndraft": r, "kleft": r}
+                 "ndraft": r, "kleft": r, "hdraft": r, "hfeed": r}
         self.offsets: dict[str, int] = {}
         at = 0
         for name, n in sizes.items():
@@ -83,6 +84,8 @@ class StepInputs:
         start = np.zeros(b.rows, dtype=np.int64)
         jpos = np.repeat(np.arange(b.rows) * w, w)  # [R * W]
         ndraft = np.zeros(b.rows, dtype=np.int64)
+        hdraft = np.zeros(b.rows, dtype=np.int64)
+        hfeed = np.zeros(b.rows, dtype=np.int64)
         on_device: list[tuple[int, torch.Tensor]] = []
         for i, (row, slot, st) in enumerate(zip(rows, slots, starts, strict=True)):
             n, base = len(row.tokens), i * w
@@ -100,13 +103,15 @@ class StepInputs:
             first = base + n - max(c, 1)
             jpos[base:base + w] = first + np.minimum(lane, max(c, 1) - 1)
             ndraft[i] = max(c - 1, 0)
+            if row.head is not None:  # the head's drafts fill the row's lanes after the first; judged rows feed it
+                hdraft[i], hfeed[i] = min(row.head, max(c - 1, 0)), int(c > 0)
         pos = at.copy()
         for i, (row, st) in enumerate(zip(rows, starts, strict=True)):
             if depths is not None and depths[i] is not None:
                 pos[i * w:i * w + len(row.tokens)] = st + np.asarray(depths[i], dtype=np.int64)
         dst = np.asarray([base + j for base, t in on_device for j in range(t.shape[0])], dtype=np.int64)
         fields = {"ids": ids, "pos": pos, "at": at, "wslot": wslot, "dst": dst, "rslot": rslot, "start": start,
-                  "jpos": jpos, "ndraft": ndraft}
+                  "jpos": jpos, "ndraft": ndraft, "hdraft": hdraft, "hfeed": hfeed}
         if chain is not None:
             fields["kleft"] = np.asarray(list(chain), dtype=np.int64)
         return fields, [t for _, t in on_device]

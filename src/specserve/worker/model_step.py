@@ -66,6 +66,7 @@ from specserve.models.verifier import (
 )
 from specserve.step import Kind, RowResult, Step, StepResult, StepRow
 from specserve.structured.grammar import propose_constrained
+from specserve.worker.head_rounds import ChainedRounds, HeadRows, device_drafts
 
 
 @dataclass
@@ -277,6 +278,28 @@ class BatchedTarget(_RunnerSessions):
         # between consecutive taken lookahead steps: the device's idle ms (`StepClock.gap_to`)
         self.gaps_ms: deque[float] = deque(maxlen=4096)
         self._last_clock: StepClock | None = None
+        self.heads: HeadRows | None = None  # the target's own EAGLE head (ADR 0025; `enable_head`)
+        self._rows: list[Row] = []  # the last step's forward rows
+        self._drafted: dict[int, list[int]] = {}  # the last step's head drafts, by forward row
+        self.rounds: ChainedRounds | None = None  # its rounds chained on the device, with the lookahead
+
+    def enable_head(self, head: Any) -> None:
+        """Draft on `head` (an EagleHead for this target) inside the device step's rounds, for
+        rows marked `StepRow.head` (ADR 0025); with the lookahead on, their rounds chain on the
+        device. Needs the device step."""
+        self.heads = HeadRows(self.runner, head)
+        self.rounds = ChainedRounds(self) if self.lookahead else None
+
+    def open(self, session_id: str) -> Any:
+        handle = super().open(session_id)
+        if self.heads is not None:
+            self.heads.opened(handle)
+        return handle
+
+    def close(self, handle: Any) -> None:
+        if self.heads is not None:
+            self.heads.closed(handle)
+        super().close(handle)
 
     def step(self, step: Step) -> StepResult:
         """Every VERIFY row (a prefill chunk, a plain row, a verify row) in one forward, then
@@ -290,6 +313,10 @@ class BatchedTarget(_RunnerSessions):
                 self.ahead_counts["hit"] += 1
                 return taken
             self.ahead_counts["missed"] += 1  # (its KV position is UNKNOWN: reconciling drops it)
+        if self.rounds is not None and self.rounds.ahead is not None:
+            chained = self.rounds.take(step)
+            if chained is not None:
+                return chained
         self._last_clock = None  # (the step below runs between: no gap to the next)
         out = self._step(step)
         if self.lookahead and self._plain_only(step) and all(r.verdict is not None for r in out.rows) \
@@ -297,6 +324,8 @@ class BatchedTarget(_RunnerSessions):
             self._launch_ahead([job.slot for job in step.rows], [len(job.ids) for job in step.rows],
                                [r.verdict.tokens[-1] for r in out.rows if r.verdict is not None],
                                list(range(len(step.rows))))
+        elif self.rounds is not None and any(job.head for job in step.rows):
+            self.rounds.launch(step, self._rows, out.rows)
         return out
 
     @staticmethod
@@ -305,7 +334,7 @@ class BatchedTarget(_RunnerSessions):
         banned tokens, constraint, tree or features): what a lookahead can run."""
         return bool(step.rows) and all(
             j.kind is Kind.VERIFY and not j.drafts and j.sampling.greedy and not j.sampling.banned_token_ids
-            and j.allowed is None and j.parents is None and not j.features for j in step.rows)
+            and j.allowed is None and j.parents is None and not j.features and not j.head for j in step.rows)
 
     def _launch_ahead(self, slots: list[Any], lengths: list[int], tokens: list[int] | None,
                       picks_at: list[int]) -> None:
@@ -400,7 +429,9 @@ class BatchedTarget(_RunnerSessions):
                 continue
             start = self.runner.length(job.slot)
             tail = len(feed)
-            if last and job.parents is not None:  # a token tree: its block mask, positions by depth
+            if job.head and self.heads is not None:  # its drafts from the target's own head (ADR 0025)
+                row = self.heads.row(job, feed, last, start)
+            elif last and job.parents is not None:  # a token tree: its block mask, positions by depth
                 row = _tree_row(job.slot, feed, job.drafts, Tree(tuple(job.parents)))
             else:
                 if last:
@@ -409,6 +440,7 @@ class BatchedTarget(_RunnerSessions):
             rows.append(row)
             results[i].fed = len(row.tokens)
             live.append((i, job, last, dropped, start, tail))
+        self._rows = rows
         logits = self.runner.forward(rows)  # on the runner's device: judged there, one copy back
         feats = self.runner.last_features
         keeping = bool(self.runner.feature_layers)  # (features only once asked for: keep_features)
@@ -416,6 +448,8 @@ class BatchedTarget(_RunnerSessions):
         for r, ((i, job, last, dropped, start, _), lg) in enumerate(zip(live, logits, strict=True)):
             if not last:
                 results[i] = RowResult.later(results[i].fed)
+                if job.head and self.heads is not None:  # a prompt chunk: the head fed its positions
+                    self.heads.fed(job, start, results[i].fed, None, False, feats[r])
                 if job.features and keeping:  # a chunk of the prompt: every token fed is committed
                     results[i].features, results[i].features_start = feats[r].clone(), start
             else:
@@ -424,6 +458,8 @@ class BatchedTarget(_RunnerSessions):
         for (i, job, _, dropped, r), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
             start, tail = live[r][4], live[r][5]
+            if job.head and self.heads is not None:
+                self._head_settled(job, rows[r], results[i], verdict, start, tail, r, feats)
             path = paths.get(r)
             if path is not None:  # a tree's accepted path, compacted to follow the prefix
                 self.runner.kv.move(job.slot, [start + tail + n for n in path],
@@ -440,6 +476,18 @@ class BatchedTarget(_RunnerSessions):
                     results[i].features = feats[r][:committed].clone()
                 results[i].features_start = start
         return StepResult(results)
+
+    def _head_settled(self, job: StepRow, row: Row, result: RowResult, verdict: Verdict, start: int, tail: int,
+                      r: int, feats: list) -> None:
+        """A head row judged: the head's drafts named in the KV's record (they were placeholders)
+        and reported, and the head fed what the verdict committed (ADR 0025)."""
+        drafted = self._drafted.get(r, []) if row.head else []
+        if drafted:
+            self.runner.kv.settle(job.slot, start + tail, drafted)
+        result.drafted = drafted
+        assert self.heads is not None
+        in_round = r in self.runner.fixed_rows and (row.num_logits or 0) > 0
+        self.heads.fed(job, start, len(row.tokens), verdict, in_round, feats[r] if feats else None)
 
     def keep_features(self, layers) -> None:
         """Hand out these decoder layers' outputs with VERIFY rows that ask (ADR 0020)."""
@@ -461,10 +509,16 @@ class BatchedTarget(_RunnerSessions):
         taken = set(fast) | set(trees)
         slow = [k for k in range(len(judged)) if k not in taken]
         parts: list[torch.Tensor] = []
+        self._drafted = {}
+        heads = [k for k in fast if (self._rows[judged[k][4]].head or 0) > 0]
         if fast and ds is not None:
             at = [fixed[judged[k][4]] for k in fast]
-            parts.append(ds.verdicts[:len(at)] if at == list(range(len(at)))
-                         else ds.verdicts.index_select(0, to_device(at, ds.device)))
+            done = ds.verdicts
+            if heads and ds.last is not None:  # the head's drafts, read with the verdicts (ADR 0025)
+                drafts = device_drafts(ds.field("ids", ds.last.tokens), ds.last.width)
+                done = torch.cat([done[:ds.last.rows], drafts.double()], 1)
+            parts.append(done[:len(at)] if at == list(range(len(at)))
+                         else done.index_select(0, to_device(at, ds.device)))
         slow_rows = [JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed)
                      for _, j, lg, _, _ in (judged[k] for k in slow)]
         if slow_rows:
@@ -484,8 +538,12 @@ class BatchedTarget(_RunnerSessions):
         if fast:
             rows_f = host_all[at_row:at_row + len(fast)].tolist()
             at_row += len(fast)
-            for k, v in zip(fast, verdicts_from_host([h[:2] for h in rows_f], [judged[k][1].drafts for k in fast],
-                                                     False), strict=True):
+            for k in heads:
+                r = judged[k][4]
+                self._drafted[r] = [int(x) for x in rows_f[fast.index(k)][2:2 + (self._rows[r].head or 0)]]
+            for k, v in zip(fast, verdicts_from_host([h[:2] for h in rows_f],
+                                                     [self._drafted.get(judged[k][4], judged[k][1].drafts)
+                                                      for k in fast], False), strict=True):
                 out[k] = v
         if slow_rows:
             rows_s = host_all[at_row:at_row + len(slow_rows)].tolist()

@@ -1,0 +1,281 @@
+"""The host's side of the target's own EAGLE head (ADR 0025; the device's side is
+models/head_step.py): which sessions' heads are current, the rows that draft on it, the
+eager feeds of long prefill chunks, the drafts read back with the verdicts, and the rounds
+chained on the device with the host one round behind (`ChainedRounds`).
+
+A session of the `eagle-local` pool whose rows the device step judges (greedy, no banned
+tokens, no constraint) sends rows marked `StepRow.head`: every row feeds the head its
+committed positions (inside the round where the device step judged the row, here for the
+rest), and a row asking for K drafts (`StepRow.k`) gets them from the head inside the same
+run, where the head is current (true through the committed length - 2, `HeadRows.through`);
+else the row runs plain, and says so (`RowResult.drafted` empty).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specserve.algorithm.rejection import Verdict
+from specserve.models.kv_slots import common_prefix
+from specserve.models.runner import Row
+from specserve.step import RowResult, Step, StepResult, StepRow
+
+if TYPE_CHECKING:
+    from specserve.drafters.eagle import EagleHead
+    from specserve.models.runner import ModelRunner
+    from specserve.models.step_buckets import Bucket
+
+log = logging.getLogger(__name__)
+
+
+class HeadRows:
+    """The head's host mirror and the rows and feeds that keep it current."""
+
+    def __init__(self, runner: ModelRunner, head: EagleHead) -> None:
+        ds = runner.device_step
+        if ds is None:
+            raise ValueError("the target's own head runs inside the device step: enable it first "
+                             "(cuda_graphs on CUDA, or Batching.fixed_step)")
+        self.runner = runner
+        self.device = ds.enable_head(head)
+        self.through: dict[int, int] = {}  # by KV slot: the head is true through this position (-1: none)
+
+    def opened(self, handle: Any) -> None:
+        self.through[self.runner.kv.slot(handle)] = -1
+
+    def closed(self, handle: Any) -> None:
+        slot = self.runner.kv.slot_of.get(handle)
+        if slot is not None:
+            self.through.pop(slot, None)
+
+    def drafts_now(self, job: StepRow, start: int, last: bool) -> int:
+        """The drafts the head gives this row now: the row's K where the head is current for
+        it (its row feeds the last committed token alone, the head is true through the
+        position before it, and the drafts fit the device step's widest row), else 0."""
+        ds = self.runner.device_step
+        if not (last and job.k > 0 and ds is not None and start == len(job.ids) - 1 and 1 + job.k <= ds.max_width):
+            return 0
+        return job.k if self.through.get(self.runner.kv.slot(job.slot), -1) == start - 1 else 0
+
+    def row(self, job: StepRow, feed: list[int], last: bool, start: int) -> Row:
+        """The forward's row for a head session's step row: the head's drafts as placeholders
+        after the fed tokens (the round writes them), judged where it is the prompt's end."""
+        k = self.drafts_now(job, start, last)
+        return Row(job.slot, feed + [0] * k, num_logits=k + 1 if last else 0, head=k)
+
+    def fed(self, job: StepRow, start: int, fed: int, verdict: Verdict | None, in_round: bool,
+            feats: torch.Tensor | None) -> None:
+        """After the step: the head fed this row's committed positions (`in_round`: inside the
+        device step's round, which judged it; else here, eagerly, from the row's features) and
+        the mirror moved to the committed length - 2 (a prompt chunk not judged: its last
+        position fed)."""
+        slot = self.runner.kv.slot(job.slot)
+        full = list(job.ids) + (verdict.tokens if verdict is not None else [])
+        end = len(full) - 2 if verdict is not None else start + fed - 1  # the last position fed
+        if start > self.through.get(slot, -1) + 1:  # a position the head never saw: it stays plain
+            log.warning("the target's head missed positions of a session (through %d, fed from %d): its rounds "
+                        "run plain", self.through.get(slot, -1), start)
+            self.through[slot] = -(1 << 30)
+            return
+        if not in_round and end >= start:
+            assert feats is not None
+            self.device.feed_eager(slot, start, feats[:end - start + 1], full[start + 1:end + 2])
+        self.through[slot] = end
+
+
+def device_drafts(judged_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """The drafts the head wrote into the step's token ids: lanes 1.. of each row [R, W - 1]."""
+    return judged_ids.view(-1, width)[:, 1:]
+
+
+@dataclass
+class _Round:
+    """A round launched ahead (`ChainedRounds`): its rows' sessions in the device step's order,
+    each one's committed length and head drafts when it was launched from, the round before's
+    tokens (None until that round is read), and its verdicts' copy."""
+
+    slots: list[Any]
+    ks: list[int]
+    base: list[int]  # each row's committed length the round before started from
+    before: list[list[int]] | None  # the round before's emitted tokens, per row
+    host: torch.Tensor  # [R, 2 + W - 1] float64: accepted, final token, the head's drafts
+    done: Any
+    bucket: Bucket
+    clock: Any = None
+
+
+class ChainedRounds:
+    """Rounds chained on the device (ADR 0025): after a step of head rows and plain greedy
+    rows that all ran in the device step, the next round of the same rows is launched before
+    the host reads this one (`launch`); the next call takes it where it asks for exactly that
+    round (`take`), launching the one after first. Counts: rounds taken and thrown away."""
+
+    def __init__(self, target: Any) -> None:
+        self.t = target  # the BatchedTarget (its runner, heads, snapshot and clock)
+        self.ahead: _Round | None = None
+        self.counts = {"taken": 0, "thrown": 0}
+
+    @staticmethod
+    def chainable(step: Step, rows: Sequence[Row]) -> bool:
+        """Rows a round can be chained from: each a head row or a plain greedy row without
+        host drafts, banned tokens, a constraint or a tree, feeding one committed token (its
+        drafts after it); `rows` the forward's."""
+        return bool(step.rows) and len(rows) == len(step.rows) and all(
+            j.sampling.greedy and not j.sampling.banned_token_ids and j.allowed is None and j.parents is None
+            and not j.drafts and not j.features and len(r.tokens) == 1 + (r.head or 0)
+            for j, r in zip(step.rows, rows, strict=True))
+
+    def launch(self, step: Step, rows: Sequence[Row], results: Sequence[RowResult]) -> None:
+        """After a synchronous step: the next round of the same rows, where every row ran in
+        the device step and fits another round."""
+        t, kv = self.t, self.t.runner.kv
+        ds = t.runner.device_step
+        if ds is None or len(t.runner.fixed_rows) != len(rows) or not self.chainable(step, rows):
+            return
+        if any(r.verdict is None for r in results):
+            return
+        starts = [kv.length(j.slot) for j in step.rows]
+        nxt = [Row(j.slot, [0] * len(r.tokens), num_logits=len(r.tokens), head=r.head)
+               for j, r in zip(step.rows, rows, strict=True)]
+        bucket = ds.bucket_for(nxt, starts)
+        if bucket is None or bucket.rows != ds.last.rows or bucket.width != ds.last.width:  # type: ignore[union-attr]
+            return
+        try:
+            for j, r in zip(step.rows, rows, strict=True):
+                kv.check_room(j.slot, len(r.tokens))
+        except Exception:
+            return
+        for j, r in zip(step.rows, rows, strict=True):
+            kv.append(j.slot, torch.empty(len(r.tokens)))  # UNKNOWN until read
+        before = [list(res.verdict.tokens) for res in results]  # type: ignore[union-attr]
+        self.ahead = self._launch(bucket, [j.slot for j in step.rows], [r.head or 0 for r in rows],
+                                  [len(j.ids) for j in step.rows], before)
+
+    def _launch(self, bucket: Bucket, slots: list[Any], ks: list[int], base: list[int],
+                before: list[list[int]] | None) -> _Round:
+        from specserve.worker.model_step import StepClock, snapshot
+
+        ds = self.t.runner.device_step
+        assert ds is not None and ds.head is not None
+        clock = StepClock(ds.device)
+        ds.head.launch(bucket, True, chained=True)
+        clock.stop()
+        ds.last = bucket
+        packed = torch.cat([ds.verdicts[:bucket.rows],
+                            device_drafts(ds.field("ids", bucket.tokens), bucket.width).double()], 1)
+        host, done = snapshot(packed)
+        return _Round(slots, ks, base, before, host, done, bucket, clock)
+
+    def take(self, step: Step) -> StepResult | None:
+        """This step's results from the round launched ahead, where the step asks for exactly
+        that round: its sessions (in any order), each with the committed tokens the device
+        assumed (the round before's, read now) and the same head drafts, in the bucket a
+        synchronous step would run. The round after is launched before this one is read.
+        Else None: the round is thrown away (its positions are UNKNOWN on the host, and the
+        head's writes sit past the committed ones) and the caller runs the step."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        order = self._order(ahead, step)
+        if order is None:
+            self.counts["thrown"] += 1
+            return None
+        self.counts["taken"] += 1
+        kv = self.t.runner.kv
+        by_row = {i: j for i, j in zip(order, step.rows, strict=True)}  # the device's row i -> its step row
+        # the round after, before this one is read: the bucket's span for the most the rows can
+        # have grown (every draft accepted), the slots' room for that
+        nxt = self._room_after(ahead, [len(by_row[i].ids) - 1 for i in range(len(order))])
+        if nxt is not None:
+            self.ahead = self._launch(nxt, ahead.slots, ahead.ks, [len(by_row[i].ids) for i in range(len(order))],
+                                      None)
+        packed = _read(ahead)
+        results = [self._settled(j, ahead.ks[i], packed[i]) for j, i in zip(step.rows, order, strict=True)]
+        if self.ahead is not None:  # the round after: its rows' positions, now that this one's are known
+            self.ahead.before = [list(results[order.index(i)].verdict.tokens)  # type: ignore[union-attr]
+                                 for i in range(len(order))]
+            for i, k in enumerate(ahead.ks):
+                kv.append(by_row[i].slot, torch.empty(1 + k))  # UNKNOWN until read
+        return StepResult(results, device_ms=ahead.clock.ms() if ahead.clock is not None else None)
+
+    def _settled(self, job: StepRow, k: int, packed: Sequence[float]) -> RowResult:
+        """A row of a round read back: its verdict, the head's drafts named in the KV's record,
+        the rejected ones dropped, the head's mirror moved."""
+        kv = self.t.runner.kv
+        start = len(job.ids) - 1
+        a, final = int(packed[0]), int(packed[1])
+        drafts = [int(x) for x in packed[2:2 + k]]
+        kv.settle(job.slot, start, [job.ids[-1]] + drafts)
+        kv.rollback(job.slot, start + 1 + a)
+        self.t.heads.through[kv.slot(job.slot)] = start + a
+        res = RowResult(fed=1 + k)
+        res.verdict, res.cached_len, res.rolled_back = Verdict(a, drafts[:a] + [final], a if a < k else None), \
+            start + 1 + a, k - a
+        res.drafted = drafts if job.head else None
+        return res
+
+    def _order(self, ahead: _Round, step: Step) -> list[int] | None:
+        """Each step row's row in the round launched ahead, where the step asks for exactly it."""
+        if len(step.rows) != len(ahead.slots) or ahead.before is None:
+            return None
+        where = {h: i for i, h in enumerate(ahead.slots)}
+        if len(where) != len(ahead.slots) or len({j.slot for j in step.rows}) != len(step.rows):
+            return None
+        order = []
+        for j in step.rows:
+            i = where.get(j.slot)
+            if i is None or not self._asks_for(j, ahead, i):
+                return None
+            order.append(i)
+        ds = self.t.runner.device_step
+        rows = [Row(j.slot, [0] * (1 + ahead.ks[i]), num_logits=1 + ahead.ks[i])
+                for j, i in zip(step.rows, order, strict=True)]
+        if ds is None or ds.bucket_for(rows, [len(j.ids) - 1 for j in step.rows]) != ahead.bucket:
+            return None  # (a row's bits follow its bucket: the step would run in another)
+        return order
+
+    def _asks_for(self, j: StepRow, ahead: _Round, i: int) -> bool:
+        """Whether step row `j` asks for exactly the device's row i of the round launched ahead."""
+        if not j.sampling.greedy or j.sampling.banned_token_ids or j.allowed is not None or j.parents is not None \
+                or j.drafts or j.features:
+            return False
+        k, before = ahead.ks[i], ahead.before[i]  # type: ignore[index]
+        if (k > 0 and not j.head) or (j.head and j.k != k) or len(j.ids) != ahead.base[i] + len(before) \
+                or list(j.ids[ahead.base[i]:]) != before:
+            return False
+        kv = self.t.runner.kv
+        slot = kv.slot_of.get(j.slot)
+        if slot is None:
+            return False
+        start = len(j.ids) - 1
+        if len(kv.ids[slot]) != start + 1 + k or common_prefix(kv.ids[slot], j.ids) < start:
+            return False
+        return not k or self.t.heads.through.get(slot, -1) == start - 1
+
+    def _room_after(self, ahead: _Round, starts: list[int]) -> Bucket | None:
+        """The bucket of the round after this one (rows in the device's order, this round's
+        starts), for the most the rows can have grown, or None where a slot has no room for
+        it (the next step finds out, synchronously)."""
+        ds = self.t.runner.device_step
+        assert ds is not None
+        w = ahead.bucket.width
+        furthest = [st + w for st in starts]  # this round accepts at most K: the next starts by then
+        rows = [Row(h, [0] * w, num_logits=w) for h in ahead.slots]
+        if any(f + w > self.t.runner.kv.max_len for f in furthest):
+            return None
+        b = ds.bucket_for(rows, furthest)
+        if b is None or b.rows != ahead.bucket.rows or b.width != w:
+            return None
+        return b
+
+
+def _read(r: _Round) -> list[list[float]]:
+    if r.done is not None:
+        r.done.synchronize()  # this round's copy only: the round after runs on
+    out: list[list[float]] = r.host.tolist()
+    return out
