@@ -197,8 +197,19 @@ class DraftPools:
         return s.plan.exact and not waited and not source.refused(s.id)
 
     def wants_features(self, s: EngineSession) -> bool:
-        """The pool drafts from the target's features (ADR 0020): its rows return them."""
-        return s.plan.pool in self.feature_pools
+        """The pool drafts from the target's features (ADR 0020): its rows return them (a pool
+        that says per session: where it drafts on the host)."""
+        if s.plan.pool not in self.feature_pools:
+            return False
+        per_session = getattr(self.sources[s.plan.pool or ""], "features_for", None)
+        return per_session is None or bool(per_session(s))
+
+    def on_device(self, s: EngineSession) -> bool:
+        """The session drafts on the target's own head, inside the step (ADR 0025): its rows
+        say so (`StepRow.head`)."""
+        source = self.sources.get(s.plan.pool or "")
+        decide = getattr(source, "on_device", None)
+        return decide is not None and bool(decide(s))
 
     def features(self, s: EngineSession, start: int, features: Any) -> None:
         """The target's features for a session's positions from `start`, to a pool that drafts from them."""

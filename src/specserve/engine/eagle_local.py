@@ -71,3 +71,42 @@ class EagleLocalDrafts(LocalDrafts):
         self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), tuple(tokens), q,
                                 draft_ms=(time.perf_counter() - t) * 1e3,
                                 parents=tuple(parents) if parents is not None else None))
+
+
+class _OnDevice:
+    """A session drafting on the target's own head: only its committed prefix is kept here."""
+
+    def __init__(self, session: EngineSession) -> None:
+        self.prefix = CommittedPrefix(session.committed.ids)
+
+
+class DeviceHeadDrafts(EagleLocalDrafts):
+    """`eagle-local` where the target runs the head inside its device step (ADR 0025,
+    `BatchedTarget.enable_head`): a session whose rows the device step judges (greedy, no
+    banned tokens, no constraint) drafts there, inside the round that verifies the drafts;
+    its block here is K placeholders (`DraftBlock.on_device`), delivered at once. Other
+    sessions draft on the host's head as `EagleLocalDrafts` does, from the features."""
+
+    @staticmethod
+    def on_device(session: EngineSession) -> bool:
+        sampling = session.plan.params.sampling
+        return sampling.greedy and not sampling.banned_token_ids and session.plan.constraint is None
+
+    def features_for(self, session: EngineSession) -> bool:
+        return not self.on_device(session)
+
+    def open(self, session: EngineSession) -> None:
+        if not self.on_device(session):
+            super().open(session)
+            return
+        local = self.sessions[session.id] = _OnDevice(session)  # type: ignore[assignment]
+        self._propose(session.id, local, session.k_next)  # type: ignore[arg-type]
+
+    def _propose(self, session_id: str, s: Any, k: int, width: int = 1) -> None:
+        if not isinstance(s, _OnDevice):
+            super()._propose(session_id, s, k, width)
+            return
+        if k <= 0 or self.deliver is None:
+            return
+        n = len(s.prefix)
+        self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), (0,) * k, on_device=True))

@@ -210,7 +210,7 @@ class EngineLoop:
         if plan is None:
             self._notify_ended()  # cancelled from the inbox
             return None
-        rows = [step_row(r, self.pools.wants_features(r.session)) for r in plan.rows]
+        rows = [step_row(r, self.pools.wants_features(r.session), self.pools.on_device(r.session)) for r in plan.rows]
         self.mask_ms = sum(ms for _, ms in rows)
         step = Step([row for row, _ in rows])
         t1 = time.perf_counter()
@@ -328,6 +328,8 @@ class EngineLoop:
             return s, None
         verdict = result.verdict
         assert verdict is not None
+        if row.block is not None and row.block.on_device:  # the drafts the target's head gave (ADR 0025)
+            row = replace(row, block=replace(row.block, tokens=tuple(result.drafted)) if result.drafted else None)
         s.cached = result.cached_len
         k_asked = s.k_next
         settled = commit_round(s, verdict, commits)
@@ -401,10 +403,11 @@ class EngineLoop:
             self.ended.pop(next(iter(self.ended)))
 
 
-def step_row(row: Row, features: bool) -> tuple[StepRow, float]:
+def step_row(row: Row, features: bool, head: bool = False) -> tuple[StepRow, float]:
     """The model step's row for a scheduled row: its drafts (a chain clipped to the
     session's K, or a tree), under the grammar's masks where the session has one; and the
-    masks' host time (ms). `features`: the row returns the target's features (ADR 0020)."""
+    masks' host time (ms). `features`: the row returns the target's features (ADR 0020);
+    `head`: the session drafts on the target's own head (ADR 0025): K drafts from it, none here."""
     s = row.session
     p = s.plan.params
     parents = None
@@ -430,6 +433,8 @@ def step_row(row: Row, features: bool) -> tuple[StepRow, float]:
     mask_ms = (time.perf_counter() - t0) * 1e3 if s.grammar is not None else 0.0
     out = StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed, features=features)
     out.parents = parents
+    if head:
+        out.head, out.k, out.drafts = True, len(drafts), []
     return out, mask_ms
 
 

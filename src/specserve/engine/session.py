@@ -107,6 +107,9 @@ class DraftBlock:
     # committed token; None: a chain. A tree's q: None where its candidates were chosen without
     # draws (one-hot), else each node's q row (a sampled tree drawn from q, algorithm/tree.py)
     parents: tuple[int, ...] | None = None
+    # drafted on the target's device inside the round that verifies it (the target's own head,
+    # ADR 0025): `tokens` are K placeholders, and the round's result names the drafts
+    on_device: bool = False
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,11 @@ class ChainedRounds:
         self.t = target  # the BatchedTarget (its runner, heads, snapshot and clock)
         self.ahead: _Round | None = None
         self.counts = {"taken": 0, "thrown": 0}
+        # why rounds were thrown away: "ended" (a session it ran is not in the step: it finished,
+        # was cancelled or its row is held), "joined" (the step has a session it did not run),
+        # "changed" (a row asks for something else: drafts of its own, another K, sampling, a
+        # grammar, other tokens), "bucket" (the step would run in another bucket)
+        self.thrown_by: dict[str, int] = {}
 
     @staticmethod
     def chainable(step: Step, rows: Sequence[Row]) -> bool:
@@ -182,8 +187,9 @@ class ChainedRounds:
         if ahead is None:
             return None
         order = self._order(ahead, step)
-        if order is None:
+        if isinstance(order, str):
             self.counts["thrown"] += 1
+            self.thrown_by[order] = self.thrown_by.get(order, 0) + 1
             return None
         self.counts["taken"] += 1
         kv = self.t.runner.kv
@@ -219,24 +225,25 @@ class ChainedRounds:
         res.drafted = drafts if job.head else None
         return res
 
-    def _order(self, ahead: _Round, step: Step) -> list[int] | None:
-        """Each step row's row in the round launched ahead, where the step asks for exactly it."""
-        if len(step.rows) != len(ahead.slots) or ahead.before is None:
-            return None
+    def _order(self, ahead: _Round, step: Step) -> list[int] | str:
+        """Each step row's row in the round launched ahead, where the step asks for exactly it;
+        else why not (`thrown_by`)."""
         where = {h: i for i, h in enumerate(ahead.slots)}
-        if len(where) != len(ahead.slots) or len({j.slot for j in step.rows}) != len(step.rows):
-            return None
-        order = []
-        for j in step.rows:
-            i = where.get(j.slot)
-            if i is None or not self._asks_for(j, ahead, i):
-                return None
-            order.append(i)
+        mine = {j.slot for j in step.rows}
+        if any(j.slot not in where for j in step.rows):
+            return "joined"
+        if len(mine) != len(step.rows) or len(where) != len(ahead.slots) or ahead.before is None:
+            return "changed"
+        if len(step.rows) != len(ahead.slots):
+            return "ended"
+        order = [where[j.slot] for j in step.rows]
+        if not all(self._asks_for(j, ahead, i) for j, i in zip(step.rows, order, strict=True)):
+            return "changed"
         ds = self.t.runner.device_step
         rows = [Row(j.slot, [0] * (1 + ahead.ks[i]), num_logits=1 + ahead.ks[i])
                 for j, i in zip(step.rows, order, strict=True)]
         if ds is None or ds.bucket_for(rows, [len(j.ids) - 1 for j in step.rows]) != ahead.bucket:
-            return None  # (a row's bits follow its bucket: the step would run in another)
+            return "bucket"  # (a row's bits follow its bucket: the step would run in another)
         return order
 
     def _asks_for(self, j: StepRow, ahead: _Round, i: int) -> bool:

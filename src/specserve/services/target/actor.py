@@ -219,11 +219,13 @@ def eagle_head_config(s: TargetSettings):
 
 def eagle_local(s: TargetSettings, engine, target):
     """The `local:eagle` pool: the head (`eagle_head`, or `eagle/` beside the target's model
-    directory) drafting on the engine's thread from the features the target's step hands out."""
+    directory) drafting on the engine's thread from the features the target's step hands out;
+    where the target runs the device step (CUDA graphs), inside it (ADR 0025) for the sessions
+    it judges there."""
     from pathlib import Path
 
     from specserve.drafters.eagle import TargetParts, load_head
-    from specserve.engine.eagle_local import EagleLocalDrafts
+    from specserve.engine.eagle_local import DeviceHeadDrafts, EagleLocalDrafts
 
     directory = Path(s.eagle_head) if s.eagle_head else Path(s.model).parent / "eagle"
     if not (directory / "config.json").exists():
@@ -234,7 +236,11 @@ def eagle_local(s: TargetSettings, engine, target):
         raise ValueError("a local:eagle pool needs the batched runner (the target's features): this target "
                          "runs on the per-session path")
     engine.keep_features(head.cfg.feature_layers)
-    return EagleLocalDrafts(head, TargetParts(target.model, head.cfg.feature_layers))
+    parts = TargetParts(target.model, head.cfg.feature_layers)
+    if getattr(engine, "runner", None) is not None and engine.runner.device_step is not None:
+        engine.enable_head(head)  # the head's rounds in the device step, chained where the lookahead is on
+        return DeviceHeadDrafts(head, parts)
+    return EagleLocalDrafts(head, parts)
 
 
 def _exit_for_a_restart(exc: BaseException) -> None:

@@ -1,0 +1,267 @@
+"""Speculative rounds on the device (ADR 0025): the target's own EAGLE head inside the device
+step's round (its drafts, the verify, the verdict and the head fed the accepted features, in
+one run), and rounds chained on the device with the host one round behind.
+
+1. The device's uniforms equal the host's counter-based stream bit for bit.
+2. The head on the device drafts exactly what the host's head (drafters/eagle.py) drafts for
+   the same committed prefix.
+3. Exactness: rounds drafted on the device, host-driven (synchronous) and chained, give the
+   target's own greedy tokens; through the engine loop, chained rounds give exactly the
+   host-driven rounds' tokens while every way a round launched ahead is thrown away happens
+   (a session's budget reached and a stop string inside a round, a cancel, a late block, a
+   sampled session joining), with the rounds taken and thrown away counted.
+4. The graph-safety audit on the fake CUDA device: over three chained rounds (advance, the
+   head's K positions, verify, verdict, the head's feed) the same ops on the same buffers, no
+   host copy or read; the same audit fails on the synchronous round (the host's drafts copied
+   in at every round).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fakedevice import OpTrace, audit_runs, fake_cuda, storages
+from test_device_audit import ARCHITECTURES
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+import specserve.device as device_module
+from specserve.algorithm.rng import Purpose, _signed, uniform, uniform_on_device
+from specserve.algorithm.stops import StopChecker
+from specserve.drafters.eagle import EagleConfig, EagleHead, EagleSession, TargetParts, load_head
+from specserve.drafters.ngram import NgramDrafter
+from specserve.engine.drafting import LocalDrafts
+from specserve.engine.eagle_local import DeviceHeadDrafts
+from specserve.engine.loop import EngineLoop
+from specserve.engine.session import EnginePlan
+from specserve.engine.speculation import SpeculationSettings
+from specserve.models.runner import ModelRunner, Row
+from specserve.models.step_buckets import Bucket
+from specserve.models.verifier import TargetModel
+from specserve.params import GenerationParams, SamplingParams
+from specserve.step import Step, StepRow
+from specserve.worker.model_step import BatchedTarget, Batching
+
+GREEDY = SamplingParams()
+PROMPTS = ["def parse(self, text):\n", "Extract the record as JSON. Name: Ann, age 3", "Hello, how are"]
+
+
+def test_the_devices_uniforms_are_the_host_stream_bit_for_bit():
+    rng = np.random.default_rng(0)
+    positions = rng.integers(0, 2**40, size=64).tolist() + [0, 1, 2**62]
+    for purpose in Purpose:
+        for seed in (0, 7, 2**63 - 1, 2**63, 2**64 - 1):
+            got = uniform_on_device(torch.tensor(_signed(seed)), torch.tensor(positions), purpose).numpy()
+            assert np.array_equal(got, uniform(seed, positions, purpose)), (seed, purpose)
+
+
+@pytest.fixture(scope="module")
+def head(demo_pair_dir) -> EagleHead:
+    return load_head(demo_pair_dir / "eagle")
+
+
+def _target(demo_pair, head: EagleHead, lookahead: bool) -> BatchedTarget:
+    t = BatchedTarget(TargetModel(demo_pair.target), Batching(kv_budget_mb=64, max_sessions=6, max_len=256,
+                                                              prefill_chunk=16, device="cpu", dtype="fp32",
+                                                              fixed_step=True, max_batch=6, lookahead=lookahead))
+    t.enable_head(head)
+    return t
+
+
+def _head_row(slot, ids: list[int], k: int) -> StepRow:
+    row = StepRow.verify(slot, ids, [], None, GREEDY, 0)
+    row.head, row.k = True, k
+    return row
+
+
+def _rounds(t: BatchedTarget, prompts: list[list[int]], n: int, k: int = 4) -> tuple[list[list[int]], list]:
+    """Every session's next n tokens, each round drafted on the target's head; and each
+    round's (drafted, accepted)."""
+    seqs = [[t.open(str(i)), list(p)] for i, p in enumerate(prompts)]
+    rounds = []
+    while live := [s for s, p in zip(seqs, prompts, strict=True) if len(s[1]) - len(p) < n]:
+        for s, res in zip(live, t.step(Step([_head_row(s[0], s[1], k) for s in live])).rows, strict=True):
+            assert res.error is None, res.error
+            if not res.again:
+                s[1] = s[1] + res.verdict.tokens
+                rounds.append((list(res.drafted or []), res.verdict.num_accepted))
+    return [s[1][len(p):len(p) + n] for s, p in zip(seqs, prompts, strict=True)], rounds
+
+
+def _plain(demo_pair, prompts: list[list[int]], n: int) -> list[list[int]]:
+    with torch.inference_mode():
+        return [demo_pair.target.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def test_the_head_on_the_device_drafts_what_the_hosts_head_drafts(demo_pair, head, one_thread):
+    t = _target(demo_pair, head, lookahead=False)
+    parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
+    ids, slot, compared = demo_pair.tokenizer.encode(PROMPTS[0]), None, 0
+    slot = t.open("s")
+    for _ in range(14):
+        res = t.step(Step([_head_row(slot, ids, 4)])).rows[0]
+        if res.drafted:
+            host = EagleSession(head, parts)
+            host.add_features(0, parts.features(torch.tensor([ids]))[0][0])
+            assert host.draft(ids, 4, GREEDY, 0)[0] == res.drafted
+            compared += 1
+        ids = ids + res.verdict.tokens
+    assert compared == 13  # every round after the prompt's (the head is current from then on)
+
+
+def test_rounds_drafted_on_the_device_give_the_targets_greedy_tokens(demo_pair, head, one_thread):
+    prompts = [demo_pair.tokenizer.encode(p) for p in PROMPTS]
+    want = _plain(demo_pair, prompts, 32)
+    sync, rounds = _rounds(_target(demo_pair, head, lookahead=False), prompts, 32)
+    chained_target = _target(demo_pair, head, lookahead=True)
+    chained, rounds_chained = _rounds(chained_target, prompts, 32)
+    assert sync == want and chained == want
+    assert rounds_chained == rounds  # the same drafts and verdicts, round for round
+    accepted = sum(a for d, a in rounds if d)
+    assert sum(1 for d, _ in rounds if d) >= 30 and accepted >= 30  # the head's drafts are accepted
+    counts = chained_target.rounds.counts
+    assert counts["taken"] >= 10 and counts["thrown"] <= 2, counts  # (sessions that end leave the round)
+
+
+class _LateEveryOther(LocalDrafts):
+    """An n-gram source whose block comes only every other round: the rounds between run
+    plain, their block late (the engine waits 0 s for it)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(NgramDrafter(vocab))
+        self.asked = 0
+
+    def _propose(self, session_id, local, k, width=1) -> None:
+        self.asked += 1
+        if self.asked % 2:
+            super()._propose(session_id, local, k, width)
+
+
+def _engine_run(demo_pair, head, lookahead: bool, stop: str) -> tuple[dict, BatchedTarget]:
+    t = _target(demo_pair, head, lookahead)
+    tok = demo_pair.tokenizer
+    eos = frozenset({tok.eos_token_id} if tok.eos_token_id is not None else ())
+    steps = []
+    loop = EngineLoop(t, lambda p: StopChecker(eos, p.stop, tok.decode),
+                      {"eagle": DeviceHeadDrafts(head, TargetParts(demo_pair.target, head.cfg.feature_layers)),
+                       "late": _LateEveryOther(t.runner.vocab_size)},
+                      speculation=SpeculationSettings(block_wait_max_s=0.0, gather=False), on_step=steps.append)
+
+    def plan(n: int, k: int = 4, **kw) -> EnginePlan:
+        pool = kw.pop("pool", "eagle")
+        return EnginePlan(GenerationParams(max_tokens=n, num_draft_tokens=k, seed=3, **kw), pool=pool)
+
+    p = [tok.encode(x) for x in PROMPTS]
+    loop.add("budget", p[0], plan(21))  # its budget ends inside a round
+    loop.add("stop", p[1], plan(40, stop=(stop,)))  # a stop string found inside a round
+    loop.add("cancel", p[2], plan(40, k=2))  # K 2 beside K 4; cancelled mid-generation
+    loop.add("plain", p[1], EnginePlan(GenerationParams(max_tokens=30, seed=3)))  # rides along
+    loop.add("long", p[2], plan(72))  # chained from start to end, beside the others
+    while loop._inbox or any(s.running for s in loop.sessions.values()):
+        loop.step()
+        if len(steps) == 10:
+            loop.cancel("cancel")
+        if len(steps) == 14:  # its block late every other round
+            loop.add("late", p[0], plan(24, pool="late"))
+        if len(steps) == 22:  # a sampled session joins: it drafts on the host's head
+            loop.add("sampled", p[2], plan(8, sampling=SamplingParams(temperature=0.8)))
+    ended = loop.ended
+    return {sid: (ended[sid].generated, ended[sid].finish_reason) for sid in ended}, t
+
+
+def test_chained_rounds_through_the_engine_equal_host_driven_rounds(demo_pair, head, one_thread):
+    """Every way a round launched ahead is thrown away happens here, and the tokens are
+    the host-driven rounds' (and the target's own greedy tokens)."""
+    tok = demo_pair.tokenizer
+    plain = _plain(demo_pair, [tok.encode(PROMPTS[1])], 40)[0]
+    stop = tok.decode(plain[14:17])  # inside the 4th or 5th round of 4 drafts
+    sync, _ = _engine_run(demo_pair, head, False, stop)
+    chained, t = _engine_run(demo_pair, head, True, stop)
+    assert chained["budget"] == sync["budget"] and len(sync["budget"][0]) == 21
+    assert chained["stop"] == sync["stop"] and sync["stop"][1] == "stop"
+    assert chained["late"] == sync["late"] and chained["plain"] == sync["plain"]
+    assert chained["long"] == sync["long"] == (_plain(demo_pair, [tok.encode(PROMPTS[2])], 72)[0], "length")
+    assert chained["sampled"] == sync["sampled"]  # (seeded: the same draws)
+    assert chained["cancel"][1] == sync["cancel"][1] == "cancelled"
+    assert plain[:len(sync["plain"][0])] == sync["plain"][0]
+    counts, why = t.rounds.counts, t.rounds.thrown_by
+    # thrown away where a session ended (its budget, its stop, the cancel), where a late block
+    # came (its row asks for its own drafts), and where the sampled session joined
+    assert why.get("ended", 0) >= 3 and why.get("changed", 0) >= 1 and why.get("joined", 0) >= 1, why
+    assert counts["taken"] >= 5 and counts["thrown"] == sum(why.values()), counts
+
+
+# ---- 4. the graph-safety audit ----------------------------------------------------------------
+
+
+def _fake_head_runner(arch: str, monkeypatch) -> tuple[ModelRunner, EagleHead]:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
+    monkeypatch.setattr(device_module, "_can_pin", lambda: True)
+    model = ARCHITECTURES[arch]().eval()
+    runner = ModelRunner.from_hf(model, max_sessions=8, max_len=64, device="cuda", dtype=torch.bfloat16, tile=None,
+                                 fuse_upto=0)
+    runner.enable_device_step(max_rows=4, graphs=False)
+    with unset_fake_temporarily():
+        head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    return runner, head
+
+
+def _head_rows(runner: ModelRunner) -> list[Row]:
+    """A prepared round of three head rows (K 4, 2, 3) over sessions of different lengths."""
+    for s, n in (("a", 5), ("b", 11), ("c", 17)):
+        runner.allocate(s)
+        runner.forward([Row(s, [(7 * n + i) % 200 for i in range(n)], num_logits=0)])
+    return [Row("a", [1, 0, 0, 0, 0], num_logits=5, head=4), Row("b", [2, 0, 0], num_logits=3, head=2),
+            Row("c", [3, 0, 0, 0], num_logits=4, head=3)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_chained_round_is_graph_safe_on_a_fake_cuda_device(arch, monkeypatch):
+    with fake_cuda() as (_, host_copies):
+        runner, eagle = _fake_head_runner(arch, monkeypatch)
+        ds = runner.device_step
+        head = ds.enable_head(eagle)
+        rows = _head_rows(runner)
+        starts = [runner.length(r.session) for r in rows]
+        b = ds.bucket_for(rows, starts)
+        ds.prepare(rows, [runner.kv.slot(r.session) for r in rows], starts, b)
+        assert b == Bucket(4, 5, 64)
+        host_copies.copies.clear()
+        host_copies.blocking_in.clear()
+        traces = []
+        for _ in range(3):  # three rounds, each from the verdicts the round before left on the device
+            with OpTrace() as t:
+                head.run_chained(b)
+            traces.append(t)
+        allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
+                           ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, head.__dict__)
+        assert audit_runs(traces, allowed) == []
+        assert host_copies.copies == [] and host_copies.blocking_in == []
+        n = len(traces[0].ops)
+        with OpTrace() as plain:
+            ds.run(b)
+        assert n > len(plain.ops) + 3 * 20  # the head's K positions and its feed are in the round
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_audit_fails_on_the_synchronous_round(arch, monkeypatch):
+    """The control: a round whose drafts the host made (as before ADR 0025) copies them in
+    at every round, so it cannot be replayed without the host between rounds."""
+    with fake_cuda():
+        runner, _ = _fake_head_runner(arch, monkeypatch)
+        ds = runner.device_step
+        rows = [Row(r.session, r.tokens, num_logits=r.num_logits) for r in _head_rows(runner)]
+        traces = []
+        for i in range(3):
+            drafted = [Row(r.session, [r.tokens[0]] + [(5 * i + j) % 200 for j in range(1, len(r.tokens))],
+                           num_logits=r.num_logits) for r in rows]
+            starts = [runner.length(r.session) for r in drafted]
+            with OpTrace() as t:
+                b = ds.bucket_for(drafted, starts)
+                ds.prepare(drafted, [runner.kv.slot(r.session) for r in drafted], starts, b)
+                ds.run(b)
+            traces.append(t)
+        problems = audit_runs(traces, storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at,
+                                               ds.causal, ds.within, ds.logits, ds.verdicts, ds.picks, ds.heads))
+        assert any("copies from the host" in p for p in problems), problems
