@@ -68,6 +68,16 @@ class HeadRows:
         k = self.drafts_now(job, start, last)
         return Row(job.slot, feed + [0] * k, num_logits=k + 1 if last else 0, head=k)
 
+    def settled(self, job: StepRow, row: Row, result: RowResult, verdict: Verdict, start: int, tail: int,
+                drafted: list[int], ran_fixed: bool, feats: torch.Tensor | None) -> None:
+        """A head row judged in a synchronous step: the head's drafts named in the KV's record
+        (they were placeholders there) and reported, and the head fed what the verdict
+        committed (inside the round where the device step ran and judged the row)."""
+        if drafted:
+            self.runner.kv.settle(job.slot, start + tail, drafted)
+        result.drafted = drafted
+        self.fed(job, start, len(row.tokens), verdict, ran_fixed and (row.num_logits or 0) > 0, feats)
+
     def fed(self, job: StepRow, start: int, fed: int, verdict: Verdict | None, in_round: bool,
             feats: torch.Tensor | None) -> None:
         """After the step: the head fed this row's committed positions (`in_round`: inside the
@@ -91,6 +101,19 @@ class HeadRows:
 def device_drafts(judged_ids: torch.Tensor, width: int) -> torch.Tensor:
     """The drafts the head wrote into the step's token ids: lanes 1.. of each row [R, W - 1]."""
     return judged_ids.view(-1, width)[:, 1:]
+
+
+def verdict_rows(ds: Any, at: list[int], drafts: bool) -> torch.Tensor:
+    """The device step's verdicts [n, 2] of its rows `at` (accepted, final token), each
+    followed by the head's drafts of its row where `drafts` (ADR 0025: read in the same copy)."""
+    from specserve.device import to_device
+
+    done = ds.verdicts
+    if drafts and ds.last is not None:
+        done = torch.cat([done[:ds.last.rows], device_drafts(ds.field("ids", ds.last.tokens), ds.last.width).double()],
+                         1)
+    out: torch.Tensor = done[:len(at)] if at == list(range(len(at))) else done.index_select(0, to_device(at, ds.device))
+    return out
 
 
 @dataclass

@@ -66,7 +66,7 @@ from specserve.models.verifier import (
 )
 from specserve.step import Kind, RowResult, Step, StepResult, StepRow
 from specserve.structured.grammar import propose_constrained
-from specserve.worker.head_rounds import ChainedRounds, HeadRows, device_drafts
+from specserve.worker.head_rounds import ChainedRounds, HeadRows, verdict_rows
 
 
 @dataclass
@@ -416,6 +416,14 @@ class BatchedTarget(_RunnerSessions):
             results.append(r)
         return StepResult(results, device_ms=device_ms)
 
+    def _row_of(self, job: StepRow, feed: list[int], last: bool, start: int) -> Row:
+        """The forward's row: the tokens to feed, then (at the prompt's end) the drafts."""
+        if job.head and self.heads is not None:  # its drafts from the target's own head (ADR 0025)
+            return self.heads.row(job, feed, last, start)
+        if last and job.parents is not None:  # a token tree: its block mask, positions by depth
+            return _tree_row(job.slot, feed, job.drafts, Tree(tuple(job.parents)))
+        return Row(job.slot, feed + job.drafts if last else feed, num_logits=len(job.drafts) + 1 if last else 0)
+
     def _step(self, step: Step) -> StepResult:
         results = [RowResult() for _ in step.rows]
         rows, live = [], []
@@ -429,14 +437,7 @@ class BatchedTarget(_RunnerSessions):
                 continue
             start = self.runner.length(job.slot)
             tail = len(feed)
-            if job.head and self.heads is not None:  # its drafts from the target's own head (ADR 0025)
-                row = self.heads.row(job, feed, last, start)
-            elif last and job.parents is not None:  # a token tree: its block mask, positions by depth
-                row = _tree_row(job.slot, feed, job.drafts, Tree(tuple(job.parents)))
-            else:
-                if last:
-                    feed = feed + job.drafts
-                row = Row(job.slot, feed, num_logits=len(job.drafts) + 1 if last else 0)
+            row = self._row_of(job, feed, last, start)
             rows.append(row)
             results[i].fed = len(row.tokens)
             live.append((i, job, last, dropped, start, tail))
@@ -458,8 +459,9 @@ class BatchedTarget(_RunnerSessions):
         for (i, job, _, dropped, r), verdict in zip(judged, verdicts, strict=True):
             keep = len(job.ids) + verdict.num_accepted
             start, tail = live[r][4], live[r][5]
-            if job.head and self.heads is not None:
-                self._head_settled(job, rows[r], results[i], verdict, start, tail, r, feats)
+            if job.head and self.heads is not None:  # its drafts named, the head fed (ADR 0025)
+                self.heads.settled(job, rows[r], results[i], verdict, start, tail,
+                                   self._drafted.get(r, []), r in self.runner.fixed_rows, feats[r] if feats else None)
             path = paths.get(r)
             if path is not None:  # a tree's accepted path, compacted to follow the prefix
                 self.runner.kv.move(job.slot, [start + tail + n for n in path],
@@ -477,22 +479,9 @@ class BatchedTarget(_RunnerSessions):
                 results[i].features_start = start
         return StepResult(results)
 
-    def _head_settled(self, job: StepRow, row: Row, result: RowResult, verdict: Verdict, start: int, tail: int,
-                      r: int, feats: list) -> None:
-        """A head row judged: the head's drafts named in the KV's record (they were placeholders)
-        and reported, and the head fed what the verdict committed (ADR 0025)."""
-        drafted = self._drafted.get(r, []) if row.head else []
-        if drafted:
-            self.runner.kv.settle(job.slot, start + tail, drafted)
-        result.drafted = drafted
-        assert self.heads is not None
-        in_round = r in self.runner.fixed_rows and (row.num_logits or 0) > 0
-        self.heads.fed(job, start, len(row.tokens), verdict, in_round, feats[r] if feats else None)
-
     def keep_features(self, layers) -> None:
         """Hand out these decoder layers' outputs with VERIFY rows that ask (ADR 0020)."""
         self.runner.keep_features(layers)
-
 
     def _judge(self, judged: list) -> tuple[list[Verdict], dict[int, list[int]]]:
         """The judged rows' verdicts in one copy to the host, and each tree row's accepted
@@ -509,16 +498,9 @@ class BatchedTarget(_RunnerSessions):
         taken = set(fast) | set(trees)
         slow = [k for k in range(len(judged)) if k not in taken]
         parts: list[torch.Tensor] = []
-        self._drafted = {}
-        heads = [k for k in fast if (self._rows[judged[k][4]].head or 0) > 0]
+        ks = [self._rows[judged[k][4]].head or 0 for k in fast]  # the head's drafts of each (ADR 0025)
         if fast and ds is not None:
-            at = [fixed[judged[k][4]] for k in fast]
-            done = ds.verdicts
-            if heads and ds.last is not None:  # the head's drafts, read with the verdicts (ADR 0025)
-                drafts = device_drafts(ds.field("ids", ds.last.tokens), ds.last.width)
-                done = torch.cat([done[:ds.last.rows], drafts.double()], 1)
-            parts.append(done[:len(at)] if at == list(range(len(at)))
-                         else done.index_select(0, to_device(at, ds.device)))
+            parts.append(verdict_rows(ds, [fixed[judged[k][4]] for k in fast], any(ks)))
         slow_rows = [JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed)
                      for _, j, lg, _, _ in (judged[k] for k in slow)]
         if slow_rows:
@@ -538,12 +520,10 @@ class BatchedTarget(_RunnerSessions):
         if fast:
             rows_f = host_all[at_row:at_row + len(fast)].tolist()
             at_row += len(fast)
-            for k in heads:
-                r = judged[k][4]
-                self._drafted[r] = [int(x) for x in rows_f[fast.index(k)][2:2 + (self._rows[r].head or 0)]]
-            for k, v in zip(fast, verdicts_from_host([h[:2] for h in rows_f],
-                                                     [self._drafted.get(judged[k][4], judged[k][1].drafts)
-                                                      for k in fast], False), strict=True):
+            drafts = [[int(x) for x in h[2:2 + n]] if n else judged[k][1].drafts
+                      for k, h, n in zip(fast, rows_f, ks, strict=True)]
+            self._drafted = {judged[k][4]: d for k, d, n in zip(fast, drafts, ks, strict=True) if n}
+            for k, v in zip(fast, verdicts_from_host([h[:2] for h in rows_f], drafts, False), strict=True):
                 out[k] = v
         if slow_rows:
             rows_s = host_all[at_row:at_row + len(slow_rows)].tolist()
