@@ -88,6 +88,8 @@ def parse_args(argv=None):
                         "compile with the whole run compiled, off is the eager forward of "
                         "before; the first is the one judged")
     p.add_argument("--off-decode", type=int, default=32, help="tokens a session in the off (eager) arm: it is slow")
+    p.add_argument("--no-head", action="store_true",
+                   help="skip the arm of rounds drafted on the target's own EAGLE head (ADR 0025: bench/gpu_head.py)")
     a = p.parse_args(argv)
     a.streams = [int(x) for x in a.streams.split(",")]
     a.alphas = [float(x) for x in a.alphas.split(",")]
@@ -449,9 +451,11 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
     warm_s = time.perf_counter() - t0
     before = step_counts(target, draft)
     out: dict = {"mode": mode, "decode": decode, "warm_up_s": warm_s, "speed": []}
+    plain_runs = {}
     for n in args.streams:
         prompts = _prompts(n, shape["prompt_len"], shape["target"]["vocab_size"])
         base = plain(target, prompts, decode, device)
+        plain_runs[n] = {**base, "prompts": prompts}
         row = {"streams": n, "plain": {k: v for k, v in base.items() if k != "continuations"}, "speculative": []}
         for a in args.alphas:
             s = speculative(target, draft, prompts, base["continuations"], decode, args.k, a, device)
@@ -463,6 +467,15 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
               f"{base['prefill_ms']:.1f} ms); " + ", ".join(
                   f"alpha {s['alpha']}: {s['tok_s']:.1f} ({s['speedup']:.2f}x)" for s in row["speculative"]),
               flush=True)
+    if not args.no_head and mode.removesuffix("-sync") != "off":  # rounds drafted on the target's own head (ADR 0025)
+        from gpu_head import head_arm
+
+        def warm(n: int):
+            warm_prompts = _prompts(n, shape["prompt_len"], shape["target"]["vocab_size"], seed=2)
+            return warm_prompts, plain(target, warm_prompts, 16, device)["continuations"]
+
+        out["head"] = head_arm(target_model, b, args.streams, plain_runs, args.alphas, args.k, decode, device,
+                               lambda: sync(device), warm)
     out["lookahead"] = {"on": target.lookahead, **target.ahead_counts}
     out["counts"] = diff_counts(step_counts(target, draft), before)
     out["counts_total"] = step_counts(target, draft)
@@ -497,6 +510,12 @@ def targets(res: dict, args) -> dict:
         if n in speed:
             x = speed[n]["speculative"][j]["speedup"]
             out[f"speculative / plain at {n} stream(s), alpha {alpha}"] = (round(x, 2), f">= {goal}", x >= goal)
+    head = {r["streams"]: r for r in m.get("head", {}).get("speed", [])}
+    for n, goal in ((1, 2.0), (16, 1.5)):  # issue 51: the EAGLE head drafting inside the target's step
+        if n in head:
+            x = head[n]["rounds"][j]["speedup"]
+            out[f"own head (eagle-local) / plain at {n} stream(s), alpha {alpha}"] = (round(x, 2), f">= {goal}",
+                                                                                     x >= goal)
     if 1 in speed and "spec_bound" in m:
         x = speed[1]["speculative"][j]["speedup"] / m["spec_bound"]
         out["speculative at 1 stream / its bound"] = (round(x, 2), ">= 0.85", x >= 0.85)

@@ -35,6 +35,12 @@ def test_the_smoke_mode_runs_every_part_on_the_cpu(tmp_path):
             # synthetic drafts: the more of them kept, the more tokens a round emits (never more than K + 1)
             assert 1 <= s["tokens_per_round"] <= res["k"] + 1
     assert res["hf"]["plain_tok_s"] > 0 and res["hf"]["assisted_tok_s"] > 0
+    head = res["modes"]["auto"]["head"]  # rounds drafted on the target's own head (ADR 0025)
+    assert [r["streams"] for r in head["speed"]] == [1, 4, 16]
+    for row in head["speed"]:
+        for r in row["rounds"]:
+            assert 1 <= r["tokens_per_round"] <= res["k"] + 1 and r["tok_s"] > 0
+    assert head["counts"]["eager"] > 0  # (no graphs on the CPU: the rounds ran eagerly, the same function)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: gpu-check would run for real")
