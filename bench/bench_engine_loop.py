@@ -11,7 +11,10 @@ remote pool:
   in advance: at T = 0 the output is the target's alone) and corrupts each position with
   probability 1 − α, from a seeded draw.
 
-Arms: plain, fixed K, the engine's own K choice (adaptive), and token trees (`tree:K=4`: the
+Arms: plain, fixed K, the engine's own K choice (adaptive), the target's own EAGLE head drafting
+inside its device step (`eagle:K=4`, `eagle:adaptive`; ADR 0025: a random head whose drafts are
+replaced on the device by the synthetic ones, so its cost is paid and its acceptance is α; the
+rounds chain on the device where the lookahead is on), and token trees (`tree:K=4`: the
 engine's `tree_width` 2, which offers a tree of two first candidates, each followed by its
 chain to K, where its cost model says the wider verify pays; else chains), at 1, 4, 16 and 64
 streams. A tree's second candidate is right with probability β (`--beta`) where the first is
@@ -206,14 +209,19 @@ def _stops(p):
 
 
 def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, busy: list[float],
-          tile: int | None, gather: bool = True, device: str = "cpu", tree_width: int = 1) -> EngineLoop:
+          tile: int | None, gather: bool = True, device: str = "cpu", tree_width: int = 1,
+          head: tuple[dict, float] | None = None) -> EngineLoop:
     """`tile`: the stand-in forward's runner. Its own CPU time is not what a cell measures
     (the profile's step time is), so by default it is the fast one: no padding to tiles, the
-    cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch)."""
+    cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch). `head`:
+    (references by session, alpha): the pool `eagle` drafts on the target's own head inside
+    its device step (ADR 0025), its acceptance synthetic (gpu_head.synthetic_acceptance)."""
     model = make_target_step(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096,
                                            max_sessions=max(streams, 4),
                                            prefill_chunk=128, tile=tile, device=device, max_len=512,
-                                           max_batch=max(streams, 4)))
+                                           max_batch=max(streams, 4), fixed_step=True if head else None))
+    if head is not None:
+        sources = {**sources, "eagle": _own_head(model, target, *head)}
     if tile is None and device == "cpu":  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
         model.runner.short_rows = True
 
@@ -225,6 +233,33 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
     return EngineLoop(model, _stops, sources, budget=Budget(max_batch=64, max_batched_tokens=4096),
                       speculation=SpeculationSettings(block_wait_max_s=0.05, gather=gather, tree_width=tree_width),
                       simulated_step_ms=step_ms if profile else None)
+
+
+def _own_head(model, target: TargetModel, refs: dict[str, list[int]], alpha: float):
+    """A random head for the target, inside its device step, with synthetic acceptance: its
+    drafts replaced on the device by the session's reference continuation, kept with
+    probability alpha (bench/gpu_head.py); the pool's source."""
+    from gpu_head import synthetic_acceptance
+
+    from specserve.drafters.eagle import EagleConfig, EagleHead, TargetParts
+    from specserve.engine.eagle_local import DeviceHeadDrafts
+
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(target.model.config)).eval()
+    model.enable_head(head)
+    table, alpha_t = synthetic_acceptance(model)
+    alpha_t.fill_(alpha)
+    opened = model.open
+
+    def open_with_reference(session_id: str):
+        handle = opened(session_id)
+        ref = refs[session_id.removeprefix("warm-")]  # the continuation after the prompt (PROMPT_LEN tokens)
+        row = torch.tensor(ref[:table.shape[1] - PROMPT_LEN], dtype=torch.long, device=table.device)
+        table[model.runner.kv.slot(handle), PROMPT_LEN:PROMPT_LEN + row.shape[0]] = row
+        return handle
+
+    model.open = open_with_reference
+    return DeviceHeadDrafts(head, TargetParts(target.model, head.cfg.feature_layers))
 
 
 def references(target: TargetModel, prompts: dict[str, list[int]], tokens: int,
@@ -247,16 +282,19 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
                              {wid: p for wid, (_, p) in waves.items()}, alpha, profile, beta)
     book: list[float] = []
     tree = arm.startswith("tree:")
+    own = arm.startswith("eagle:")  # drafted on the target's own head, in its device step (ADR 0025)
     loop = _loop(target, {"syn": drafts}, None if real else profile, len(prompts), busy, tile, gather, device,
-                 tree_width=2 if tree else 1)
+                 tree_width=2 if tree else 1, head=(refs, alpha) if own else None)
+    pool = "eagle" if own else "syn"
 
-    k = 0 if arm == "plain" else 8 if arm == "adaptive" else int(arm.split("K=")[1])
+    adaptive = arm.removeprefix("eagle:") == "adaptive"
+    k = 0 if arm == "plain" else 8 if adaptive else int(arm.split("K=")[1])
 
     def run_wave(prefix: str) -> float:
         for sid, p in prompts.items():
             loop.add(prefix + sid, p, EnginePlan(GenerationParams(max_tokens=tokens, num_draft_tokens=k, seed=1),
-                                                 pool="syn" if k else None, workload_class="code",
-                                                 adaptive=arm == "adaptive"))
+                                                 pool=pool if k else None, workload_class="code",
+                                                 adaptive=adaptive))
         t = time.perf_counter()
         loop.run_until_idle()
         return time.perf_counter() - t
@@ -289,9 +327,10 @@ def cell(target, prompts, refs, profile: Profile, arm: str, tokens: int, alpha: 
             "mean_k": statistics.mean(r.k for r in rounds),
             "tokens_per_pass": sum(r.emitted for r in rounds) / max(len(rounds), 1),
             "tree_share": sum(r.tree_size > 0 for r in rounds) / max(len(rounds), 1),
-            "estimates": loop.speculation.estimates.get(("code", "syn"), {}),
-            "draft_latency_ms_per_token": loop.speculation.measured.draft_latency.get("syn", 0.0) * 1e3,
+            "estimates": loop.speculation.estimates.get(("code", pool), {}),
+            "draft_latency_ms_per_token": loop.speculation.measured.draft_latency.get(pool, 0.0) * 1e3,
             "lookahead": dict(getattr(loop.model, "ahead_counts", {})),  # the target's lookahead steps
+            "chained": dict(loop.model.rounds.counts) if getattr(loop.model, "rounds", None) else None,
             "gap_ms_p50": statistics.median(gaps) if gaps else None}
 
 
@@ -344,6 +383,7 @@ def main() -> None:
                       f"  K {r['mean_k']:.1f}  tok/pass {r['tokens_per_pass']:.2f}  trees {r['tree_share']:.0%}"
                       + (f"  forward p50 {r['forward_ms_p50']:.1f} ms" if r["forward_ms_p50"] else "")
                       + (f"  lookahead {r['lookahead']['hit']}/{r['lookahead']['missed']}" if r["lookahead"] else "")
+                      + (f"  chained {r['chained']['taken']}/{r['chained']['thrown']}" if r["chained"] else "")
                       + (f"  gap p50 {r['gap_ms_p50']:.3f} ms" if r["gap_ms_p50"] is not None else ""),
                       flush=True)
             if not real:

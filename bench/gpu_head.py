@@ -39,8 +39,8 @@ def synthetic_acceptance(target: BatchedTarget, seed: int = 11) -> tuple[torch.T
     seed_t = torch.tensor(seed, dtype=torch.long, device=ds.device)
     chain = head.chain
 
-    def synthetic(b) -> None:
-        chain(b)  # the head's own drafts: their cost is the round's
+    def synthetic(b, k: int) -> None:
+        chain(b, k)  # the head's own drafts: their cost is the round's
         r, w = b.rows, b.width
         if w < 2:
             return
@@ -118,7 +118,8 @@ def round_graph_ms(target: BatchedTarget, device: torch.device, reps: int = 20) 
     ds = target.runner.device_step
     if ds is None or device.type != "cuda" or ds.last is None:
         return None
-    graph = ds.step_graphs.variant_graphs.get((("chained",), ds.last))
+    graph = next((g for (variant, b), g in ds.step_graphs.variant_graphs.items()
+                  if b == ds.last and variant[0] == "chained"), None)
     if graph is None:
         return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

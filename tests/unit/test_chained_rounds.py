@@ -232,7 +232,7 @@ def test_a_chained_round_is_graph_safe_on_a_fake_cuda_device(arch, monkeypatch):
         traces = []
         for _ in range(3):  # three rounds, each from the verdicts the round before left on the device
             with OpTrace() as t:
-                head.run_chained(b)
+                head.run_chained(b, 4)
             traces.append(t)
         allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
                            ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, head.__dict__)

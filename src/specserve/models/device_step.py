@@ -173,7 +173,7 @@ class DeviceStep:
         self.last: Bucket | None = None
         # the target's own EAGLE head, run inside the step's rounds (ADR 0025; `enable_head`)
         self.head: DeviceHead | None = None
-        self._head_rows = (False, False)  # the prepared step: (any row drafts on the head, any feeds it)
+        self._head_rows = (0, False)  # the prepared step: (the most drafts a row asks of the head, any feeds it)
 
     def enable_head(self, head: EagleHead) -> DeviceHead:
         """Run `head` inside this step's rounds (models/head_step.py); the runner keeps the
@@ -250,7 +250,7 @@ class DeviceStep:
         None: 0, 1, 2, ...). Token i still takes slot position start + i: the mask says who
         sees it. `chain`: per row, the chain positions it drafts (`run_chain`)."""
         self.inputs.write(rows, slots, starts, b, depths, chain)
-        self._head_rows = (any((r.head or 0) > 0 for r in rows), any(r.head is not None for r in rows))
+        self._head_rows = (max((r.head or 0 for r in rows), default=0), any(r.head is not None for r in rows))
         self._set_block_masks(masks)
         self.last = b
 

@@ -125,13 +125,13 @@ class DeviceHead:
 
     # ---- a round's two parts (tensor functions of the step's buffers) -------------------------
 
-    def chain(self, b: Bucket) -> None:
+    def chain(self, b: Bucket, k: int) -> None:
         """The round's drafts, written into the step's token ids: row i's lanes 1..hdraft[i]
-        (the rest keep what the host put there). The first draft from `hlast` at position
-        start - 1 (the committed length - 2), then one head position a further draft, each
-        fed its own prediction and pick."""
+        (the rest keep what the host put there), k the most a row asks for. The first draft
+        from `hlast` at position start - 1 (the committed length - 2), then one head position
+        a further draft, each fed its own prediction and pick."""
         ds, r, w = self.ds, b.rows, b.width
-        if w < 2:
+        if w < 2 or k < 1:
             return
         rslot, start, hdraft = ds.field("rslot", r), ds.field("start", r), ds.field("hdraft", r)
         max_len = self.keys.shape[2]
@@ -140,7 +140,7 @@ class DeviceHead:
         tok = self._pick(x)
         self.drafts[:r, 0].copy_(tok)
         scratch = torch.full_like(rslot, ds.scratch)
-        for s in range(1, w - 1):
+        for s in range(1, min(k, w - 1)):
             p = start + (s - 1)  # the head position whose output gives draft s + 1
             live = (hdraft > s) & (p < max_len)
             wslot = torch.where(live, rslot, scratch).view(r, 1)
@@ -190,11 +190,10 @@ class DeviceHead:
 
     # ---- the round, launched (a graph per bucket and variant) ----------------------------------
 
-    def run_round(self, b: Bucket, drafts: bool) -> None:
-        """One round in one run: the head's drafts (where a row asked for any), the target's
-        verify and verdicts, the head fed what the verdict committed."""
-        if drafts:
-            self.chain(b)
+    def run_round(self, b: Bucket, k: int) -> None:
+        """One round in one run: the head's drafts (k: the most a row asks for; 0: none), the
+        target's verify and verdicts, the head fed what the verdict committed."""
+        self.chain(b, k)
         self.ds._run(b)
         self.feed(b)
 
@@ -211,14 +210,30 @@ class DeviceHead:
         ds.field("pos", b.tokens).copy_(at)  # (no trees in chained rounds: rotary = slot positions)
         ds.field("ids", b.tokens).view(r, w)[:, 0].copy_(ds.picks[:r])
 
-    def run_chained(self, b: Bucket) -> None:
+    def run_chained(self, b: Bucket, k: int) -> None:
         self.advance(b)
-        self.run_round(b, True)
+        self.run_round(b, k)
 
-    def launch(self, b: Bucket, drafts: bool, chained: bool = False) -> None:
-        """`run_round` (or `run_chained`) of the prepared bucket, replayed from its graph
-        where graphs are on (one per bucket and variant)."""
+    def capture(self, k: int, budget_s: float) -> int:
+        """Capture up front, within `budget_s` (logged), the rounds serving meets most: every
+        row count, rows of K <= k drafts, spans up to 1024; a round with k drafts, chained and
+        not, and a round that only feeds the head. The rest are captured when first met."""
+        keys: list[tuple[tuple[object, ...], Bucket]] = []
+        for b in self.ds.buckets([1 + k], 1024):
+            keys += [(("round", k), b), (("chained", k), b), (("round", 0), b)]
+
+        def run(variant: tuple[object, ...], b: Bucket) -> None:
+            if variant[0] == "chained":
+                self.run_chained(b, int(variant[1]))  # type: ignore[call-overload]
+            else:
+                self.run_round(b, int(variant[1]))  # type: ignore[call-overload]
+
+        return self.ds.step_graphs.capture_variants(keys, budget_s, self.ds.dummy, run)
+
+    def launch(self, b: Bucket, k: int, chained: bool = False) -> None:
+        """`run_round` (or `run_chained`) of the prepared bucket, k the most drafts a row asks
+        for, replayed from its graph where graphs are on (one per bucket, k and variant)."""
         if chained:
-            self.ds.step_graphs.launch_variant(("chained",), b, lambda: self.run_chained(b))
+            self.ds.step_graphs.launch_variant(("chained", k), b, lambda: self.run_chained(b, k))
         else:
-            self.ds.step_graphs.launch_variant(("round", drafts), b, lambda: self.run_round(b, drafts))
+            self.ds.step_graphs.launch_variant(("round", k), b, lambda: self.run_round(b, k))

@@ -118,6 +118,29 @@ class StepGraphs:
                  time.perf_counter() - t0, budget_s, len(set(buckets)))
         return done
 
+    def capture_variants(self, keys: Sequence[tuple[tuple[object, ...], Bucket]], budget_s: float,
+                         prepare: Callable[[Bucket], object],
+                         run: Callable[[tuple[object, ...], Bucket], object]) -> int:
+        """`capture` for a step's variants (the rounds with the target's own head, ADR 0025):
+        each (variant, bucket) captured from `run` after `prepare`, within `budget_s`. Logged."""
+        if not self.on:
+            return 0
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        done = 0
+        for variant, b in sorted(set(keys), key=lambda x: (x[1].span, x[1].width, x[1].rows, str(x[0]))):
+            if time.perf_counter() - t0 > budget_s or self._full():
+                break
+            if (variant, b) in self.variant_graphs:
+                continue
+            prepare(b)
+            self._captured(self.variant_graphs, (variant, b), partial(run, variant, b))
+            done += 1
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs of the head's rounds in %.1f s (budget %.0f s; %d asked)", done,
+                 time.perf_counter() - t0, budget_s, len(set(keys)))
+        return done
+
     def _graph(self, b: Bucket, run: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
         return self._captured(self.graphs, b, run)
 

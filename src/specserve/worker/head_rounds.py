@@ -191,7 +191,7 @@ class ChainedRounds:
         ds = self.t.runner.device_step
         assert ds is not None and ds.head is not None
         clock = StepClock(ds.device)
-        ds.head.launch(bucket, True, chained=True)
+        ds.head.launch(bucket, max(ks), chained=True)
         clock.stop()
         ds.last = bucket
         packed = torch.cat([ds.verdicts[:bucket.rows],

@@ -270,6 +270,7 @@ class BatchedTarget(_RunnerSessions):
 
     def __init__(self, target: TargetModel, b: Batching) -> None:
         self.target = target
+        self.capture_budget_s = b.capture_budget_s
         super().__init__(target.model, target.max_positions, b)
         ds = self.runner.device_step
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
@@ -289,6 +290,7 @@ class BatchedTarget(_RunnerSessions):
         device. Needs the device step."""
         self.heads = HeadRows(self.runner, head)
         self.rounds = ChainedRounds(self) if self.lookahead else None
+        self.heads.device.capture(4, self.capture_budget_s)  # (the policies' default K; logged)
 
     def open(self, session_id: str) -> Any:
         handle = super().open(session_id)
