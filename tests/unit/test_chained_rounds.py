@@ -99,7 +99,7 @@ def test_the_head_on_the_device_drafts_what_the_hosts_head_drafts(demo_pair, hea
     parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
     ids, slot, compared = demo_pair.tokenizer.encode(PROMPTS[0]), None, 0
     slot = t.open("s")
-    for _ in range(14):
+    for _ in range(9):
         res = t.step(Step([_head_row(slot, ids, 4)])).rows[0]
         if res.drafted:
             host = EagleSession(head, parts)
@@ -107,21 +107,21 @@ def test_the_head_on_the_device_drafts_what_the_hosts_head_drafts(demo_pair, hea
             assert host.draft(ids, 4, GREEDY, 0)[0] == res.drafted
             compared += 1
         ids = ids + res.verdict.tokens
-    assert compared == 13  # every round after the prompt's (the head is current from then on)
+    assert compared == 8  # every round after the prompt's (the head is current from then on)
 
 
 def test_rounds_drafted_on_the_device_give_the_targets_greedy_tokens(demo_pair, head, one_thread):
     prompts = [demo_pair.tokenizer.encode(p) for p in PROMPTS]
-    want = _plain(demo_pair, prompts, 32)
-    sync, rounds = _rounds(_target(demo_pair, head, lookahead=False), prompts, 32)
+    want = _plain(demo_pair, prompts, 24)
+    sync, rounds = _rounds(_target(demo_pair, head, lookahead=False), prompts, 24)
     chained_target = _target(demo_pair, head, lookahead=True)
-    chained, rounds_chained = _rounds(chained_target, prompts, 32)
+    chained, rounds_chained = _rounds(chained_target, prompts, 24)
     assert sync == want and chained == want
     assert rounds_chained == rounds  # the same drafts and verdicts, round for round
     accepted = sum(a for d, a in rounds if d)
-    assert sum(1 for d, _ in rounds if d) >= 30 and accepted >= 30  # the head's drafts are accepted
+    assert sum(1 for d, _ in rounds if d) >= 20 and accepted >= 20  # the head's drafts are accepted
     counts = chained_target.rounds.counts
-    assert counts["taken"] >= 10 and counts["thrown"] <= 2, counts  # (sessions that end leave the round)
+    assert counts["taken"] >= 6 and counts["thrown"] <= 2, counts  # (sessions that end leave the round)
 
 
 class _LateEveryOther(LocalDrafts):
