@@ -171,6 +171,12 @@ def q_rows(q: QProbs, rows: slice | list[int]) -> QProbs:
     return replace(q, **{f.name: getattr(q, f.name)[rows] for f in fields(q)})
 
 
+def head_tree(width: int, k: int) -> list[int]:
+    """The parents of the one tree shape the target's own head drafts (ADR 0025): `width` first
+    candidates, each followed by its chain to depth k, depth-first."""
+    return [-1 if s == 0 else b * k + s - 1 for b in range(width) for s in range(k)]
+
+
 def tree_depth(parents: Sequence[int]) -> int:
     """A token tree's depth (its longest path), from its parents (-1: the root)."""
     depths: list[int] = []

@@ -19,6 +19,7 @@ from specserve.drafters.eagle import EagleHead, EagleSession, TargetParts
 from specserve.engine.drafting import LocalDrafts
 from specserve.engine.session import DraftBlock, EngineSession
 from specserve.state.prefix import CommittedPrefix
+from specserve.step import head_tree
 
 
 class _HeadSession:
@@ -108,5 +109,7 @@ class DeviceHeadDrafts(EagleLocalDrafts):
             return
         if k <= 0 or self.deliver is None:
             return
-        n = len(s.prefix)
-        self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), (0,) * k, on_device=True))
+        n = len(s.prefix)  # a tree where the engine offers one: the head's one shape (step.head_tree)
+        parents = tuple(head_tree(width, k)) if width > 1 else None
+        self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), (0,) * (k * width), parents=parents,
+                                on_device=True))

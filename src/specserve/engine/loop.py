@@ -33,7 +33,7 @@ from specserve.engine.scheduler import Budget, Row, Schedule, schedule
 from specserve.engine.session import CommitRecord, DraftBlock, EnginePlan, EngineSession, Outcome, Status
 from specserve.engine.speculation import Speculation, SpeculationSettings
 from specserve.params import GenerationParams
-from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, first_branch, q_rows
+from specserve.step import ModelStep, RowResult, Step, StepResult, StepRow, first_branch, q_rows, tree_depth
 from specserve.structured.constraint import Constraint
 
 if TYPE_CHECKING:  # (an annotation only)
@@ -328,8 +328,7 @@ class EngineLoop:
             return s, None
         verdict = result.verdict
         assert verdict is not None
-        if row.block is not None and row.block.on_device:  # the drafts the target's head gave (ADR 0025)
-            row = replace(row, block=replace(row.block, tokens=tuple(result.drafted)) if result.drafted else None)
+        row = drafted_on_device(row, result)
         s.cached = result.cached_len
         k_asked = s.k_next
         settled = commit_round(s, verdict, commits)
@@ -403,6 +402,16 @@ class EngineLoop:
             self.ended.pop(next(iter(self.ended)))
 
 
+def drafted_on_device(row: Row, result: RowResult) -> Row:
+    """A row whose drafts the target's own head gave in the step (ADR 0025): its block (and
+    tree) with the drafts the step reports, or none where the head gave none (it ran plain)."""
+    if row.block is None or not row.block.on_device:
+        return row
+    drafted = tuple(result.drafted or ())
+    return replace(row, block=replace(row.block, tokens=drafted) if drafted else None,
+                   tree=(list(drafted), list(row.tree[1]), None) if drafted and row.tree else None)
+
+
 def step_row(row: Row, features: bool, head: bool = False) -> tuple[StepRow, float]:
     """The model step's row for a scheduled row: its drafts (a chain clipped to the
     session's K, or a tree), under the grammar's masks where the session has one; and the
@@ -433,8 +442,8 @@ def step_row(row: Row, features: bool, head: bool = False) -> tuple[StepRow, flo
     mask_ms = (time.perf_counter() - t0) * 1e3 if s.grammar is not None else 0.0
     out = StepRow.verify(s.handle, s.committed.ids, drafts, q, p.sampling, s.plan.seed, allowed, features=features)
     out.parents = parents
-    if head:
-        out.head, out.k, out.drafts = True, len(drafts), []
+    if head:  # (a tree: the head's one shape, `step.head_tree`; K is its depth)
+        out.head, out.k, out.drafts = True, tree_depth(parents) if parents else len(drafts), []
     return out, mask_ms
 
 

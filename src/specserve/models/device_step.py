@@ -173,7 +173,8 @@ class DeviceStep:
         self.last: Bucket | None = None
         # the target's own EAGLE head, run inside the step's rounds (ADR 0025; `enable_head`)
         self.head: DeviceHead | None = None
-        self._head_rows = (0, False)  # the prepared step: (the most drafts a row asks of the head, any feeds it)
+        # the prepared step: (the most drafts a row asks of the head, any row feeds it, its widest tree)
+        self._head_rows = (0, False, 1)
 
     def enable_head(self, head: EagleHead) -> DeviceHead:
         """Run `head` inside this step's rounds (models/head_step.py); the runner keeps the
@@ -250,7 +251,8 @@ class DeviceStep:
         None: 0, 1, 2, ...). Token i still takes slot position start + i: the mask says who
         sees it. `chain`: per row, the chain positions it drafts (`run_chain`)."""
         self.inputs.write(rows, slots, starts, b, depths, chain)
-        self._head_rows = (max((r.head or 0 for r in rows), default=0), any(r.head is not None for r in rows))
+        self._head_rows = (max((r.head or 0 for r in rows), default=0), any(r.head is not None for r in rows),
+                           max((r.head_width for r in rows if r.head), default=1))
         self._set_block_masks(masks)
         self.last = b
 
@@ -363,7 +365,7 @@ class DeviceStep:
         this is the bucket's first step), else `run` eagerly. A step with rows of sessions
         that draft on the target's own head runs as its round (`DeviceHead.launch`)."""
         if self.head is not None and self._head_rows[1]:
-            self.head.launch(b, self._head_rows[0])
+            self.head.launch(b, self._head_rows[0], self._head_rows[2])
             return
         self.step_graphs.launch(b, lambda: self._run(b))
 

@@ -81,6 +81,7 @@ class DeviceHead:
         self.drafts = torch.zeros(ds.max_rows, max(ds.max_width - 1, 1), dtype=torch.long, device=dev)
         self.lanes = torch.arange(ds.max_width, dtype=torch.long, device=dev)
         self.rows_at = torch.arange(ds.max_rows, dtype=torch.long, device=dev)
+        self.path = torch.zeros(ds.max_rows, ds.max_width, dtype=torch.long, device=dev)  # a tree's accepted lanes
 
     # ---- the head's layer over [R, W] queries -------------------------------------------------
 
@@ -107,13 +108,17 @@ class DeviceHead:
         add = torch.zeros(r, w, span, dtype=self.keys.dtype, device=pos.device).masked_fill_(~seen, float("-inf"))
         return add.unsqueeze(1).expand(r, g, w, span).reshape(r, 1, g * w, span)
 
-    def _pick(self, x: torch.Tensor) -> torch.Tensor:
-        """The target's greedy token from a predicted feature [R, H] (its final norm, its LM head)."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's logits from predicted features [R, H] (its final norm, its LM head)."""
         from specserve.models.runner import rms_norm
 
         w = self.ds.r.w
-        logits: torch.Tensor = self.ds.r.linear(rms_norm(x, w.norm, w.eps), w.lm_head, None)
-        return logits.argmax(-1)
+        out: torch.Tensor = self.ds.r.linear(rms_norm(x, w.norm, w.eps), w.lm_head, None)
+        return out
+
+    def _pick(self, x: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token from predicted features [R, H]."""
+        return self.logits(x).argmax(-1)
 
     def _input(self, tokens: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """fc([embed(tokens); inputs]): the head's layer input [n, H]."""
@@ -151,24 +156,29 @@ class DeviceHead:
         take = self.lanes[1:w].view(1, w - 1) <= hdraft.view(r, 1)
         ids[:, 1:].copy_(torch.where(take, self.drafts[:r, :w - 1], ids[:, 1:]))
 
-    def feed(self, b: Bucket) -> None:
+    def feed(self, b: Bucket, src: torch.Tensor | None = None) -> None:
         """The head over each feeding row's committed positions of this step ([start, start +
         a], a from the verdict just computed), with the target's features from the same run;
         `hlast` at position start + a takes its output. Rows that do not feed (`hfeed` 0)
-        write to the scratch slot."""
+        write to the scratch slot. `src` [R, W]: the lane whose feature and token each fed
+        position takes (a token tree's accepted path, `head_trees.py`; None: lane j itself)."""
         ds, r, w = self.ds, b.rows, b.width
         rslot, start, hfeed = ds.field("rslot", r), ds.field("start", r), ds.field("hfeed", r)
         ids = ds.field("ids", b.tokens).view(r, w)
         jfirst = ds.field("jpos", b.tokens).view(r, w)[:, 0] - self.rows_at[:r] * w  # a row's first judged lane
         lstar = (jfirst + ds.verdicts[:r, 0].long()).clamp(0, w - 1)  # the last committed lane
         lanes = self.lanes[:w].view(1, w)
-        nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # the token after each lane (the last: garbage)
+        feats = ds.features[:b.tokens]
+        if src is None:
+            nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # the token after each lane (the last: garbage)
+        else:
+            nxt = ids.gather(1, torch.cat([src[:, 1:], src[:, :1]], 1))
+            feats = feats.view(r, w, -1).gather(1, src.unsqueeze(2).expand(r, w, feats.shape[1])).view(r * w, -1)
         nxt = torch.where(lanes == lstar.view(r, 1), ds.picks[:r].view(r, 1), nxt)
         pos = start.view(r, 1) + lanes
         keep = (hfeed.view(r, 1) > 0) & (lanes <= lstar.view(r, 1)) & (pos < self.keys.shape[2])
         wslot = torch.where(keep, rslot.view(r, 1), torch.full_like(pos, ds.scratch))
-        inputs = self.project(ds.features[:b.tokens])
-        out = self._layer(self._input(nxt.reshape(-1), inputs), pos, wslot, rslot, b.span)
+        out = self._layer(self._input(nxt.reshape(-1), self.project(feats)), pos, wslot, rslot, b.span)
         last = out.view(r, w, -1).gather(1, lstar.view(r, 1, 1).expand(r, 1, out.shape[1])).squeeze(1)
         dst = torch.where(hfeed > 0, rslot, torch.full_like(rslot, ds.scratch)) * self.m + \
             (start + lstar).remainder(self.m)
@@ -190,9 +200,15 @@ class DeviceHead:
 
     # ---- the round, launched (a graph per bucket and variant) ----------------------------------
 
-    def run_round(self, b: Bucket, k: int) -> None:
-        """One round in one run: the head's drafts (k: the most a row asks for; 0: none), the
-        target's verify and verdicts, the head fed what the verdict committed."""
+    def run_round(self, b: Bucket, k: int, w: int = 1) -> None:
+        """One round in one run: the head's drafts (k: the most a row asks for, 0: none; w: the
+        widest tree, 1: chains), the target's verify and verdicts, the head fed what the
+        verdict committed."""
+        if w > 1:
+            from specserve.models.head_trees import run_tree_round
+
+            run_tree_round(self, b, k, w)
+            return
         self.chain(b, k)
         self.ds._run(b)
         self.feed(b)
@@ -203,16 +219,18 @@ class DeviceHead:
         positions further (a its accepted count), fed its final token first; its drafts come
         from the chain. Rows keep their slots, widths, judged lanes and head counts."""
         ds, r, w = self.ds, b.rows, b.width
-        start = ds.field("start", r)
-        start.add_(ds.verdicts[:r, 0].long() + 1)
-        at = (start.view(r, 1) + self.lanes[:w].view(1, w)).clamp(max=self.keys.shape[2] - 1).reshape(-1)
+        last = self.keys.shape[2] - 1
+        start, shift = ds.field("start", r), ds.verdicts[:r, 0].long() + 1
+        start.add_(shift)
+        at = (start.view(r, 1) + self.lanes[:w].view(1, w)).clamp(max=last).reshape(-1)
         ds.field("at", b.tokens).copy_(at)
-        ds.field("pos", b.tokens).copy_(at)  # (no trees in chained rounds: rotary = slot positions)
+        pos = ds.field("pos", b.tokens)  # (rotary positions: a tree's by depth, kept)
+        pos.copy_((pos.view(r, w) + shift.view(r, 1)).clamp(max=last).reshape(-1))
         ds.field("ids", b.tokens).view(r, w)[:, 0].copy_(ds.picks[:r])
 
-    def run_chained(self, b: Bucket, k: int) -> None:
+    def run_chained(self, b: Bucket, k: int, w: int = 1) -> None:
         self.advance(b)
-        self.run_round(b, k)
+        self.run_round(b, k, w)
 
     def capture(self, k: int, budget_s: float) -> int:
         """Capture up front, within `budget_s` (logged), the rounds serving meets most: every
@@ -220,20 +238,22 @@ class DeviceHead:
         not, and a round that only feeds the head. The rest are captured when first met."""
         keys: list[tuple[tuple[object, ...], Bucket]] = []
         for b in self.ds.buckets([1 + k], 1024):
-            keys += [(("round", k), b), (("chained", k), b), (("round", 0), b)]
+            keys += [(("round", k, 1), b), (("chained", k, 1), b), (("round", 0, 1), b)]
 
         def run(variant: tuple[object, ...], b: Bucket) -> None:
-            if variant[0] == "chained":
-                self.run_chained(b, int(variant[1]))  # type: ignore[call-overload]
+            kind, kk, ww = variant
+            if kind == "chained":
+                self.run_chained(b, int(kk), int(ww))  # type: ignore[call-overload]
             else:
-                self.run_round(b, int(variant[1]))  # type: ignore[call-overload]
+                self.run_round(b, int(kk), int(ww))  # type: ignore[call-overload]
 
         return self.ds.step_graphs.capture_variants(keys, budget_s, self.ds.dummy, run)
 
-    def launch(self, b: Bucket, k: int, chained: bool = False) -> None:
+    def launch(self, b: Bucket, k: int, w: int = 1, chained: bool = False) -> None:
         """`run_round` (or `run_chained`) of the prepared bucket, k the most drafts a row asks
-        for, replayed from its graph where graphs are on (one per bucket, k and variant)."""
+        for and w its widest tree, replayed from its graph where graphs are on (one per bucket,
+        k, w and variant)."""
         if chained:
-            self.ds.step_graphs.launch_variant(("chained", k), b, lambda: self.run_chained(b, k))
+            self.ds.step_graphs.launch_variant(("chained", k, w), b, lambda: self.run_chained(b, k, w))
         else:
-            self.ds.step_graphs.launch_variant(("round", k), b, lambda: self.run_round(b, k))
+            self.ds.step_graphs.launch_variant(("round", k, w), b, lambda: self.run_round(b, k, w))

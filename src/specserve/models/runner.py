@@ -212,6 +212,7 @@ class Row:
     # head drafts this many of the row's tokens after its first (the row holds placeholders
     # there) and, where the row is judged, is fed its committed positions; None: not such a row
     head: int | None = None
+    head_width: int = 1  # a head row's tree: this many first candidates, each with its chain of `head` (1: a chain)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,7 +38,7 @@ class StepInputs:
         # differ in a token tree, whose tokens sit in order but rotate by depth)
         # hdraft, hfeed: a row's drafts by the target's own head and whether it feeds the head (ADR 0025)
         sizes = {"ids": t, "pos": t, "at": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t,
-                 "ndraft": r, "kleft": r, "hdraft": r, "hfeed": r}
+                 "ndraft": r, "kleft": r, "hdraft": r, "hfeed": r, "hwidth": r}
         self.offsets: dict[str, int] = {}
         at = 0
         for name, n in sizes.items():
@@ -86,6 +86,7 @@ class StepInputs:
         ndraft = np.zeros(b.rows, dtype=np.int64)
         hdraft = np.zeros(b.rows, dtype=np.int64)
         hfeed = np.zeros(b.rows, dtype=np.int64)
+        hwidth = np.ones(b.rows, dtype=np.int64)
         on_device: list[tuple[int, torch.Tensor]] = []
         for i, (row, slot, st) in enumerate(zip(rows, slots, starts, strict=True)):
             n, base = len(row.tokens), i * w
@@ -104,14 +105,15 @@ class StepInputs:
             jpos[base:base + w] = first + np.minimum(lane, max(c, 1) - 1)
             ndraft[i] = max(c - 1, 0)
             if row.head is not None:  # the head's drafts fill the row's lanes after the first; judged rows feed it
-                hdraft[i], hfeed[i] = min(row.head, max(c - 1, 0)), int(c > 0)
+                hwidth[i] = max(row.head_width, 1)
+                hdraft[i], hfeed[i] = min(row.head, max(c - 1, 0) // hwidth[i]), int(c > 0)
         pos = at.copy()
         for i, (row, st) in enumerate(zip(rows, starts, strict=True)):
             if depths is not None and depths[i] is not None:
                 pos[i * w:i * w + len(row.tokens)] = st + np.asarray(depths[i], dtype=np.int64)
         dst = np.asarray([base + j for base, t in on_device for j in range(t.shape[0])], dtype=np.int64)
         fields = {"ids": ids, "pos": pos, "at": at, "wslot": wslot, "dst": dst, "rslot": rslot, "start": start,
-                  "jpos": jpos, "ndraft": ndraft, "hdraft": hdraft, "hfeed": hfeed}
+                  "jpos": jpos, "ndraft": ndraft, "hdraft": hdraft, "hfeed": hfeed, "hwidth": hwidth}
         if chain is not None:
             fields["kleft"] = np.asarray(list(chain), dtype=np.int64)
         return fields, [t for _, t in on_device]

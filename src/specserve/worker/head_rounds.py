@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from specserve.algorithm.rejection import Verdict
 from specserve.models.kv_slots import common_prefix
 from specserve.models.runner import Row
-from specserve.step import RowResult, Step, StepResult, StepRow
+from specserve.step import RowResult, Step, StepResult, StepRow, head_tree
 
 if TYPE_CHECKING:
     from specserve.drafters.eagle import EagleHead
@@ -54,27 +54,37 @@ class HeadRows:
             self.through.pop(slot, None)
 
     def drafts_now(self, job: StepRow, start: int, last: bool) -> int:
-        """The drafts the head gives this row now: the row's K where the head is current for
-        it (its row feeds the last committed token alone, the head is true through the
-        position before it, and the drafts fit the device step's widest row), else 0."""
+        """The drafts (a tree: its depth) the head gives this row now: the row's K where the
+        head is current for it (its row feeds the last committed token alone, the head is true
+        through the position before it, and the drafts fit the device step's widest row), else 0."""
         ds = self.runner.device_step
-        if not (last and job.k > 0 and ds is not None and start == len(job.ids) - 1 and 1 + job.k <= ds.max_width):
+        if not (last and job.k > 0 and ds is not None and start == len(job.ids) - 1
+                and 1 + job.k * tree_width(job) <= ds.max_width):
             return 0
         return job.k if self.through.get(self.runner.kv.slot(job.slot), -1) == start - 1 else 0
 
     def row(self, job: StepRow, feed: list[int], last: bool, start: int) -> Row:
         """The forward's row for a head session's step row: the head's drafts as placeholders
-        after the fed tokens (the round writes them), judged where it is the prompt's end."""
+        after the fed tokens (the round writes them; a tree's under its ancestor mask, rotary
+        positions by depth), judged where it is the prompt's end."""
+        from specserve.algorithm.tree import Tree
+        from specserve.worker.model_step import _tree_row
+
         k = self.drafts_now(job, start, last)
+        w = tree_width(job) if k else 1
+        if w > 1:
+            return replace(_tree_row(job.slot, feed, [0] * (w * k), Tree(tuple(head_tree(w, k)))), head=k, head_width=w)
         return Row(job.slot, feed + [0] * k, num_logits=k + 1 if last else 0, head=k)
 
     def settled(self, job: StepRow, row: Row, result: RowResult, verdict: Verdict, start: int, tail: int,
                 drafted: list[int], ran_fixed: bool, feats: torch.Tensor | None) -> None:
         """A head row judged in a synchronous step: the head's drafts named in the KV's record
-        (they were placeholders there) and reported, and the head fed what the verdict
-        committed (inside the round where the device step ran and judged the row)."""
+        (they were placeholders there; a tree's accepted path, which the round moved to follow
+        the prefix) and reported, and the head fed what the verdict committed (inside the
+        round where the device step ran and judged the row)."""
         if drafted:
-            self.runner.kv.settle(job.slot, start + tail, drafted)
+            self.runner.kv.settle(job.slot, start + tail, drafted if row.head_width == 1
+                                  else verdict.tokens[:verdict.num_accepted])
         result.drafted = drafted
         self.fed(job, start, len(row.tokens), verdict, ran_fixed and (row.num_logits or 0) > 0, feats)
 
@@ -98,6 +108,21 @@ class HeadRows:
         self.through[slot] = end
 
 
+def tree_width(job: StepRow) -> int:
+    """A head row's first candidates: its tree's roots (ADR 0025: `step.head_tree`), 1 for a chain."""
+    return 1 if job.parents is None else sum(1 for p in job.parents if p < 0)
+
+
+def head_verdict(packed: Sequence[float], k: int, w: int, width: int) -> tuple[Verdict, list[int]]:
+    """A head row's verdict from its packed row (`verdict_rows`: accepted, final token, the
+    bucket's lanes 1.. (`width` - 1 of them: the drafts), then a tree's accepted lanes by depth),
+    and the drafts it verified."""
+    a, final = int(packed[0]), int(packed[1])
+    nodes = [int(x) for x in packed[2:2 + w * k]]
+    path = list(range(a)) if w == 1 else [int(x) - 1 for x in packed[1 + width:1 + width + a]]
+    return Verdict(a, [nodes[i] for i in path] + [final], a if a < k else None), nodes
+
+
 def device_drafts(judged_ids: torch.Tensor, width: int) -> torch.Tensor:
     """The drafts the head wrote into the step's token ids: lanes 1.. of each row [R, W - 1]."""
     return judged_ids.view(-1, width)[:, 1:]
@@ -105,13 +130,15 @@ def device_drafts(judged_ids: torch.Tensor, width: int) -> torch.Tensor:
 
 def verdict_rows(ds: Any, at: list[int], drafts: bool) -> torch.Tensor:
     """The device step's verdicts [n, 2] of its rows `at` (accepted, final token), each
-    followed by the head's drafts of its row where `drafts` (ADR 0025: read in the same copy)."""
+    followed, where `drafts`, by the head's drafts of its row and a tree's accepted lanes
+    (ADR 0025: read in the same copy; `head_verdict` reads them)."""
     from specserve.device import to_device
 
     done = ds.verdicts
     if drafts and ds.last is not None:
-        done = torch.cat([done[:ds.last.rows], device_drafts(ds.field("ids", ds.last.tokens), ds.last.width).double()],
-                         1)
+        b = ds.last
+        done = torch.cat([done[:b.rows], device_drafts(ds.field("ids", b.tokens), b.width).double(),
+                          ds.head.path[:b.rows, :b.width].double()], 1)
     out: torch.Tensor = done[:len(at)] if at == list(range(len(at))) else done.index_select(0, to_device(at, ds.device))
     return out
 
@@ -124,9 +151,10 @@ class _Round:
 
     slots: list[Any]
     ks: list[int]
+    ws: list[int]  # each row's tree width (1: a chain)
     base: list[int]  # each row's committed length the round before started from
     before: list[list[int]] | None  # the round before's emitted tokens, per row
-    host: torch.Tensor  # [R, 2 + W - 1] float64: accepted, final token, the head's drafts
+    host: torch.Tensor  # [R, 2 + 2W - 1] float64: accepted, final token, the head's drafts, a tree's path
     done: Any
     bucket: Bucket
     clock: Any = None
@@ -151,12 +179,12 @@ class ChainedRounds:
     @staticmethod
     def chainable(step: Step, rows: Sequence[Row]) -> bool:
         """Rows a round can be chained from: each a head row or a plain greedy row without
-        host drafts, banned tokens, a constraint or a tree, feeding one committed token (its
-        drafts after it); `rows` the forward's."""
+        host drafts, banned tokens, a constraint or a tree of its own, feeding one committed
+        token (its drafts, or the head's tree, after it); `rows` the forward's."""
         return bool(step.rows) and len(rows) == len(step.rows) and all(
-            j.sampling.greedy and not j.sampling.banned_token_ids and j.allowed is None and j.parents is None
-            and not j.drafts and not j.features and len(r.tokens) == 1 + (r.head or 0)
-            for j, r in zip(step.rows, rows, strict=True))
+            j.sampling.greedy and not j.sampling.banned_token_ids and j.allowed is None
+            and (j.parents is None or bool(r.head)) and not j.drafts and not j.features
+            and len(r.tokens) == 1 + (r.head or 0) * r.head_width for j, r in zip(step.rows, rows, strict=True))
 
     def launch(self, step: Step, rows: Sequence[Row], results: Sequence[RowResult]) -> None:
         """After a synchronous step: the next round of the same rows, where every row ran in
@@ -168,8 +196,7 @@ class ChainedRounds:
         if any(r.verdict is None for r in results):
             return
         starts = [kv.length(j.slot) for j in step.rows]
-        nxt = [Row(j.slot, [0] * len(r.tokens), num_logits=len(r.tokens), head=r.head)
-               for j, r in zip(step.rows, rows, strict=True)]
+        nxt = [Row(j.slot, [0] * len(r.tokens), num_logits=len(r.tokens)) for j, r in zip(step.rows, rows, strict=True)]
         bucket = ds.bucket_for(nxt, starts)
         if bucket is None or bucket.rows != ds.last.rows or bucket.width != ds.last.width:  # type: ignore[union-attr]
             return
@@ -182,22 +209,20 @@ class ChainedRounds:
             kv.append(j.slot, torch.empty(len(r.tokens)))  # UNKNOWN until read
         before = [list(res.verdict.tokens) for res in results]  # type: ignore[union-attr]
         self.ahead = self._launch(bucket, [j.slot for j in step.rows], [r.head or 0 for r in rows],
-                                  [len(j.ids) for j in step.rows], before)
+                                  [r.head_width for r in rows], [len(j.ids) for j in step.rows], before)
 
-    def _launch(self, bucket: Bucket, slots: list[Any], ks: list[int], base: list[int],
+    def _launch(self, bucket: Bucket, slots: list[Any], ks: list[int], ws: list[int], base: list[int],
                 before: list[list[int]] | None) -> _Round:
         from specserve.worker.model_step import StepClock, snapshot
 
         ds = self.t.runner.device_step
         assert ds is not None and ds.head is not None
         clock = StepClock(ds.device)
-        ds.head.launch(bucket, max(ks), chained=True)
+        ds.head.launch(bucket, max(ks), max(ws), chained=True)
         clock.stop()
         ds.last = bucket
-        packed = torch.cat([ds.verdicts[:bucket.rows],
-                            device_drafts(ds.field("ids", bucket.tokens), bucket.width).double()], 1)
-        host, done = snapshot(packed)
-        return _Round(slots, ks, base, before, host, done, bucket, clock)
+        host, done = snapshot(verdict_rows(ds, list(range(bucket.rows)), True))
+        return _Round(slots, ks, ws, base, before, host, done, bucket, clock)
 
     def take(self, step: Step) -> StepResult | None:
         """This step's results from the round launched ahead, where the step asks for exactly
@@ -221,30 +246,31 @@ class ChainedRounds:
         # have grown (every draft accepted), the slots' room for that
         nxt = self._room_after(ahead, [len(by_row[i].ids) - 1 for i in range(len(order))])
         if nxt is not None:
-            self.ahead = self._launch(nxt, ahead.slots, ahead.ks, [len(by_row[i].ids) for i in range(len(order))],
-                                      None)
+            self.ahead = self._launch(nxt, ahead.slots, ahead.ks, ahead.ws,
+                                      [len(by_row[i].ids) for i in range(len(order))], None)
         packed = _read(ahead)
-        results = [self._settled(j, ahead.ks[i], packed[i]) for j, i in zip(step.rows, order, strict=True)]
+        results = [self._settled(j, ahead.ks[i], ahead.ws[i], packed[i], ahead.bucket.width)
+                   for j, i in zip(step.rows, order, strict=True)]
         if self.ahead is not None:  # the round after: its rows' positions, now that this one's are known
             self.ahead.before = [list(results[order.index(i)].verdict.tokens)  # type: ignore[union-attr]
                                  for i in range(len(order))]
-            for i, k in enumerate(ahead.ks):
-                kv.append(by_row[i].slot, torch.empty(1 + k))  # UNKNOWN until read
+            for i, (k, w) in enumerate(zip(ahead.ks, ahead.ws, strict=True)):
+                kv.append(by_row[i].slot, torch.empty(1 + k * w))  # UNKNOWN until read
         return StepResult(results, device_ms=ahead.clock.ms() if ahead.clock is not None else None)
 
-    def _settled(self, job: StepRow, k: int, packed: Sequence[float]) -> RowResult:
-        """A row of a round read back: its verdict, the head's drafts named in the KV's record,
-        the rejected ones dropped, the head's mirror moved."""
+    def _settled(self, job: StepRow, k: int, w: int, packed: Sequence[float], width: int) -> RowResult:
+        """A row of a round read back: its verdict, the head's drafts (a tree's accepted path,
+        which the round moved to follow the prefix) named in the KV's record, the rejected ones
+        dropped, the head's mirror moved."""
         kv = self.t.runner.kv
         start = len(job.ids) - 1
-        a, final = int(packed[0]), int(packed[1])
-        drafts = [int(x) for x in packed[2:2 + k]]
-        kv.settle(job.slot, start, [job.ids[-1]] + drafts)
+        verdict, drafts = head_verdict(packed, k, w, width)
+        a = verdict.num_accepted
+        kv.settle(job.slot, start, [job.ids[-1]] + (drafts if w == 1 else verdict.tokens[:a]))
         kv.rollback(job.slot, start + 1 + a)
         self.t.heads.through[kv.slot(job.slot)] = start + a
-        res = RowResult(fed=1 + k)
-        res.verdict, res.cached_len, res.rolled_back = Verdict(a, drafts[:a] + [final], a if a < k else None), \
-            start + 1 + a, k - a
+        res = RowResult(fed=1 + k * w)
+        res.verdict, res.cached_len, res.rolled_back = verdict, start + 1 + a, k * w - a
         res.drafted = drafts if job.head else None
         return res
 
@@ -263,7 +289,7 @@ class ChainedRounds:
         if not all(self._asks_for(j, ahead, i) for j, i in zip(step.rows, order, strict=True)):
             return "changed"
         ds = self.t.runner.device_step
-        rows = [Row(j.slot, [0] * (1 + ahead.ks[i]), num_logits=1 + ahead.ks[i])
+        rows = [Row(j.slot, [0] * (1 + ahead.ks[i] * ahead.ws[i]), num_logits=1 + ahead.ks[i] * ahead.ws[i])
                 for j, i in zip(step.rows, order, strict=True)]
         if ds is None or ds.bucket_for(rows, [len(j.ids) - 1 for j in step.rows]) != ahead.bucket:
             return "bucket"  # (a row's bits follow its bucket: the step would run in another)
@@ -271,19 +297,19 @@ class ChainedRounds:
 
     def _asks_for(self, j: StepRow, ahead: _Round, i: int) -> bool:
         """Whether step row `j` asks for exactly the device's row i of the round launched ahead."""
-        if not j.sampling.greedy or j.sampling.banned_token_ids or j.allowed is not None or j.parents is not None \
-                or j.drafts or j.features:
+        if not j.sampling.greedy or j.sampling.banned_token_ids or j.allowed is not None \
+                or (j.parents is not None and not j.head) or j.drafts or j.features:
             return False
         k, before = ahead.ks[i], ahead.before[i]  # type: ignore[index]
-        if (k > 0 and not j.head) or (j.head and j.k != k) or len(j.ids) != ahead.base[i] + len(before) \
-                or list(j.ids[ahead.base[i]:]) != before:
+        if (k > 0 and not j.head) or (j.head and (j.k != k or tree_width(j) != ahead.ws[i])) \
+                or len(j.ids) != ahead.base[i] + len(before) or list(j.ids[ahead.base[i]:]) != before:
             return False
         kv = self.t.runner.kv
         slot = kv.slot_of.get(j.slot)
         if slot is None:
             return False
         start = len(j.ids) - 1
-        if len(kv.ids[slot]) != start + 1 + k or common_prefix(kv.ids[slot], j.ids) < start:
+        if len(kv.ids[slot]) != start + 1 + k * ahead.ws[i] or common_prefix(kv.ids[slot], j.ids) < start:
             return False
         return not k or self.t.heads.through.get(slot, -1) == start - 1
 

@@ -66,7 +66,7 @@ from specserve.models.verifier import (
 )
 from specserve.step import Kind, RowResult, Step, StepResult, StepRow
 from specserve.structured.grammar import propose_constrained
-from specserve.worker.head_rounds import ChainedRounds, HeadRows, verdict_rows
+from specserve.worker.head_rounds import ChainedRounds, HeadRows, head_verdict, verdict_rows
 
 
 @dataclass
@@ -492,15 +492,19 @@ class BatchedTarget(_RunnerSessions):
         (ADR 0019: inside its graph); a token tree is judged by algorithm/tree.py (2 numbers a
         node cross); the rest here, by kind of row."""
         ds, fixed = self.runner.device_step, self.runner.fixed_rows
-        trees = [k for k, (_, job, _, _, _) in enumerate(judged) if job.parents is not None]
+        # (a tree the target's own head drafted is judged in its round, on the device: ADR 0025)
+        trees = [k for k, (_, job, _, _, r) in enumerate(judged)
+                 if job.parents is not None and self._rows[r].head is None]
         fast = [k for k, (_, job, _, _, r) in enumerate(judged) if r in fixed and job.sampling.greedy
-                and not job.sampling.banned_token_ids and job.allowed is None and job.parents is None]
+                and not job.sampling.banned_token_ids and job.allowed is None
+                and (job.parents is None or self._rows[r].head is not None)]
         if ds is None:
             fast = []
         taken = set(fast) | set(trees)
         slow = [k for k in range(len(judged)) if k not in taken]
         parts: list[torch.Tensor] = []
         ks = [self._rows[judged[k][4]].head or 0 for k in fast]  # the head's drafts of each (ADR 0025)
+        self._drafted = {}
         if fast and ds is not None:
             parts.append(verdict_rows(ds, [fixed[judged[k][4]] for k in fast], any(ks)))
         slow_rows = [JudgeRow(lg, j.drafts, j.q, j.sampling, j.seed, len(j.ids), j.allowed)
@@ -522,10 +526,12 @@ class BatchedTarget(_RunnerSessions):
         if fast:
             rows_f = host_all[at_row:at_row + len(fast)].tolist()
             at_row += len(fast)
-            drafts = [[int(x) for x in h[2:2 + n]] if n else judged[k][1].drafts
-                      for k, h, n in zip(fast, rows_f, ks, strict=True)]
-            self._drafted = {judged[k][4]: d for k, d, n in zip(fast, drafts, ks, strict=True) if n}
-            for k, v in zip(fast, verdicts_from_host([h[:2] for h in rows_f], drafts, False), strict=True):
+            host_v = verdicts_from_host([h[:2] for h in rows_f], [judged[k][1].drafts for k in fast], False)
+            for j, (k, h, n) in enumerate(zip(fast, rows_f, ks, strict=True)):
+                if n:  # the head's drafts, read with the verdict (ADR 0025)
+                    r = judged[k][4]
+                    host_v[j], self._drafted[r] = head_verdict(h, n, self._rows[r].head_width, ds.last.width)  # type: ignore[union-attr]
+            for k, v in zip(fast, host_v, strict=True):
                 out[k] = v
         if slow_rows:
             rows_s = host_all[at_row:at_row + len(slow_rows)].tolist()
