@@ -77,20 +77,22 @@ def _head_row(slot, ids: list[int], k: int, width: int = 1) -> StepRow:
     return row
 
 
-def _rounds(t: BatchedTarget, prompts: list[list[int]], n: int, k: int = 4,
+def _rounds(t: BatchedTarget, prompts: list[list[int]], n: int | list[int], k: int = 4,
             width: int = 1) -> tuple[list[list[int]], list]:
-    """Every session's next n tokens, each round drafted on the target's head (a tree of
-    `width` first candidates where > 1); and each round's (drafted, accepted)."""
+    """Every session's next n tokens (or n[i] for session i), each round drafted on the
+    target's head (a tree of `width` first candidates where > 1); and each round's (drafted,
+    accepted)."""
+    ns = n if isinstance(n, list) else [n] * len(prompts)
     seqs = [[t.open(str(i)), list(p)] for i, p in enumerate(prompts)]
     rounds = []
-    while live := [s for s, p in zip(seqs, prompts, strict=True) if len(s[1]) - len(p) < n]:
+    while live := [s for s, p, m in zip(seqs, prompts, ns, strict=True) if len(s[1]) - len(p) < m]:
         step = Step([_head_row(s[0], s[1], k, width) for s in live])
         for s, res in zip(live, t.step(step).rows, strict=True):
             assert res.error is None, res.error
             if not res.again:
                 s[1] = s[1] + res.verdict.tokens
                 rounds.append((list(res.drafted or []), res.verdict.num_accepted))
-    return [s[1][len(p):len(p) + n] for s, p in zip(seqs, prompts, strict=True)], rounds
+    return [s[1][len(p):len(p) + m] for s, p, m in zip(seqs, prompts, ns, strict=True)], rounds
 
 
 def _plain(demo_pair, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -162,6 +164,18 @@ def test_rounds_drafted_on_the_device_give_the_targets_greedy_tokens(demo_pair, 
     assert counts["taken"] >= 6 and counts["thrown"] <= 2, counts  # (sessions that end leave the round)
 
 
+def test_sessions_that_end_leave_a_part_of_the_chained_round(demo_pair, head, one_thread):
+    """Four sessions (a bucket of 4 rows) ending one after another: while the rest still fill
+    the bucket the round launched ahead is taken for them (its ended row runs on, unread),
+    after that it is thrown away; the tokens are the target's own either way."""
+    prompts = [demo_pair.tokenizer.encode(p) for p in PROMPTS + ["def add(a, b):"]]
+    ns = [12, 20, 28, 36]
+    t = _target(demo_pair, head, lookahead=True)
+    got, _ = _rounds(t, prompts, ns)
+    assert got == [want[:m] for want, m in zip(_plain(demo_pair, prompts, 36), ns, strict=True)]
+    assert t.rounds.counts["parts"] >= 1 and t.rounds.counts["taken"] >= 10, (t.rounds.counts, t.rounds.thrown_by)
+
+
 class _LateEveryOther(LocalDrafts):
     """An n-gram source whose block comes only every other round: the rounds between run
     plain, their block late (the engine waits 0 s for it)."""
@@ -224,9 +238,11 @@ def test_chained_rounds_through_the_engine_equal_host_driven_rounds(demo_pair, h
     assert chained["cancel"][1] == sync["cancel"][1] == "cancelled"
     assert plain[:len(sync["plain"][0])] == sync["plain"][0]
     counts, why = t.rounds.counts, t.rounds.thrown_by
-    # thrown away where a session ended (its budget, its stop, the cancel), where a late block
-    # came (its row asks for its own drafts), and where the sampled session joined
-    assert why.get("ended", 0) >= 3 and why.get("changed", 0) >= 1 and why.get("joined", 0) >= 1, why
+    # where a session ended (its budget, its stop, the cancel) the rest of the round is taken
+    # while it fills the same bucket (a part), else thrown away; thrown away where a late block
+    # came (its row asks for its own drafts), and where sessions joined
+    assert why.get("ended", 0) + counts.get("parts", 0) >= 2, (counts, why)
+    assert why.get("changed", 0) >= 1 and why.get("joined", 0) >= 1, why
     assert counts["taken"] >= 5 and counts["thrown"] == sum(why.values()), counts
 
 

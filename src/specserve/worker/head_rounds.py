@@ -170,10 +170,13 @@ class ChainedRounds:
         self.t = target  # the BatchedTarget (its runner, heads, snapshot and clock)
         self.ahead: _Round | None = None
         self.counts = {"taken": 0, "thrown": 0}
-        # why rounds were thrown away: "ended" (a session it ran is not in the step: it finished,
-        # was cancelled or its row is held), "joined" (the step has a session it did not run),
-        # "changed" (a row asks for something else: drafts of its own, another K, sampling, a
-        # grammar, other tokens), "bucket" (the step would run in another bucket)
+        # rounds taken, and of them parts ("parts": sessions that ended left the round, whose
+        # rows the device runs on, unread, until a synchronous step prepares the rows afresh);
+        # why rounds were thrown away: "ended" (a session it ran is not in the step and the rest
+        # do not fill its bucket: it finished, was cancelled or its row is held), "joined" (the
+        # step has a session it did not run), "changed" (a row asks for something else: drafts of
+        # its own, another K, sampling, a grammar, other tokens), "bucket" (the step would run in
+        # another bucket)
         self.thrown_by: dict[str, int] = {}
 
     @staticmethod
@@ -240,22 +243,25 @@ class ChainedRounds:
             self.thrown_by[order] = self.thrown_by.get(order, 0) + 1
             return None
         self.counts["taken"] += 1
+        if len(order) < len(ahead.slots):  # a part: sessions that ended left it (their rows run on, unread)
+            self.counts["parts"] = self.counts.get("parts", 0) + 1
         kv = self.t.runner.kv
         by_row = {i: j for i, j in zip(order, step.rows, strict=True)}  # the device's row i -> its step row
         # the round after, before this one is read: the bucket's span for the most the rows can
         # have grown (every draft accepted), the slots' room for that
-        nxt = self._room_after(ahead, [len(by_row[i].ids) - 1 for i in range(len(order))])
+        nxt = self._room_after(ahead, {i: len(j.ids) - 1 for i, j in by_row.items()})
         if nxt is not None:
             self.ahead = self._launch(nxt, ahead.slots, ahead.ks, ahead.ws,
-                                      [len(by_row[i].ids) for i in range(len(order))], None)
+                                      [len(by_row[i].ids) if i in by_row else -1 for i in range(len(ahead.slots))],
+                                      None)
         packed = _read(ahead)
         results = [self._settled(j, ahead.ks[i], ahead.ws[i], packed[i], ahead.bucket.width)
                    for j, i in zip(step.rows, order, strict=True)]
         if self.ahead is not None:  # the round after: its rows' positions, now that this one's are known
-            self.ahead.before = [list(results[order.index(i)].verdict.tokens)  # type: ignore[union-attr]
-                                 for i in range(len(order))]
-            for i, (k, w) in enumerate(zip(ahead.ks, ahead.ws, strict=True)):
-                kv.append(by_row[i].slot, torch.empty(1 + k * w))  # UNKNOWN until read
+            self.ahead.before = [list(results[order.index(i)].verdict.tokens) if i in by_row  # type: ignore[union-attr]
+                                 else [] for i in range(len(ahead.slots))]
+            for i, j in by_row.items():
+                kv.append(j.slot, torch.empty(1 + ahead.ks[i] * ahead.ws[i]))  # UNKNOWN until read
         return StepResult(results, device_ms=ahead.clock.ms() if ahead.clock is not None else None)
 
     def _settled(self, job: StepRow, k: int, w: int, packed: Sequence[float], width: int) -> RowResult:
@@ -283,8 +289,6 @@ class ChainedRounds:
             return "joined"
         if len(mine) != len(step.rows) or len(where) != len(ahead.slots) or ahead.before is None:
             return "changed"
-        if len(step.rows) != len(ahead.slots):
-            return "ended"
         order = [where[j.slot] for j in step.rows]
         if not all(self._asks_for(j, ahead, i) for j, i in zip(step.rows, order, strict=True)):
             return "changed"
@@ -292,7 +296,9 @@ class ChainedRounds:
         rows = [Row(j.slot, [0] * (1 + ahead.ks[i] * ahead.ws[i]), num_logits=1 + ahead.ks[i] * ahead.ws[i])
                 for j, i in zip(step.rows, order, strict=True)]
         if ds is None or ds.bucket_for(rows, [len(j.ids) - 1 for j in step.rows]) != ahead.bucket:
-            return "bucket"  # (a row's bits follow its bucket: the step would run in another)
+            # (a row's bits follow its bucket: the step would run in another; a part that no
+            # longer fills the bucket's rows, after sessions ended, counts as their end)
+            return "ended" if len(step.rows) < len(ahead.slots) else "bucket"
         return order
 
     def _asks_for(self, j: StepRow, ahead: _Round, i: int) -> bool:
@@ -313,15 +319,15 @@ class ChainedRounds:
             return False
         return not k or self.t.heads.through.get(slot, -1) == start - 1
 
-    def _room_after(self, ahead: _Round, starts: list[int]) -> Bucket | None:
-        """The bucket of the round after this one (rows in the device's order, this round's
-        starts), for the most the rows can have grown, or None where a slot has no room for
-        it (the next step finds out, synchronously)."""
+    def _room_after(self, ahead: _Round, starts: dict[int, int]) -> Bucket | None:
+        """The bucket of the round after this one (`starts`: this round's, by the device's row,
+        of the rows still asked for), for the most the rows can have grown, or None where a slot
+        has no room for it (the next step finds out, synchronously)."""
         ds = self.t.runner.device_step
         assert ds is not None
         w = ahead.bucket.width
-        furthest = [st + w for st in starts]  # this round accepts at most K: the next starts by then
-        rows = [Row(h, [0] * w, num_logits=w) for h in ahead.slots]
+        furthest = [st + w for st in starts.values()]  # this round accepts at most K: the next starts by then
+        rows = [Row(ahead.slots[i], [0] * w, num_logits=w) for i in starts]
         if any(f + w > self.t.runner.kv.max_len for f in furthest):
             return None
         b = ds.bucket_for(rows, furthest)
