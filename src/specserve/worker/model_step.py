@@ -290,6 +290,7 @@ class BatchedTarget(_RunnerSessions):
         device. Needs the device step."""
         self.heads = HeadRows(self.runner, head)
         self.rounds = ChainedRounds(self) if self.lookahead else None
+        self._recapture()
         self.heads.device.capture(4, self.capture_budget_s)  # (the policies' default K; logged)
 
     def open(self, session_id: str) -> Any:
@@ -484,6 +485,13 @@ class BatchedTarget(_RunnerSessions):
     def keep_features(self, layers) -> None:
         """Hand out these decoder layers' outputs with VERIFY rows that ask (ADR 0020)."""
         self.runner.keep_features(layers)
+        self._recapture()
+
+    def _recapture(self) -> None:
+        """The start-up graphs again (keeping features drops the ones captured without them)."""
+        ds = self.runner.device_step
+        if ds is not None and ds.graphs_on and not ds.graphs:
+            ds.capture(ds.startup_buckets(), self.capture_budget_s)
 
     def _judge(self, judged: list) -> tuple[list[Verdict], dict[int, list[int]]]:
         """The judged rows' verdicts in one copy to the host, and each tree row's accepted
