@@ -118,6 +118,8 @@ def worker_step(m: WorkerMetrics, report: StepReport, model: Any) -> None:
     m.busy.add(report.busy_ms / 1e3)
     m.batch_size.observe(report.rows)
     m.call_latency.labels("step").observe(report.forward_ms / 1e3)
+    m.step_cpu.labels("forward").inc(report.forward_cpu_ms / 1e3)
+    m.step_cpu.labels("engine").inc(report.bookkeeping_cpu_ms / 1e3)
     slots = getattr(model, "slots", None)  # the batched runner's KV (not the HF path)
     if slots is not None:
         used, free = slots

@@ -91,7 +91,7 @@ class LoopHost:
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
                  budget: Budget | None = None, speculation: SpeculationSettings | None = None,
                  redis_outage_s: float = 30.0,
-                 simulated_step_ms: float = 0.0, metrics: RoundMetrics | None = None,
+                 simulated_step_ms: float = 0.0, simulated_row_ms: float = 0.0, metrics: RoundMetrics | None = None,
                  controller: Controller | None = None, shadow_log: ShadowLog | None = None,
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
@@ -120,7 +120,8 @@ class LoopHost:
                 source.carrier_for = lambda sid: self.carriers.get(sid, {})
         self.engine = EngineLoop(model, stops_for, sources, self.committer, observers=[self], budget=budget,
                                  speculation=speculation,
-                                 simulated_step_ms=(lambda step, out: simulated_step_ms) if simulated_step_ms else None,
+                                 simulated_step_ms=(lambda step, out: simulated_step_ms + simulated_row_ms * len(step.rows))
+                                 if simulated_step_ms or simulated_row_ms else None,
                                  on_step=self._on_step, summarize=lambda s: run_summary(self.incarnation, s),
                                  constrain=constrain)
         self.committer.on_acked = self.engine.acked
