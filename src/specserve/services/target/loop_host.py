@@ -120,8 +120,7 @@ class LoopHost:
                 source.carrier_for = lambda sid: self.carriers.get(sid, {})
         self.engine = EngineLoop(model, stops_for, sources, self.committer, observers=[self], budget=budget,
                                  speculation=speculation,
-                                 simulated_step_ms=(lambda step, out: simulated_step_ms + simulated_row_ms * len(step.rows))
-                                 if simulated_step_ms or simulated_row_ms else None,
+                                 simulated_step_ms=_simulated(simulated_step_ms, simulated_row_ms),
                                  on_step=self._on_step, summarize=lambda s: run_summary(self.incarnation, s),
                                  constrain=constrain)
         self.committer.on_acked = self.engine.acked
@@ -380,6 +379,13 @@ class LoopHost:
             if status != "ok":
                 self.engine.cancel(sid, status)
                 self.engine.cancel(sid + SHADOW_SUFFIX, status)
+
+
+def _simulated(pass_ms: float, row_ms: float) -> Callable[[Any, Any], float] | None:
+    """A simulated device's step time (benchmarks, tests): a pass, and more a row; None: off."""
+    if not pass_ms and not row_ms:
+        return None
+    return lambda step, out: pass_ms + row_ms * len(step.rows)
 
 
 def _carrier_of(span: Any) -> dict[str, str]:
