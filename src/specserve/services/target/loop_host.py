@@ -124,6 +124,7 @@ class LoopHost:
                                  on_step=self._on_step, summarize=lambda s: run_summary(self.incarnation, s),
                                  constrain=constrain)
         self.committer.on_acked = self.engine.acked
+        self.committer.on_wake = self._drain_rounds  # (one wake of the event loop a step, with the commits)
         self.driving: dict[str, Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
         self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop
@@ -278,7 +279,7 @@ class LoopHost:
             if report.rows:
                 worker_step(self.worker_metrics, report, self.engine.model)
             self.worker_metrics.queue_depth.set(report.unseated)  # the sessions waiting for a seat (ADR 0021)
-        self.loop.call_soon_threadsafe(self._drain_rounds)
+        self.committer.kick()  # -> _drain_rounds on the event loop, with the step's commits
 
     def _refused(self, session_id: str, why: str) -> None:
         self.engine.cancel(session_id, why)
