@@ -76,11 +76,24 @@ def tiny_pair(directory: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tokenizers import Tokenizer
+
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                      eos_token_id=EOS, bos_token_id=EOS, pad_token_id=1, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).eval().save_pretrained(target)
+                      eos_token_id=EOS, bos_token_id=EOS, pad_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    # Its greedy picks are tokens that decode to plain text on their own: a random model's would
+    # mostly be pieces of characters, which the engine holds back until they complete, and an
+    # HTTP stream would send one event for many tokens (the router's cost a token understated).
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    plain = torch.tensor([(t := tok.decode([i])).isascii() and t.strip() != "" and t.isprintable()
+                          for i in range(cfg.vocab_size)])
+    plain[EOS] = False
+    with torch.no_grad():
+        model.lm_head.weight[~plain] = 0.0
+        model.lm_head.weight[plain] *= 8.0
+    model.save_pretrained(target)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         shutil.copy(TOKENIZER / name, target / name)
     return directory

@@ -81,8 +81,8 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                   on_wait: Callable[[], Awaitable[None]] | None, served: list[int],
                   from_offset: int) -> AsyncIterator[Chunk]:
     hash_key, _, out_key = store._keys(session_id)[:3]
-    # The chunk holding pos is the last one that starts at or before it.
-    before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1)
+    # The chunk holding pos is the last one that starts at or before it (from the start: the first).
+    before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1) if pos else None
     start, last_id, catching_up = (as_str(before[0][0]) if before else "-"), "0-0", True
     marked = 0.0
     follower = store.follower  # one read for every stream this router follows (None on a Cluster)
