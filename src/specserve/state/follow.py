@@ -18,8 +18,9 @@ step instead of 64.
   `reading._read` sends, the write being the follower's own key: a reply a replica did not
   acknowledge is not handed on, and is read again (from the same ids); `ReplicaAcks` says
   when to serve unconfirmed.
-- A Redis error reaches every subscriber (each rides it out as before and subscribes again);
-  the follower waits a backoff before its next read.
+- A Redis error reaches every subscriber (each rides it out as before and subscribes again;
+  any other error is raised to the readers, never left a stall); the follower waits a backoff
+  before its next read.
 - Only on one Redis or a Sentinel's primary: a Cluster refuses an `XREAD` over keys of several
   slots, and each reader there reads its own stream (`reading._xread`)."""
 
@@ -138,7 +139,9 @@ class StreamFollower:
             try:
                 reply = await self._read()
                 backoff = OUTAGE_BACKOFF_S
-            except REDIS_DOWN as exc:
+            except Exception as exc:  # Redis away (its readers ride it out), or a bug: never a silent stall
+                if not isinstance(exc, REDIS_DOWN):
+                    log.exception("the stream follower's read failed")
                 for subs in list(self.subs.values()):
                     for sub in subs:
                         sub._fail(exc)
