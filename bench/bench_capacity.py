@@ -29,7 +29,10 @@ Reported per cell:
 Arms (`--arms`): `base` (one router, one Redis; every `--streams` over each of `--apis`),
 `routers` (`--router-counts` routers at `--scale-streams` streams, gRPC and HTTP), `cluster` (a
 local Redis Cluster, three masters with a replica each, as the fault tests start it; one router,
-at `--cluster-streams`). One stack per arm and router count.
+at `--cluster-streams`). One stack per arm and router count. And two parts alone: `commit` (the
+engine's commit path: a step of 64 rounds through the store, Redis's CPU and the client's a round)
+and `grpc` (a bare grpc.aio servicer streaming small chunks: its CPU a message, the floor under
+the router's cost a token).
 
     python bench/bench_capacity.py [--arms base,routers,cluster] [--streams 1,16,64,256] [--label after]
     python bench/bench_capacity.py --smoke --out /tmp/x       # the suite's run: seconds, checks the fields
@@ -479,6 +482,111 @@ def engine_alone(pair: Path, loads: list[int], tokens: int, seconds: float) -> d
     return out
 
 
+# ---- two parts alone: the commit path, and gRPC's own cost a message ----
+
+def commit_cost(steps: int = 150, rows: int = 64) -> dict:
+    """A step of `rows` rounds committed `steps` times through the store on a fresh redis-server
+    (its AOF on, as the stack runs it): Redis's CPU and this process's a round, and Redis's calls."""
+    import redis as sync_redis
+
+    from specserve.state.store import SessionStore, connect
+    from specserve.tooling.redis_server import start_redis
+
+    @dataclass(frozen=True)
+    class Round:
+        session_id: str
+        epoch: int
+        expected_len: int
+        round_id: str
+        tokens: tuple[int, ...]
+        text: str
+        finish_reason: str | None = None
+        stats: str = ""
+
+    async def run(url: str, pid: int) -> dict:
+        client = connect(url)
+        store = SessionStore(client, prefix="cost")
+        sids = [(await store.create_or_join(None, {"k": 1}, [1, 2], "bench")).session_id for _ in range(rows)]
+        await store.commit_batch([Round(s, 1, 0, f"{s}:w", (1,), "w") for s in sids])
+        redis0, me0 = _cpu_s(pid), time.process_time()
+        for n in range(1, steps + 1):
+            await store.commit_batch([Round(s, 1, n, f"{s}:{n}", (5,), "x") for s in sids])
+        out = {"redis_us_a_round": (_cpu_s(pid) - redis0) * 1e6 / (steps * rows),
+               "client_us_a_round": (time.process_time() - me0) * 1e6 / (steps * rows)}
+        await client.aclose()
+        return out
+
+    with tempfile.TemporaryDirectory(prefix="specserve-capacity-redis-") as d:
+        server = start_redis(Path(d))
+        try:
+            with sync_redis.Redis(port=server.port, password=server.password) as c:
+                c.config_resetstat()
+                out = asyncio.run(run(server.url, server.pid))
+                stats = c.info("commandstats")
+            calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_config", "cmdstat_info"))
+            out["redis_calls_a_round"] = calls / ((steps + 1) * rows)
+        finally:
+            server.stop()
+    return {"rows": rows, "steps": steps, **out}
+
+
+class _Chunks:
+    """A bare Generation servicer: `max_tokens` small chunks a call, 2 ms apart (gRPC alone)."""
+
+    def __init__(self) -> None:
+        from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+        self.pb = generation_pb2
+        self.servicer = type("S", (generation_pb2_grpc.GenerationServicer,), {"GenerateStream": self.stream})()
+
+    async def stream(self, request, context):
+        for i in range(request.max_tokens):
+            yield self.pb.GenerateChunk(session_id="0" * 32, offset=i, token_ids=[5], text="ab")
+            await asyncio.sleep(0.002)
+
+
+def grpc_floor(loads: tuple[int, ...] = (1, 64)) -> dict:
+    """The CPU a streamed message costs a grpc.aio server on its own (a servicer that yields small
+    chunks 2 ms apart, in a process of its own): the floor under the router's cost a token."""
+    import subprocess
+
+    code = ("import asyncio, sys; sys.path.insert(0, 'bench'); import grpc, bench_capacity as b\n"
+            "from specserve.v1 import generation_pb2_grpc as g\n"
+            "async def main():\n"
+            "    s = grpc.aio.server(); g.add_GenerationServicer_to_server(b._Chunks().servicer, s)\n"
+            "    print(s.add_insecure_port('127.0.0.1:0'), flush=True)\n"
+            "    await s.start(); await s.wait_for_termination()\n"
+            "asyncio.run(main())\n")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        port = int(server.stdout.readline())  # type: ignore[union-attr]
+        out = {}
+        for streams in loads:
+            per = max(20, 2000 // streams)
+            asyncio.run(_stream_all(port, 2, 5))  # warm
+            before = _cpu_s(server.pid)
+            n = asyncio.run(_stream_all(port, streams, per))
+            out[str(streams)] = {"messages": n, "server_us_a_message": (_cpu_s(server.pid) - before) * 1e6 / n}
+        return out
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+async def _stream_all(port: int, streams: int, per: int) -> int:
+    import grpc
+
+    from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one() -> int:
+            return len([c async for c in stub.GenerateStream(generation_pb2.GenerateRequest(max_tokens=per))])
+
+        return sum(await asyncio.gather(*(one() for _ in range(streams))))
+
+
 # ---- the arms, the report ----
 
 def measure_stack(pair: Path, routers: int, cluster: bool, cells: list[tuple[str, int]], a, arm: str) -> list[dict]:
@@ -592,7 +700,7 @@ def plot(cells: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = parser(__doc__)
-    ap.add_argument("--arms", default="base,routers,cluster")
+    ap.add_argument("--arms", default="base,routers,cluster,commit,grpc")
     ap.add_argument("--apis", default="grpc,http")
     ap.add_argument("--streams", default="1,16,64,256")
     ap.add_argument("--router-counts", default="1,2,4")
@@ -605,7 +713,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="seconds: two cells of 4 streams; checks the script")
     a = ap.parse_args()
     if a.smoke:
-        a.arms, a.streams, a.tokens, a.warm, a.seconds = "base", "1,4", 16, 0.5, 1.5
+        a.arms, a.streams, a.tokens, a.warm, a.seconds = "base,commit", "1,4", 16, 0.5, 1.5
     apis = a.apis.split(",")
     streams = [int(s) for s in a.streams.split(",")]
     out = Path(a.out) / "capacity"
@@ -614,11 +722,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="specserve-capacity-pair-") as tmp:
         pair = tiny_pair(Path(tmp))
         t0 = time.perf_counter()
-        alone = engine_alone(pair, [1] if a.smoke else streams, a.tokens, 1.0 if a.smoke else 3.0)
-        print(f"[bench] the engine alone ({time.perf_counter() - t0:.1f} s): "
-              + ", ".join(f"{s}: {v['tpot_ms_p50']:.2f} ms" for s, v in alone.items()), file=sys.stderr, flush=True)
         cells: list[dict] = []
         arms = a.arms.split(",")
+        alone = engine_alone(pair, [1] if a.smoke else streams, a.tokens, 1.0 if a.smoke else 3.0) \
+            if "base" in arms else {}
+        if alone:
+            print(f"[bench] the engine alone ({time.perf_counter() - t0:.1f} s): "
+                  + ", ".join(f"{s}: {v['tpot_ms_p50']:.2f} ms" for s, v in alone.items()), file=sys.stderr,
+                  flush=True)
         if "base" in arms:
             order = [(api, s) for s in streams for api in apis] if not a.smoke else [("grpc", 4), ("http", 4)]
             if a.smoke:
@@ -635,13 +746,20 @@ def main() -> None:
         if "cluster" in arms:
             cells += measure_stack(pair, 1, True, [("grpc", int(s)) for s in a.cluster_streams.split(",")], a,
                                    "cluster")
+    parts = {}
+    if "commit" in arms:  # the engine's commit path alone: a step of 64 rounds, Redis's CPU a round
+        parts["commit"] = commit_cost(steps=20 if a.smoke else 150)
+        print(f"[bench] commit: {parts['commit']}", file=sys.stderr, flush=True)
+    if "grpc" in arms:  # gRPC's own CPU a streamed message: the floor under the router's
+        parts["grpc"] = grpc_floor((4,) if a.smoke else (1, 64))
+        print(f"[bench] grpc alone: {parts['grpc']}", file=sys.stderr, flush=True)
     met = targets(cells, alone)
     name = "capacity" + (f"-{a.label}" if a.label else "")
     result = {"meta": {"args": vars(a), "cpus": os.cpu_count(), "load_before": load_before,
                        "load_after": os.getloadavg(), "h200_step": {"pass_ms": H200_STEP.pass_ms,
                                                                     "row_ms": H200_STEP.row_ms,
                                                                     "measured": H200_STEP.measured}},
-              "engine_alone": {str(k): v for k, v in alone.items()}, "cells": cells, "targets": met}
+              "engine_alone": {str(k): v for k, v in alone.items()}, "cells": cells, "parts": parts, "targets": met}
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(cells, out / f"{name}.png")
     print(table(cells, alone))

@@ -42,4 +42,7 @@ def test_the_capacity_benchmarks_smoke_run_reports_every_process(tmp_path):
         assert abs(c["target_forward_ms"] + c["target_host_ms"] - c["target_ms"]) < 1e-6, where
         assert c["redis_calls_per_token"] > 1 and "evalsha" in c["redis_commands"], where
     assert result["engine_alone"]["1"]["tpot_ms_p50"] >= 0.9 * H200_ONE_ROW_MS
+    commit = result["parts"]["commit"]  # the commit path alone: a step's rounds in a script call
+    assert 0 < commit["redis_us_a_round"] < 10_000 and 0 < commit["client_us_a_round"] < 10_000
+    assert 1 < commit["redis_calls_a_round"] < 12  # the script's own calls a round, and its share of one EVALSHA
     assert result["targets"]["grpc_tpot_added_1"]["ms"] is not None
