@@ -89,3 +89,31 @@ PROFILES = {
     "h100": Profile("h100", weights_ms=6.4, token_ms=0.027, kv_us=0.052, fixed_ms=0.3,
                     draft_step_ms=2.7, draft_token_ms=0.02),
 }
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """A target step measured on a device, as a line in the rows it runs: pass_ms + row_ms ×
+    rows (the target's `simulated_pass_ms` and `simulated_row_ms`). `measured`: rows -> ms,
+    the points it was fitted to."""
+
+    name: str
+    pass_ms: float
+    row_ms: float
+    measured: tuple[tuple[int, float], ...]
+
+    def step_ms(self, rows: int) -> float:
+        return self.pass_ms + self.row_ms * rows
+
+
+def _through(name: str, lo: tuple[int, float], hi: tuple[int, float], *more: tuple[int, float]) -> StepFit:
+    slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
+    return StepFit(name, lo[1] - slope * lo[0], slope, (lo, *more, hi))
+
+
+# The 1.1B-class target (TinyLlama's shape, bf16) of ADR 0019 on an H200, plain greedy steps:
+# 1.61 ms at 1 session (gpu_check, run 8), 1.81 ms at 16 (8,818 tok/s, same run) and 3.35 ms at 64
+# (19,111 tok/s, `bench_engine_loop --device cuda`, issue 52). The line goes through the 1- and
+# 64-row points (16 rows: 2.02 ms, 0.21 over the measured step, so the stack is given a slightly
+# slower device there); 256 rows (8.65 ms) is extrapolated, not measured.
+H200_STEP = _through("h200", (1, 1.61), (64, 3.35), (16, 1.81))

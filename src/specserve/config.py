@@ -132,6 +132,9 @@ class TargetSettings(WorkerSettings):
     # benchmarks/tests on CPU: extra time per forward pass, flat in K, as a large target on a
     # GPU takes (memory-bound decode); 0 = off
     simulated_pass_ms: float = Field(0.0, ge=0)
+    # and this much more per row in the step (a device whose step grows with the batch: the
+    # capacity benchmark's H200 fit, bench/profiles.py: H200_STEP)
+    simulated_row_ms: float = Field(0.0, ge=0)
     # The engine (ADR 0014): it drives its sessions' rounds. Pool name -> draft replica
     # addresses (one Draft.Link stream per replica); the router's pools by the same names.
     draft_pools: dict[str, list[str]] = Field(default_factory=dict)

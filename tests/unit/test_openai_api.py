@@ -230,3 +230,33 @@ def test_http_requests_are_counted_by_route_and_status():
 
     # a stream counts as served; a refusal counts whichever layer refused it
     assert (count("200"), count("404"), count("400"), count("503")) == (2.0, 1.0, 1.0, 1.0)
+
+
+def test_the_http_servers_connections_send_without_nagles_delay():
+    """Every connection the HTTP API accepts has Nagle's algorithm off (TCP_NODELAY): with it on,
+    an SSE event written while the previous one was unacknowledged waited for the client's
+    delayed ACK, 40 ms on a kept-alive connection, so a stream's tokens came in bursts. asyncio
+    sets TCP_NODELAY only where the socket's proto says TCP; the listener used to say 0."""
+    import asyncio
+    import socket
+
+    from fastapi import FastAPI
+
+    from specserve.services.router.openai_api import start_http
+
+    async def body() -> list[int]:
+        server, task, port = await start_http(FastAPI(), "127.0.0.1", 0)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(100):
+                if server.server_state.connections:
+                    break
+                await asyncio.sleep(0.01)
+            socks = [c.transport.get_extra_info("socket") for c in server.server_state.connections]
+            writer.close()
+            return [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks]
+        finally:
+            server.should_exit = True
+            await task
+
+    assert asyncio.run(body()) == [1]

@@ -1,6 +1,7 @@
 """The key audit (ADR 0023): every Lua script specserve runs touches only keys it declares in
 KEYS, and the keys one call declares share one Redis Cluster slot, so every script runs on a
-Redis Cluster as on one Redis.
+Redis Cluster as on one Redis (COMMIT takes several rounds' keys: a hash tag's on a Cluster, a
+whole step's on one Redis, ADR 0028).
 
 The checker reads each script's `redis.call(...)`s: for a command that takes keys, the key
 arguments must be `KEYS[n]` (or `key` from a loop over KEYS); a command it does not know
@@ -24,9 +25,11 @@ from specserve.state.store import TAGS, SessionStore, tag_of
 KEY_ARGS: dict[str, tuple[int, ...] | None] = {
     "HSET": (0,), "HGET": (0,), "HMGET": (0,), "HGETALL": (0,), "HINCRBY": (0,), "HINCRBYFLOAT": (0,),
     "EXPIRE": (0,), "EXISTS": None, "DEL": None, "LLEN": (0,), "RPUSH": (0,), "SADD": (0,), "SREM": (0,),
-    "SISMEMBER": (0,), "SET": (0,), "GET": (0,), "XADD": (0,), "TIME": (), "PUBLISH": (),
+    "SISMEMBER": (0,), "SET": (0,), "GET": (0,), "XADD": (0,), "TIME": (), "PUBLISH": (), "TTL": (0,),
 }
-DECLARED = re.compile(r"KEYS\[\d+\]|key")
+# a declared key: KEYS[n], KEYS[k + n] or KEYS[j] (a script that takes several sessions' keys,
+# five each: COMMIT), or `key` from a loop over KEYS
+DECLARED = re.compile(r"KEYS\[(\d+|[a-z]( \+ \d+)?)\]|key")
 
 
 def _calls(lua: str) -> list[tuple[str, list[str]]]:

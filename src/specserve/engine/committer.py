@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from specserve.engine.session import CommitRecord
@@ -41,6 +42,12 @@ class RedisCommitter:
         self.observe = observe  # (rounds in the pipeline, seconds)
         self.on_acked = on_acked  # (one session id per answered round), on the event loop
         self.pipelines = 0
+        # what the loop thread hands over, and whether a wake of the event loop is on its way:
+        # one wake takes everything handed over since the last, and runs `on_wake` too (the
+        # target's step accounting), so a step costs the event loop one wake, not one a caller
+        self.on_wake: Callable[[], None] | None = None
+        self._handed: deque[list[CommitRecord]] = deque()
+        self._waking = False
         self._queue: asyncio.Queue[list[CommitRecord]] = asyncio.Queue()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -53,15 +60,29 @@ class RedisCommitter:
 
     def submit(self, records: Sequence[CommitRecord]) -> None:
         """One step's commits, from any thread."""
-        self.loop.call_soon_threadsafe(self._put, list(records))
+        self._handed.append(list(records))
+        self.kick()
 
-    def _put(self, records: list[CommitRecord]) -> None:
-        self._idle.clear()
-        self._queue.put_nowait(records)
+    def kick(self) -> None:
+        """Wake the event loop for what was handed over (and `on_wake`), unless a wake is on its
+        way already (from any thread)."""
+        if not self._waking:
+            self._waking = True
+            self.loop.call_soon_threadsafe(self._woken)
+
+    def _woken(self) -> None:
+        self._waking = False  # (before taking: what is handed over after this wakes it again)
+        while self._handed:
+            self._idle.clear()
+            self._queue.put_nowait(self._handed.popleft())
+        if self.on_wake is not None:
+            self.on_wake()
 
     async def flush(self) -> None:
         """Wait until everything submitted so far has been answered by Redis."""
         await asyncio.sleep(0)  # let call_soon_threadsafe callbacks already scheduled run
+        if self._handed:  # (handed over from this thread, its wake not run yet)
+            self._woken()
         await self._idle.wait()
 
     async def stop(self) -> None:

@@ -63,6 +63,11 @@ class StepReport:
     # the device's time for the step where the model says it differs from forward_ms (a
     # lookahead step ran while the engine did its bookkeeping: ADR 0019); None: forward_ms
     device_ms: float | None = None
+    # the engine thread's CPU time in the step: in the model's step (on a CPU, the forward; on a
+    # device, preparing and launching it) and in its own bookkeeping; what the target's host
+    # costs beside the forward (ADR 0028)
+    forward_cpu_ms: float = 0.0
+    bookkeeping_cpu_ms: float = 0.0
 
     @property
     def busy_ms(self) -> float:
@@ -204,7 +209,7 @@ class EngineLoop:
     def step(self) -> StepReport | None:
         """One step: schedule -> one forward -> settle each row -> hand the commits over.
         None: nothing to run (or the step is held for blocks about to land)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.pools.serial_s = 0.0
         plan = self._schedule()
         if plan is None:
@@ -213,8 +218,9 @@ class EngineLoop:
         rows = [step_row(r, self.pools.wants_features(r.session), self.pools.on_device(r.session)) for r in plan.rows]
         self.mask_ms = sum(ms for _, ms in rows)
         step = Step([row for row, _ in rows])
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         out = self.model.step(step)
+        c2 = time.thread_time()
         if self.simulated_step_ms is not None:  # the device's time: the real forward padded up to it
             time.sleep(max(self.simulated_step_ms(step, out) / 1e3 - (time.perf_counter() - t1), 0.0))
         t2 = time.perf_counter()
@@ -230,8 +236,10 @@ class EngineLoop:
         self._notify_ended()
         self._hand_over(commits)
         self._forget_ended()
+        c3 = time.thread_time()
         self.last = StepReport(len(plan.rows), fed, forward_ms, bookkeeping_ms, plan.unseated,
-                               None if self.simulated_step_ms is not None else out.device_ms)
+                               None if self.simulated_step_ms is not None else out.device_ms,
+                               forward_cpu_ms=(c2 - c1) * 1e3, bookkeeping_cpu_ms=(c1 - c0 + c3 - c2) * 1e3)
         if self.on_step is not None:
             self.on_step(self.last)
         return self.last

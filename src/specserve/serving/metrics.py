@@ -158,6 +158,12 @@ class WorkerMetrics:
             f"specserve_{service}_reconcile_dropped_tokens",
             f"Provisional KV positions the {service} worker dropped to reconcile a session to its committed "
             "prefix (the target's rejected drafts are specserve_rollback_tokens).", registry=r)
+        # the target's engine thread, its CPU a step: in the model's step and in its own bookkeeping
+        # (ADR 0028: the host's share beside the forward)
+        self.step_cpu = Counter(f"specserve_{service}_step_cpu_seconds",
+                                "CPU time of the engine thread's steps: part forward (the model's step: on a CPU "
+                                "the forward itself, on a device its preparation and launch) or engine (schedule, "
+                                "settle, hand-over).", ("part",), registry=r)
         # continuous batching (ADR 0013)
         self.batch_size = Histogram(f"specserve_{service}_batch_size", "Work items per batch the model ran.",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)

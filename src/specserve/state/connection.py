@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ClusterDownError, ReadOnlyError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import ClusterDownError, NoScriptError, ReadOnlyError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -148,3 +148,34 @@ async def ride_out(call: Callable[[], Awaitable[Any]], outage_s: float) -> Any:
                 raise
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_S)
+
+
+async def evalsha_pipeline(client: Any, calls: Sequence[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+    """Script calls (a registered script, keys, args) on `client`, answered in order: one EVALSHA,
+    or one pipeline of them. redis-py's pipeline of script objects first asks SCRIPT EXISTS for
+    them, a round trip more a pipeline (the engine's commits paid it every step, ADR 0028). Here a
+    script the server lacks (NOSCRIPT: after a restart) is loaded and the calls it refused are
+    sent again: a call refused NOSCRIPT did not run, and a server lacks a script for every call
+    of it at once. An error reply raises the first, as a pipeline's execute does."""
+    if len(calls) == 1:  # the script object's own call: EVALSHA, and on NOSCRIPT a load and again
+        script, keys, args = calls[0]
+        return [await script(keys=keys, args=args, client=client)]
+    replies = await _evalsha(client, calls, range(len(calls)))
+    missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+    if missing:
+        for script in {id(calls[i][0]): calls[i][0] for i in missing}.values():
+            await client.script_load(script.script)
+        for i, reply in zip(missing, await _evalsha(client, calls, missing), strict=True):
+            replies[i] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+async def _evalsha(client: Any, calls: Sequence[tuple[Any, list[str], list[Any]]], which: Sequence[int]) -> list:
+    async with client.pipeline(transaction=False) as pipe:
+        for i in which:
+            script, keys, args = calls[i]
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))

@@ -10,6 +10,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from specserve.state.connection import evalsha_pipeline
+
 # the cluster client's connection settings a node's plain client takes over
 _KEEP = ("host", "port", "password", "username", "decode_responses", "encoding", "socket_timeout",
          "socket_connect_timeout", "socket_keepalive", "protocol")
@@ -49,11 +51,7 @@ class ClusterNodes:
 
         async def on_node(address: tuple[str, int], indices: list[int]) -> None:
             try:
-                async with self._client(address).pipeline(transaction=False) as pipe:
-                    for i in indices:
-                        script, keys, args = calls[i]
-                        await script(keys=keys, args=args, client=pipe)
-                    replies = await pipe.execute()
+                replies = await evalsha_pipeline(self._client(address), [calls[i] for i in indices])
                 for i, reply in zip(indices, replies, strict=True):
                     out[i] = reply
             except Exception:

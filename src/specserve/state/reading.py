@@ -19,13 +19,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import AskError, MovedError
+from redis.exceptions import AskError, MovedError, NoScriptError
 
 from specserve.errors import InvalidRequest, ServedTokensChanged, SessionNotFound
+from specserve.state import scripts
 from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN
 from specserve.state.records import Chunk, SessionStatus, as_str
 
 if TYPE_CHECKING:
+    from specserve.state.follow import Subscription
     from specserve.state.store import SessionStore
 
 log = logging.getLogger("specserve.state")
@@ -79,48 +81,78 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                   on_wait: Callable[[], Awaitable[None]] | None, served: list[int],
                   from_offset: int) -> AsyncIterator[Chunk]:
     hash_key, _, out_key = store._keys(session_id)[:3]
-    # The chunk holding pos is the last one that starts at or before it.
-    before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1)
+    # The chunk holding pos is the last one that starts at or before it (from the start: the first).
+    before = await store._r.xrevrange(out_key, max=f"{pos}-1", min="-", count=1) if pos else None
     start, last_id, catching_up = (as_str(before[0][0]) if before else "-"), "0-0", True
     marked = 0.0
-    confirmed = store.replicas.acks > 0
-    while True:
-        closed = False
-        if not confirmed and time.monotonic() - marked >= 1.0:  # someone reads it: not abandoned
-            await store.mark_read(session_id)  # (a confirmed read marks it with every read)
-            marked = time.monotonic()
-        if catching_up:  # page through what is already committed
-            entries = await _read(store, hash_key, partial(_xrange, out_key, start, _PAGE))
-            catching_up = len(entries) == _PAGE
-        else:  # follow live commits
-            reply = await _read(store, hash_key, partial(_xread, out_key, last_id, block_ms))
-            entries = _xread_entries(reply)
-            if not entries:
-                status = await store._r.hget(hash_key, "status")
-                if status is None:
-                    raise SessionNotFound(f"session {session_id} expired while being read")
-                if as_str(status) == SessionStatus.RUNNING:
-                    if on_wait is not None:
-                        await on_wait()
-                    continue
-                # Closed: its final chunk was written with the status, so one read gets it.
-                entries = await _read(store, hash_key, partial(_xrange, out_key, f"({last_id}", None))
-                closed = True
-        for entry_id, fields in entries:
-            last_id = as_str(entry_id)
-            entry = _entry(fields)
-            if entry.offset > pos:
-                raise _Reseek  # commits were lost and redone: find pos's chunk again
-            _check_redone(session_id, entry, pos, served, from_offset)
-            chunk = _from(entry, pos)
-            if chunk is not None:
+    follower = store.follower  # one read for every stream this router follows (None on a Cluster)
+    sub: Subscription | None = None
+    marks = store.replicas.acks == 0 or follower is not None  # (else every read marks it: _read)
+    try:
+        while True:
+            closed, live = False, not catching_up
+            if marks and time.monotonic() - marked >= 1.0:  # someone reads it: not abandoned
+                await store.mark_read(session_id)
+                marked = time.monotonic()
+            if catching_up:  # page through what is already committed
+                entries = await _read(store, hash_key, partial(_xrange, out_key, start, _PAGE))
+                catching_up = len(entries) == _PAGE
+            else:  # follow live commits
+                if follower is not None and sub is None:
+                    sub = await follower.follow(out_key, last_id)
+                entries = await sub.next(block_ms) if sub is not None else _xread_entries(
+                    await _read(store, hash_key, partial(_xread, out_key, last_id, block_ms)))
+                if not entries:
+                    status = await store._r.hget(hash_key, "status")
+                    if status is None:
+                        raise SessionNotFound(f"session {session_id} expired while being read")
+                    if as_str(status) == SessionStatus.RUNNING:
+                        if on_wait is not None:
+                            await on_wait()
+                        continue
+                    # Closed: its final chunk was written with the status, so one read gets it.
+                    entries = await _read(store, hash_key, partial(_xrange, out_key, f"({last_id}", None))
+                    closed = True
+            chunks, last_id = _chunks(session_id, entries, pos, served, from_offset, last_id, merge=live)
+            for chunk in chunks:
                 yield chunk
                 pos = chunk.offset + len(chunk.tokens)
                 if chunk.finish_reason:
                     return
-        start = f"({last_id}"
-        if closed:
-            return
+            start = f"({last_id}"
+            if closed:
+                return
+    finally:
+        if sub is not None and follower is not None:
+            follower.unfollow(sub)
+
+
+def _chunks(session_id: str, entries: list, pos: int, served: list[int], from_offset: int,
+            last_id: str, merge: bool) -> tuple[list[Chunk], str]:
+    """One read's entries as the chunks to serve from `pos` on (and the last entry's id).
+    With `merge` (a live read), whole chunks that came in one read are served as one: a reader
+    that fell behind by several commits sends one message for them, not one each (ADR 0028).
+    What a reader catches up on is served as committed, a chunk a commit, and so is a last
+    chunk (its finish reason, or the error)."""
+    out: list[Chunk] = []
+    for entry_id, fields in entries:
+        last_id = as_str(entry_id)
+        entry = _entry(fields)
+        if entry.offset > pos:
+            raise _Reseek  # commits were lost and redone: find pos's chunk again
+        _check_redone(session_id, entry, pos, served, from_offset)
+        chunk = _from(entry, pos)
+        if chunk is None:
+            continue
+        prev = out[-1] if merge and out else None
+        if prev is not None and not (prev.partial or chunk.partial or prev.finish_reason or chunk.finish_reason):
+            out[-1] = Chunk(prev.offset, prev.tokens + chunk.tokens, prev.text + chunk.text, None)
+        else:
+            out.append(chunk)
+        pos = chunk.offset + len(chunk.tokens)
+        if chunk.finish_reason:
+            break
+    return out, last_id
 
 
 class _Reseek(Exception):
@@ -204,9 +236,13 @@ async def _read(store: SessionStore, hash_key: str, command: Callable[[Any], Any
         try:
             async with client.pipeline(transaction=False) as pipe:
                 command(pipe)
-                await store._mark_read(keys=[hash_key], client=pipe)
+                # EVALSHA, not the script object: that costs a SCRIPT EXISTS round trip a pipeline
+                pipe.evalsha(store._mark_read.sha, 1, hash_key)
                 pipe.execute_command("WAIT", replicas.acks, wait_ms)
                 reply, _, acked = await pipe.execute()
+        except NoScriptError:  # a restarted server: load it, then read again
+            await client.script_load(scripts.MARK_READ)
+            continue
         except (MovedError, AskError, *REDIS_DOWN):
             if cluster is None:
                 raise

@@ -48,33 +48,59 @@ return {'created', ARGV[3], 1}
 """
 )
 
-# KEYS: hash, tok, out, rounds, running. ARGV[3..7]: epoch, expected_len, round_id, text,
-# finish_reason ('' = not final); ARGV[8..]: token ids.
+# One or more rounds' commits (a step's, on one Redis; a hash tag's, on a Cluster: ADR 0028), each
+# fenced and applied in order, exactly as one round alone. KEYS: five a round (hash, tok, out,
+# rounds, running). ARGV[1..2]: prefix, ttl; then a round's epoch, expected_len, round_id, text,
+# finish_reason ('' = not final), stats ('' = none: a finished run's statistics, written with its
+# last commit), n and its n token ids. Returns {status, committed length} a round, flat.
+# The keys' TTL is refreshed where the hash's has run below half (all five are refreshed together,
+# and at a session's first commit, which creates three of them): EXPIRE on five keys a round was a
+# fifth of the script's time. TIME is read once a call.
 COMMIT = (
     _LUA_HELPERS
     + """
-local len = redis.call('LLEN', KEYS[2])
-if redis.call('SISMEMBER', KEYS[4], ARGV[5]) == 1 then return {'duplicate', len} end
-local h = redis.call('HMGET', KEYS[1], 'status', 'epoch')
-if not h[1] then return {'missing', len} end
-if h[1] ~= 'running' then return {'closed', len} end
-if tonumber(h[2]) ~= tonumber(ARGV[3]) then return {'stale_epoch', len} end
-if len ~= tonumber(ARGV[4]) then return {'stale_len', len} end
--- XADD first: it is the only write that could fail, and a failed script is not rolled back.
-redis.call('XADD', KEYS[3], len .. '-1', 'offset', len, 'tokens', table.concat(ARGV, ',', 8),
-  'text', ARGV[6], 'finish_reason', ARGV[7])
-for i = 8, #ARGV, 1000 do  -- unpack() has a stack limit
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+local out, a, t = {}, 3, now()
+local half = tonumber(ARGV[2]) / 2
+for k = 0, #KEYS - 5, 5 do
+  local epoch, expected, round_id, finish = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 4]
+  local first, last = a + 7, a + 6 + tonumber(ARGV[a + 6])
+  local len = redis.call('LLEN', KEYS[k + 2])
+  local status = 'ok'
+  if redis.call('SISMEMBER', KEYS[k + 4], round_id) == 1 then
+    status = 'duplicate'
+  else
+    local h = redis.call('HMGET', KEYS[k + 1], 'status', 'epoch')
+    if not h[1] then status = 'missing'
+    elseif h[1] ~= 'running' then status = 'closed'
+    elseif tonumber(h[2]) ~= tonumber(epoch) then status = 'stale_epoch'
+    elseif len ~= expected then status = 'stale_len'
+    end
+  end
+  if status == 'ok' then
+    -- XADD first: it is the only write that could fail, and a failed script is not rolled back.
+    redis.call('XADD', KEYS[k + 3], len .. '-1', 'offset', len, 'tokens', table.concat(ARGV, ',', first, last),
+      'text', ARGV[a + 3], 'finish_reason', finish)
+    for i = first, last, 1000 do  -- unpack() has a stack limit
+      redis.call('RPUSH', KEYS[k + 2], unpack(ARGV, i, math.min(i + 999, last)))
+    end
+    local n = len + last - first + 1
+    redis.call('SADD', KEYS[k + 4], round_id)
+    redis.call('HSET', KEYS[k + 1], 'committed', n, 'updated', t)
+    if ARGV[a + 5] ~= '' then redis.call('HSET', KEYS[k + 1], 'stats', ARGV[a + 5]) end
+    if finish ~= '' then
+      redis.call('HSET', KEYS[k + 1], 'status', 'finished', 'finish_reason', finish)
+      redis.call('SREM', KEYS[k + 5], string.match(KEYS[k + 1], '(%x+)$'))
+    end
+    if len == 0 or finish ~= '' or redis.call('TTL', KEYS[k + 1]) < half then
+      for j = k + 1, k + 5 do redis.call('EXPIRE', KEYS[j], ARGV[2]) end
+    end
+    len = n
+  end
+  out[#out + 1] = status
+  out[#out + 1] = len
+  a = last + 1
 end
-local n = len + #ARGV - 7
-redis.call('SADD', KEYS[4], ARGV[5])
-redis.call('HSET', KEYS[1], 'committed', n, 'updated', now())
-if ARGV[7] ~= '' then
-  redis.call('HSET', KEYS[1], 'status', 'finished', 'finish_reason', ARGV[7])
-  redis.call('SREM', KEYS[5], session_id())
-end
-touch()
-return {'ok', n}
+return out
 """
 )
 
@@ -153,13 +179,4 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   local t = redis.call('TIME')
   redis.call('HSET', KEYS[1], 'read_at', t[1] .. '.' .. string.format('%06d', t[2]))
 end
-"""
-
-# A finished run's statistics, written just before its last commit (same pipeline), so a
-# reader that sees the finish sees them. KEYS: hash. ARGV: epoch, stats JSON. Fenced by epoch.
-STATS = """
-local h = redis.call('HMGET', KEYS[1], 'status', 'epoch')
-if h[1] ~= 'running' or tonumber(h[2]) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'stats', ARGV[2])
-return 1
 """

@@ -40,13 +40,15 @@ import random
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
 from specserve.errors import InvalidRequest, RequestIdConflict, SessionNotFound
 from specserve.state import reading, scripts
-from specserve.state.connection import MAX_CONNECTIONS, REDIS_DOWN, connect, ride_out
+from specserve.state.connection import MAX_CONNECTIONS, REDIS_DOWN, connect, evalsha_pipeline, ride_out
+from specserve.state.follow import StreamFollower
 from specserve.state.nodes import ClusterNodes
 from specserve.state.records import (
     Chunk,
@@ -77,6 +79,20 @@ def session_key(session_id: str, prefix: str = "specserve") -> str:
     that read the store's keys directly."""
     return f"{prefix}:sess:{{{tag_of(session_id)}}}{session_id}"
 
+@dataclass(frozen=True)
+class _Round:
+    """One round's commit, for `commit` (the engine hands its own CommitRecords to `commit_batch`)."""
+
+    session_id: str
+    epoch: int
+    expected_len: int
+    round_id: str
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    stats: str = ""
+
+
 class SessionStore:
     def __init__(self, redis: Redis, prefix: str = "specserve", ttl_s: int = 3600, lease_s: float = 5.0,
                  replica_acks: int = 0, replica_wait_s: float = 2.0) -> None:
@@ -102,9 +118,17 @@ class SessionStore:
         self._take_over: Any = redis.register_script(scripts.TAKE_OVER)
         self._heartbeat: Any = redis.register_script(scripts.HEARTBEAT)
         self._mark_read: Any = redis.register_script(scripts.MARK_READ)
-        self._stats: Any = redis.register_script(scripts.STATS)
         self._claim: Any = redis.register_script(scripts.CLAIM)
         self.running_keys = [f"{prefix}:running:{{{t:02x}}}" for t in range(TAGS)]
+        self._follower: StreamFollower | None = None
+
+    @property
+    def follower(self) -> StreamFollower | None:
+        """The one live read of every stream this store's readers follow (state/follow.py); None
+        on a Cluster, where each reader reads its own."""
+        if self._follower is None and self._nodes is None:
+            self._follower = StreamFollower(self)
+        return self._follower
 
     @property
     def client(self) -> Any:
@@ -188,13 +212,13 @@ class SessionStore:
         Cluster, one per node (state/nodes.py)."""
         if self._nodes is not None:
             return await self._nodes.scripts(calls)
-        async with self._r.pipeline(transaction=False) as pipe:
-            for script, keys, args in calls:
-                await script(keys=keys, args=args, client=pipe)
-            return await pipe.execute()
+        return await evalsha_pipeline(self._r, calls)
 
     async def aclose(self) -> None:
-        """Close the plain clients to a Cluster's nodes (the cluster client is the caller's)."""
+        """Stop the follower's reads; close the plain clients to a Cluster's nodes (the cluster
+        client is the caller's)."""
+        if self._follower is not None:
+            await self._follower.aclose()
         if self._nodes is not None:
             await self._nodes.aclose()
 
@@ -249,34 +273,44 @@ class SessionStore:
         finish_reason: str | None,
     ) -> CommitResult:
         """Append one round's emitted tokens iff the session is where the caller thinks."""
-        status, length = await self._commit(**self._commit_call(session_id, expected_len, epoch, round_id, tokens,
-                                                                 text, finish_reason))
-        return CommitResult(CommitStatus(as_str(status)), int(length))
+        return (await self.commit_batch([_Round(session_id, epoch, expected_len, round_id, tuple(tokens), text,
+                                                finish_reason)]))[0]
 
-    def _commit_call(self, session_id: str, expected_len: int, epoch: int, round_id: str, tokens: list[int],
-                     text: str, finish_reason: str | None) -> dict[str, Any]:
-        if expected_len < 0 or epoch < 1 or not round_id:
+    def _commit_args(self, r: RoundCommit) -> tuple[list[str], list[Any]]:
+        """One round's keys and its part of the COMMIT script's arguments."""
+        if r.expected_len < 0 or r.epoch < 1 or not r.round_id:
             raise InvalidRequest("commit needs expected_len >= 0, epoch >= 1 and a round_id")
-        if not tokens and not finish_reason:
+        if not r.tokens and not r.finish_reason:
             raise InvalidRequest("a commit without tokens must finish the session")
+        tokens = [int(t) for t in r.tokens]
         if any(t < 0 for t in tokens):
             raise InvalidRequest("token ids must be non-negative")
-        args = [self.prefix, self.ttl_s, epoch, expected_len, round_id, text, finish_reason or ""]
-        return {"keys": self._keys(session_id), "args": args + [int(t) for t in tokens]}
+        return self._keys(r.session_id), [r.epoch, r.expected_len, r.round_id, r.text, r.finish_reason or "",
+                                          getattr(r, "stats", "") or "", len(tokens), *tokens]
 
     async def commit_batch(self, rounds: Sequence[RoundCommit]) -> list[CommitResult]:
-        """Several rounds' commits in one pipeline (one round trip; the engine sends one per
-        step), each fenced exactly like `commit`. Applied in order, so a session's rounds in
-        one batch land one after the other."""
-        calls = [self._commit_call(r.session_id, r.expected_len, r.epoch, r.round_id, list(r.tokens), r.text,
-                                   r.finish_reason) for r in rounds]
-        queued: list[tuple[Any, list[str], list[Any]]] = []
-        for r, call in zip(rounds, calls, strict=True):
-            if getattr(r, "stats", ""):
-                queued.append((self._stats, call["keys"][:1], [r.epoch, r.stats]))
-            queued.append((self._commit, call["keys"], call["args"]))
-        replies = [x for x in await self._scripts(queued) if isinstance(x, list)]  # stats answer an integer
-        return [CommitResult(CommitStatus(as_str(status)), int(length)) for status, length in replies]
+        """Several rounds' commits (the engine sends a step's at once), each fenced exactly like
+        `commit` and applied in order, so a session's rounds in one batch land one after the
+        other. One script call for all of them on one Redis; on a Cluster one a hash tag (a
+        call's keys must share a slot), sent as one pipeline a node (ADR 0028)."""
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(rounds):
+            groups.setdefault(tag_of(r.session_id) if self._nodes is not None else "", []).append(i)
+        calls: list[tuple[Any, list[str], list[Any]]] = []
+        for indices in groups.values():
+            keys: list[str] = []
+            args: list[Any] = [self.prefix, self.ttl_s]
+            for i in indices:
+                k, a = self._commit_args(rounds[i])
+                keys += k
+                args += a
+            calls.append((self._commit, keys, args))
+        replies = await self._scripts(calls)
+        out: list[CommitResult | None] = [None] * len(rounds)
+        for indices, reply in zip(groups.values(), replies, strict=True):
+            for j, i in enumerate(indices):
+                out[i] = CommitResult(CommitStatus(as_str(reply[2 * j])), int(reply[2 * j + 1]))
+        return [r for r in out if r is not None]
 
     async def cancel(self, session_id: str) -> bool:
         """Close a running session on a client's request; False if it already ended."""

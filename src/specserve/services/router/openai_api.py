@@ -319,8 +319,13 @@ class _Server(uvicorn.Server):
 
 async def start_http(app: FastAPI, host: str, port: int) -> tuple[_Server, asyncio.Task, int]:
     """Serve `app` on host:port (0 = a free port) in this event loop; returns the bound port."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets
+    # whose proto says TCP, and an accepted socket takes the listener's. With Nagle on, an SSE
+    # event written while the previous one was unacknowledged waited for the client's delayed ACK
+    # (40 ms on Linux) on every kept-alive connection: a stream's events came in bursts (ADR 0028).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=10))

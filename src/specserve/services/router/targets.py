@@ -1,7 +1,8 @@
 """The targets, as the control plane places sessions on them (ADR 0014).
 
 Targets register in Redis (`{prefix}:target:{name}` -> {"address", "name", "incarnation",
-"sessions"}, kept alive by the actor's heartbeat). A new session goes to the target driving
+"sessions"}, kept alive by the actor's heartbeat, which also adds the name to the index
+`{prefix}:targets`). A new session goes to the target driving
 the fewest sessions (ties broken by a hash of the session id, so concurrent routers spread
 the same way), with `Target.Start`. A target with no KV room answers RESOURCE_EXHAUSTED:
 the next target is tried, then the start waits and retries for `admission_wait_s`, then the
@@ -46,6 +47,15 @@ class Target:
     load: int  # sessions it drives, as its last heartbeat said, plus those placed here since
 
 
+def _text(v: bytes | str) -> str:
+    return v if isinstance(v, str) else v.decode()
+
+
+async def _scan(redis, match: str):
+    async for key in redis.scan_iter(match=match, count=100):
+        yield _text(key)
+
+
 class TargetDirectory:
     def __init__(self, redis, prefix: str, wait_s: float = 30.0, admission_wait_s: float = 10.0,
                  tls: TlsFiles | None = None, call_timeout_s: float = 30.0) -> None:
@@ -61,16 +71,23 @@ class TargetDirectory:
         self._read_at = -1e9
 
     async def refresh(self) -> list[Target]:
-        found: dict[str, Target] = {}
+        """The registered targets: the names in the registry's index (`{prefix}:targets`, which
+        each target's heartbeat adds itself to), each one's entry read; a name whose entry
+        expired leaves the index. With an empty index (targets older than it), a SCAN for the
+        entries, as before: a SCAN walks the whole keyspace, every session's keys included, so
+        a router refreshing each second paid for every session kept for its TTL (ADR 0028)."""
         head = f"{self.prefix}:target:"
-        async for key in self.redis.scan_iter(match=f"{head}*", count=100):
-            key = key if isinstance(key, str) else key.decode()
-            if ":" in key[len(head):]:
-                continue  # a target's session index, not its registry entry
-            raw = await self.redis.get(key)
-            if raw:
-                e = json.loads(raw)
-                found[e["address"]] = Target(e.get("name", key[len(head):]), e["address"], int(e.get("sessions", 0)))
+        names = sorted(_text(n) for n in await self.redis.smembers(f"{self.prefix}:targets"))
+        if not names:
+            names = [k[len(head):] async for k in _scan(self.redis, f"{head}*") if ":" not in k[len(head):]]
+        found: dict[str, Target] = {}
+        for name in names:
+            raw = await self.redis.get(head + name)
+            if not raw:
+                await self.redis.srem(f"{self.prefix}:targets", name)  # (no-op where it is not there)
+                continue
+            e = json.loads(raw)
+            found[e["address"]] = Target(e.get("name", name), e["address"], int(e.get("sessions", 0)))
         self.targets = found
         for a in found:
             if a not in self.stubs:

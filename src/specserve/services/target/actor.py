@@ -33,6 +33,15 @@ def registry_key(prefix: str, name: str) -> str:
     return f"{prefix}:target:{name}"
 
 
+def registry_index(prefix: str) -> str:
+    """The set of registered targets' names, so that routers find the entries without a SCAN of
+    the keyspace (which grows with every session kept for its TTL; ADR 0028)."""
+    return f"{prefix}:targets"
+
+
+INDEX_TTL_S = 86_400  # the index outlives its targets' heartbeats; routers drop names whose entry expired
+
+
 class TargetWorker:
     """Plain class (Ray wraps it with `ray.remote` in the launcher, options from settings)."""
 
@@ -133,7 +142,14 @@ class TargetWorker:
                                "metrics_port": self.metrics_port, "incarnation": host.incarnation,
                                "sessions": host.load})
 
-        await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
+        async def beat() -> None:
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.set(key, entry(), px=int(s.registry_ttl_s * 1000))
+                pipe.sadd(registry_index(s.key_prefix), s.name)
+                pipe.expire(registry_index(s.key_prefix), INDEX_TTL_S)
+                await pipe.execute()
+
+        await beat()
         log.info("target %s serving on %s (pid %d)", s.name, self.address, os.getpid())
         self._ready.set()
         try:  # a restarted incarnation drives its sessions on (they were in its index)
@@ -143,7 +159,7 @@ class TargetWorker:
         while True:
             await asyncio.sleep(s.heartbeat_s)
             try:
-                await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
+                await beat()
             except Exception:  # Redis blips must not kill the worker; the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
 
@@ -196,7 +212,8 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
                                                       max_commit_lag=s.max_commit_lag, gather=s.gather_rows,
                                                       tree_width=s.tree_width),
                       redis_outage_s=s.redis_outage_s,
-                      simulated_step_ms=s.simulated_pass_ms, metrics=RoundMetrics(metrics.registry),
+                      simulated_step_ms=s.simulated_pass_ms, simulated_row_ms=s.simulated_row_ms,
+                      metrics=RoundMetrics(metrics.registry),
                       controller=controller, shadow_log=ShadowLog(store.client, s.key_prefix, s.stats_ttl_s),
                       kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
                       detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,

@@ -91,7 +91,7 @@ class LoopHost:
                  name: str, sources: Mapping[str, DraftSource], loop: asyncio.AbstractEventLoop,
                  budget: Budget | None = None, speculation: SpeculationSettings | None = None,
                  redis_outage_s: float = 30.0,
-                 simulated_step_ms: float = 0.0, metrics: RoundMetrics | None = None,
+                 simulated_step_ms: float = 0.0, simulated_row_ms: float = 0.0, metrics: RoundMetrics | None = None,
                  controller: Controller | None = None, shadow_log: ShadowLog | None = None,
                  kv_bytes_per_token: int = 0, heartbeat_s: float = 1.0, detached_idle_s: float = 60.0,
                  on_no_room: Callable[[], None] = lambda: None, worker_metrics: WorkerMetrics | None = None,
@@ -120,10 +120,11 @@ class LoopHost:
                 source.carrier_for = lambda sid: self.carriers.get(sid, {})
         self.engine = EngineLoop(model, stops_for, sources, self.committer, observers=[self], budget=budget,
                                  speculation=speculation,
-                                 simulated_step_ms=(lambda step, out: simulated_step_ms) if simulated_step_ms else None,
+                                 simulated_step_ms=_simulated(simulated_step_ms, simulated_row_ms),
                                  on_step=self._on_step, summarize=lambda s: run_summary(self.incarnation, s),
                                  constrain=constrain)
         self.committer.on_acked = self.engine.acked
+        self.committer.on_wake = self._drain_rounds  # (one wake of the event loop a step, with the commits)
         self.driving: dict[str, Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
         self._rounds: deque[tuple[EngineSession, RoundStats, float, int]] = deque()  # loop thread -> event loop
@@ -278,7 +279,7 @@ class LoopHost:
             if report.rows:
                 worker_step(self.worker_metrics, report, self.engine.model)
             self.worker_metrics.queue_depth.set(report.unseated)  # the sessions waiting for a seat (ADR 0021)
-        self.loop.call_soon_threadsafe(self._drain_rounds)
+        self.committer.kick()  # -> _drain_rounds on the event loop, with the step's commits
 
     def _refused(self, session_id: str, why: str) -> None:
         self.engine.cancel(session_id, why)
@@ -379,6 +380,13 @@ class LoopHost:
             if status != "ok":
                 self.engine.cancel(sid, status)
                 self.engine.cancel(sid + SHADOW_SUFFIX, status)
+
+
+def _simulated(pass_ms: float, row_ms: float) -> Callable[[Any, Any], float] | None:
+    """A simulated device's step time (benchmarks, tests): a pass, and more a row; None: off."""
+    if not pass_ms and not row_ms:
+        return None
+    return lambda step, out: pass_ms + row_ms * len(step.rows)
 
 
 def _carrier_of(span: Any) -> dict[str, str]:
