@@ -372,8 +372,7 @@ class EngineLoop:
             self.pools.outcome(s, source, Outcome(s.id, len(s.committed), tuple(settled.tokens), k_next, width))
 
     def _batch(self) -> int:
-        """The rows a step holds at this load: the running sessions, at most the seats
-        (`max_batch`; the rest wait for one, scheduler.py)."""
+        """The rows a step holds now: the running sessions, at most the seats (scheduler.py)."""
         return min(len(self.sessions), self.budget.max_batch)
 
     def _plain_reason(self, s: EngineSession, row: Row, k_asked: int) -> str:
