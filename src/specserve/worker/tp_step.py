@@ -134,6 +134,7 @@ class LeaderTarget:
         self._checked_at = time.monotonic()
         self._ops: list[tuple[Any, ...]] = []  # sessions opened and closed since the last message
         self._ids: dict[Any, list[int]] = {}  # each session's committed ids as last sent
+        self.keep: list[Any] = []  # what lives as long as the group (under Ray: its ranks' actor handles)
 
     @property
     def max_batch(self) -> int | None:

@@ -45,6 +45,7 @@ class TargetWorker:
         self._error: BaseException | None = None
         self.address = ""
         self._loop = asyncio.new_event_loop()
+        self.group = None  # a tensor-parallel target's LeaderTarget (ADR 0030)
         self._thread = threading.Thread(target=self._run, name="target-grpc", daemon=True)
         self._thread.start()
 
@@ -98,12 +99,21 @@ class TargetWorker:
             model_thread = threads.ModelThread("engine")  # every model call, the engine loop's too
 
             def build():
-                target = TargetModel(load_model(s.model))
-                engine = make_target_step(target, Batching.from_settings(s))
+                if s.tensor_parallel > 1:  # ranks 1..N-1 beside this one, each with its shard (ADR 0030)
+                    from specserve.services.target.tp_group import start_ranks
+
+                    engine = start_ranks(s, _exit_for_a_restart)
+                    target = engine.local.target
+                else:
+                    target = TargetModel(load_model(s.model))
+                    engine = make_target_step(target, Batching.from_settings(s))
                 warm_up(engine)  # the batched step once, before the engine loop owns the model
+                if s.tensor_parallel > 1:
+                    engine.check()  # every rank's pid and state, for the registry
                 return target, engine
 
             target, engine = await asyncio.wrap_future(model_thread.submit(build))
+            self.group = engine if s.tensor_parallel > 1 else None
             device = str(resolve_device(s.device))  # where either path put the model
             span.set_attribute("specserve.device", device)
             log.info("target model on %s (Ray GPU ids %s, num_gpus %s)", device, _ray_gpu_ids(), s.num_gpus)
@@ -131,7 +141,7 @@ class TargetWorker:
         def entry() -> str:
             return json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name,
                                "metrics_port": self.metrics_port, "incarnation": host.incarnation,
-                               "sessions": host.load})
+                               "sessions": host.load, **group_entry(self.group)})
 
         await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
         log.info("target %s serving on %s (pid %d)", s.name, self.address, os.getpid())
@@ -146,6 +156,16 @@ class TargetWorker:
                 await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
             except Exception:  # Redis blips must not kill the worker; the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
+
+
+def group_entry(group) -> dict:
+    """A tensor-parallel target's ranks in its registry entry (ADR 0030): each one's pid, step
+    messages received and verdict digest at the last check (once a second while it steps)."""
+    if group is None:
+        return {}
+    return {"tensor_parallel": group.tp.size,
+            "ranks": [{"rank": r.rank, "pid": r.pid, "steps": r.messages.get("step", 0), "digest": r.digest}
+                      for r in group.last_check]}
 
 
 def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thread=None):
@@ -236,6 +256,8 @@ def eagle_local(s: TargetSettings, engine, target):
         raise ValueError("a local:eagle pool needs the batched runner (the target's features): this target "
                          "runs on the per-session path")
     engine.keep_features(head.cfg.feature_layers)
+    if s.tensor_parallel > 1:  # no rank holds the whole model: the head's parts from the files (ADR 0030)
+        return EagleLocalDrafts(head, TargetParts.from_weights(s.model, head.cfg.feature_layers))
     parts = TargetParts(target.model, head.cfg.feature_layers)
     if getattr(engine, "runner", None) is not None and engine.runner.device_step is not None:
         engine.enable_head(head)  # the head's rounds in the device step, chained where the lookahead is on
