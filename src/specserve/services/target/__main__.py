@@ -69,9 +69,15 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
                    max_task_retries=0)
     with tracer().start_as_current_span("specserve.target.launch"):
         if settings.tensor_parallel > 1:  # rank 0 in bundle 0 of the group's placement (ADR 0030)
-            from specserve.services.target.tp_group import in_bundle, place
+            from specserve.services.target.tp_group import PlacementRefused, in_bundle, place
 
-            options["scheduling_strategy"] = in_bundle(place(settings), 0)
+            try:
+                options["scheduling_strategy"] = in_bundle(place(settings), 0)
+            except PlacementRefused as exc:  # a clear error at start, not a pending actor
+                log.critical("%s", exc)
+                ray.shutdown()
+                shutdown_tracing()
+                raise SystemExit(2) from exc
         actor: Any = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json(), carrier())
         info = ray.get(actor.info.remote())
     log.info("target actor %s ready at %s (pid %s)", settings.name, info["address"], info["pid"])

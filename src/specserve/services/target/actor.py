@@ -102,7 +102,7 @@ class TargetWorker:
                 if s.tensor_parallel > 1:  # ranks 1..N-1 beside this one, each with its shard (ADR 0030)
                     from specserve.services.target.tp_group import start_ranks
 
-                    engine = start_ranks(s, _exit_for_a_restart)
+                    engine = start_ranks(s, _group_lost)
                     target = engine.local.target
                 else:
                     target = TargetModel(load_model(s.model))
@@ -263,6 +263,14 @@ def eagle_local(s: TargetSettings, engine, target):
         engine.enable_head(head)  # the head's rounds in the device step, chained where the lookahead is on
         return DeviceHeadDrafts(head, parts)
     return EagleLocalDrafts(head, parts)
+
+
+def _group_lost(exc: BaseException) -> None:
+    """A rank of this tensor-parallel target died or failed (ADR 0030): the group is one unit,
+    so rank 0 exits and Ray restarts the group, which adopts the sessions from Redis."""
+    log.critical("a rank of this tensor-parallel target is lost (%r): exiting so that Ray restarts the group", exc)
+    logging.shutdown()
+    os._exit(ENGINE_FAILED_EXIT)
 
 
 def _exit_for_a_restart(exc: BaseException) -> None:

@@ -143,5 +143,4 @@ def watch(serving: list, on_lost: Callable[[BaseException], None]) -> None:
         why: BaseException = RuntimeError("a rank of the tensor-parallel group stopped")
     except Exception as exc:  # noqa: BLE001 - the rank's own failure, or Ray's news of its death
         why = exc
-    log.error("a rank of the tensor-parallel group is lost: %r", why)
     on_lost(why)
