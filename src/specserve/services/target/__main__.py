@@ -23,7 +23,8 @@ from specserve.serving.grpc_server import configure_logging
 log = logging.getLogger("specserve.target.launcher")
 
 
-def launch(settings: TargetSettings, info_file: str = "") -> None:
+def _ray_environment() -> None:
+    """The environment Ray reads at init (and passes to every process it starts here)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # ray.shutdown() waits up to this long to flush Ray's task events (about 6 s on a local head,
     # where the flush never went idle): a stopping launcher should not sit out a pod's grace
@@ -42,6 +43,10 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
         # so another local user cannot submit work to it. RAY_AUTH_MODE=disabled opts out.
         if os.environ.setdefault("RAY_AUTH_MODE", "token") == "token":
             os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
+
+
+def launch(settings: TargetSettings, info_file: str = "") -> None:
+    _ray_environment()
     import ray
 
     from specserve.services.target.actor import TargetWorker

@@ -70,8 +70,6 @@ class TargetWorker:
         import torch
 
         from specserve.device import resolve_device
-        from specserve.models.loading import load_model
-        from specserve.models.verifier import TargetModel
         from specserve.services.target.server import TargetServicer
         from specserve.serving.grpc_server import GrpcServer
         from specserve.serving.metrics import WorkerMetrics
@@ -86,7 +84,6 @@ class TargetWorker:
         from specserve.state.store import SessionStore, connect
         from specserve.v1 import target_pb2, target_pb2_grpc
         from specserve.worker import threads
-        from specserve.worker.model_step import Batching, make_target_step, warm_up
 
         s = self.settings
         setup_tracing("specserve-target")
@@ -98,21 +95,7 @@ class TargetWorker:
             torch.set_num_threads(s.torch_threads)
             model_thread = threads.ModelThread("engine")  # every model call, the engine loop's too
 
-            def build():
-                if s.tensor_parallel > 1:  # ranks 1..N-1 beside this one, each with its shard (ADR 0030)
-                    from specserve.services.target.tp_group import start_ranks
-
-                    engine = start_ranks(s, _group_lost)
-                    target = engine.local.target
-                else:
-                    target = TargetModel(load_model(s.model))
-                    engine = make_target_step(target, Batching.from_settings(s))
-                warm_up(engine)  # the batched step once, before the engine loop owns the model
-                if s.tensor_parallel > 1:
-                    engine.check()  # every rank's pid and state, for the registry
-                return target, engine
-
-            target, engine = await asyncio.wrap_future(model_thread.submit(build))
+            target, engine = await asyncio.wrap_future(model_thread.submit(_build, s))
             self.group = engine if s.tensor_parallel > 1 else None
             device = str(resolve_device(s.device))  # where either path put the model
             span.set_attribute("specserve.device", device)
@@ -156,6 +139,28 @@ class TargetWorker:
                 await redis.set(key, entry(), px=int(s.registry_ttl_s * 1000))
             except Exception:  # Redis blips must not kill the worker; the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
+
+
+def _build(s: TargetSettings):
+    """(the target, its model step), warmed up; on the model thread. A tensor-parallel target:
+    ranks 1..N-1 beside this one, each with its shard (ADR 0030)."""
+    from specserve.worker.model_step import Batching, make_target_step, warm_up
+
+    if s.tensor_parallel > 1:
+        from specserve.services.target.tp_group import start_ranks
+
+        engine = start_ranks(s, _group_lost)
+        target = engine.local.target
+    else:
+        from specserve.models.loading import load_model
+        from specserve.models.verifier import TargetModel
+
+        target = TargetModel(load_model(s.model))
+        engine = make_target_step(target, Batching.from_settings(s))
+    warm_up(engine)  # the batched step once, before the engine loop owns the model
+    if s.tensor_parallel > 1:
+        engine.check()  # every rank's pid and state, for the registry
+    return target, engine
 
 
 def group_entry(group) -> dict:
