@@ -260,6 +260,7 @@ def test_tp2_serves_every_kind_of_session_as_tp1_does(group, demo_pair, eval_pro
     assert [s.messages["step"] for s in states] == [group.steps] * 2
     assert group.steps == len(reports) > 0  # one message per engine step, not per row
     assert states[0].digest == states[1].digest and states[0].rows == states[1].rows > len(sessions)
+    assert states[1].pid != states[0].pid and states[1].memory_bytes > 0 and states[1].collective_s["reduce"] > 0
 
     ties, compared = [], 0
     for sid, ids, plan in sessions:

@@ -111,10 +111,22 @@ class RankState:
     rows: int
     messages: dict[str, int] = field(default_factory=dict)
     collective_s: dict[str, float] = field(default_factory=dict)
+    memory_bytes: int = 0  # its device's memory in use (CUDA: allocated by torch; the CPU: the process's RSS)
 
 
-def _state(tp: GroupCollectives, channel: Channel, digest: VerdictDigest) -> RankState:
-    return RankState(tp.rank, os.getpid(), digest.hexdigest(), digest.rows, dict(channel.counts), dict(tp.seconds))
+def _memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _state(tp: GroupCollectives, channel: Channel, digest: VerdictDigest, device: torch.device) -> RankState:
+    return RankState(tp.rank, os.getpid(), digest.hexdigest(), digest.rows, dict(channel.counts), dict(tp.seconds),
+                     _memory(device))
 
 
 class LeaderTarget:
@@ -176,7 +188,8 @@ class LeaderTarget:
         where a rank's verdicts or its count of step messages differ from rank 0's."""
         self._send("check")
         states: list[Any] = [None] * self.tp.size
-        dist.all_gather_object(states, _state(self.tp, self.channel, self.digest), group=control_group())
+        dist.all_gather_object(states, _state(self.tp, self.channel, self.digest, self.runner.device),
+                               group=control_group())
         self._checked_at = time.monotonic()
         self.last_check = states
         mine = states[0]
@@ -228,9 +241,10 @@ def follow(local: BatchedTarget, tp: GroupCollectives) -> RankState:
         elif kind == "features":
             local.keep_features(body)
         elif kind == "check":
-            dist.all_gather_object([None] * tp.size, _state(tp, channel, digest), group=control_group())
+            dist.all_gather_object([None] * tp.size, _state(tp, channel, digest, local.runner.device),
+                                   group=control_group())
         elif kind == "stop":
-            return _state(tp, channel, digest)
+            return _state(tp, channel, digest, local.runner.device)
         else:
             raise ValueError(f"unknown step message {kind!r}")
 

@@ -101,6 +101,10 @@ class TargetWorker:
             span.set_attribute("specserve.device", device)
             log.info("target model on %s (Ray GPU ids %s, num_gpus %s)", device, _ray_gpu_ids(), s.num_gpus)
             metrics = WorkerMetrics("target")
+            if self.group is not None:  # each rank's state (ADR 0030)
+                from specserve.services.target.tp_group import GroupCollector
+
+                metrics.registry.register(GroupCollector(self.group))
             store = SessionStore(redis, prefix=s.key_prefix, ttl_s=s.session_ttl_s, lease_s=s.lease_s)
             host = self.host = loop_host(s, engine, metrics, target, store, tls, model_thread)
             servicer = TargetServicer(host)

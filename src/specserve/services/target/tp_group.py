@@ -144,3 +144,35 @@ def watch(serving: list, on_lost: Callable[[BaseException], None]) -> None:
     except Exception as exc:  # noqa: BLE001 - the rank's own failure, or Ray's news of its death
         why = exc
     on_lost(why)
+
+
+class GroupCollector:
+    """A tensor-parallel target's ranks in its Prometheus registry, from rank 0's last check
+    (once a second while it steps): each rank's step messages, time in the collectives and
+    device memory, and whether the ranks' verdicts agree. (The ranks run every step in
+    lockstep: rank 0's device busy time is every rank's.)"""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        states = list(self.group.last_check)
+        steps = CounterMetricFamily("specserve_target_tp_step_messages", "Step messages each rank of the "
+                                    "tensor-parallel target received (rank 0: sent), at the last check.",
+                                    labels=("rank",))
+        coll = CounterMetricFamily("specserve_target_tp_collective_seconds", "Time each rank spent in the "
+                                   "all-reduces and the logits' gather (waiting for the other ranks included).",
+                                   labels=("rank", "op"))
+        mem = GaugeMetricFamily("specserve_target_tp_memory_bytes", "Each rank's device memory in use (CUDA: "
+                                "allocated by torch; the CPU: the process's resident memory).", labels=("rank",))
+        for st in states:
+            steps.add_metric([str(st.rank)], st.messages.get("step", 0))
+            for op, sec in st.collective_s.items():
+                coll.add_metric([str(st.rank), op], sec)
+            mem.add_metric([str(st.rank)], st.memory_bytes)
+        agree = GaugeMetricFamily("specserve_target_tp_ranks_agree", "1 while every rank's verdicts equal rank "
+                                  "0's at the last check.")
+        agree.add_metric([], float(len({st.digest for st in states}) <= 1))
+        yield from (steps, coll, mem, agree)

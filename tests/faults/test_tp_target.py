@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -112,6 +113,13 @@ def test_tp2_serves_every_pool_as_the_one_device_target(tp_stack, stub, r, eval_
     assert [x["rank"] for x in ranks] == [0, 1] and ranks[0]["pid"] == e["pid"] and ranks[1]["pid"] != e["pid"]
     assert ranks[0]["steps"] == ranks[1]["steps"] > before["ranks"][0]["steps"] + len(prompts) * MAX_TOKENS // 4
     assert ranks[0]["digest"] == ranks[1]["digest"]
+    with urllib.request.urlopen(f"http://{tp_stack.info.metrics['target']}/metrics", timeout=10) as resp:
+        text = resp.read().decode()  # each rank's state in the target's metrics
+    for rank in ("0", "1"):
+        assert f'specserve_target_tp_step_messages_total{{rank="{rank}"}}' in text
+        assert f'specserve_target_tp_collective_seconds_total{{op="reduce",rank="{rank}"}}' in text
+        assert f'specserve_target_tp_memory_bytes{{rank="{rank}"}}' in text
+    assert "specserve_target_tp_ranks_agree 1.0" in text
 
 
 def test_kill_a_rank_mid_generation(tp_stack, stub, r, eval_prompts):
