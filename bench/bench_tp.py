@@ -159,7 +159,8 @@ def _plot(results: list[dict], path: Path) -> None:
            [sum(r["collectives_ms_per_step"].values()) for r in results], width, fill=False, hatch="//",
            label="TP 2: in collectives")
     ax.set_xticks([x + width for x in range(len(results))], labels)
-    ax.set_ylabel("ms a step (median)")
+    ax.set_yscale("log")  # (TP 1 with 2 threads on a loaded 2-core machine is an order of magnitude above)
+    ax.set_ylabel("ms a step (median, log scale)")
     ax.set_title("Target model step on this CPU: TP 2 (gloo, 2 processes) against TP 1")
     ax.legend(fontsize=8)
     fig.tight_layout()
