@@ -107,11 +107,11 @@ def main(argv=None) -> None:
             times: dict[str, list[float]] = {arm.name: [] for arm in arms}
             coll = {"reduce": 0.0, "gather": 0.0}
             for arm in arms:
-                with_threads(arm.threads, lambda arm=arm: arm.step(rows, k))  # warm the shapes
+                with_threads(arm.threads, lambda arm=arm, rows=rows, k=k: arm.step(rows, k))  # warm the shapes
             before = dict(tp2.tp.seconds)
             for _ in range(a.steps):
                 for arm in arms:
-                    times[arm.name].append(with_threads(arm.threads, lambda arm=arm: arm.step(rows, k)))
+                    times[arm.name].append(with_threads(arm.threads, lambda arm=arm, rows=rows, k=k: arm.step(rows, k)))
             for op in coll:
                 coll[op] = (tp2.tp.seconds[op] - before[op]) * 1e3 / a.steps
             med = {n: statistics.median(t) for n, t in times.items()}
