@@ -174,6 +174,18 @@ class TargetSettings(WorkerSettings):
     stats_ttl_s: int = Field(7 * 86400, ge=60)
     # the name the draft replicas' certificates are checked against; empty = the address
     tls_server_name: str = ""
+    # ADR 0030: the target split over this many ranks (a Ray placement group of as many bundles
+    # of num_cpus/num_gpus/resources each, on one node), its heads, KV heads, MLP and LM head
+    # sharded; it must divide the model's attention and KV heads. 1: one device
+    tensor_parallel: int = Field(1)
+    tp_placement_timeout_s: float = Field(60.0, gt=0)  # a group Ray cannot place by then is refused
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _a_tensor_parallel_degree(cls, v: int) -> int:
+        if v not in (1, 2, 4, 8):
+            raise ValueError(f"tensor_parallel must be 1, 2, 4 or 8, got {v}")
+        return v
 
     @field_validator("lease_s")
     @classmethod

@@ -25,7 +25,8 @@ CHART_WIRED = {
     "target": {"model", "redis_url", "key_prefix", "name", "host", "port", "metrics_port",
                "num_gpus", "tls_dir",
                "draft_pools", "tls_server_name",  # the engine's links to the draft pools (ADR 0014)
-               "eagle_pools"},  # from the pools with model "eagle" (ADR 0020)
+               "eagle_pools",  # from the pools with model "eagle" (ADR 0020)
+               "tensor_parallel"},  # from target.tensorParallel (ADR 0030: it sizes the pod's GPUs too)
 }
 CLASSES = {"router": RouterSettings, "draft": DraftSettings, "target": TargetSettings}
 CONSTRAINTS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 # a projection: F.linear, or the oneDNN-packed one (models/runner.py: onednn_linear)
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a tensor-parallel group's all-reduce (ADR 0030)
 
 SCRATCH = "\0device-step-scratch"
 
@@ -74,14 +75,18 @@ def attention_in(h: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor, bqkv: 
 
 def attention_out(h: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None,
                   norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
-                  linear: Linear) -> torch.Tensor:
+                  linear: Linear, reduce: Reduce | None = None) -> torch.Tensor:
     """A layer after attention: the output projection and residual, then the MLP and its
-    residual; h [T, H], o [T, Hq D] -> the next h."""
+    residual; h [T, H], o [T, Hq D] -> the next h. `reduce`: a tensor-parallel rank's sum of
+    the two row-parallel projections over its group (ADR 0030); None on one device."""
     from specserve.models.runner import rms_norm
 
-    h = h + linear(o, wo, bo)
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        return x if reduce is None else reduce(x)
+
+    h = h + summed(linear(o, wo, bo))
     gate, up = linear(rms_norm(h, norm, eps), w_gate_up, None).chunk(2, dim=-1)
-    out: torch.Tensor = h + linear(F.silu(gate) * up, w_down, None)
+    out: torch.Tensor = h + summed(linear(F.silu(gate) * up, w_down, None))
     return out
 
 
@@ -106,7 +111,7 @@ def layer_forward(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, 
                   bo: torch.Tensor | None, mlp_norm: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, wslot: torch.Tensor, at: torch.Tensor,
                   rslot: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                  hq: int, hkv: int, d: int, linear: Linear) -> torch.Tensor:
+                  hq: int, hkv: int, d: int, linear: Linear, reduce: Reduce | None = None) -> torch.Tensor:
     """One decoder layer of the device step, whole: `attention_in`, the new keys and values
     written into the KV (`KVSlots.write`'s scatter), `attend`, `attention_out`. Compiled as one
     program (compile "layer"), its KV scatter, gathers and layout copies fuse around the GEMMs
@@ -117,7 +122,7 @@ def layer_forward(h: torch.Tensor, attn_norm: torch.Tensor, wqkv: torch.Tensor, 
     keys[wslot, :, at] = qk[:, hq:]
     values[wslot, :, at] = v
     return attention_out(h, attend(qk[:, :hq], keys, values, rslot, mask), wo, bo, mlp_norm, w_gate_up, w_down,
-                         eps, linear)
+                         eps, linear, reduce)
 
 
 class DeviceStep:
@@ -286,23 +291,24 @@ class DeviceStep:
         kept = self.r.feature_layers
         width = w.embed.shape[1]
         rslot = self.field("rslot", b.rows)
+        tp = None if self.r.tp.size == 1 else self.r.tp.reduce  # (ADR 0030: a rank's all-reduce)
         for li, layer in enumerate(w.layers):
             if self._layer is not None:
                 h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
                                 layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
-                                self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear)
+                                self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear, tp)
             else:
                 qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
                                   w.eps, hq, hkv, d, linear)
                 self.r.kv.write(li, wslot, at, qk[:, hq:], v)
                 o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
                 h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
-                               linear)
+                               linear, tp)
             if li in kept:
                 j = kept.index(li)
                 self.features[:t, j * width:(j + 1) * width].copy_(h)
         logits = self.logits[:t]
-        logits.copy_(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None))
+        logits.copy_(self.r.tp.gather(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None)))
         jpos = self.field("jpos", t).view(b.rows, b.width)
         top = logits.argmax(-1)  # the first index on ties, as greedy_tokens
         judged = greedy_judge(top.index_select(0, jpos.reshape(-1)).view(b.rows, b.width),

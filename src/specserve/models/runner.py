@@ -99,10 +99,11 @@ class Weights:
     num_kv_heads: int
     head_dim: int
     eps: float
+    vocab: int = 0  # the model's vocabulary where `lm_head` is one rank's slice of it (ADR 0030); 0: its rows
 
     @property
     def vocab_size(self) -> int:
-        return int(self.lm_head.shape[0])
+        return self.vocab or int(self.lm_head.shape[0])
 
 
 def rope_tables(config: Any, max_positions: int,
@@ -294,6 +295,22 @@ def fused_tiles_agree(w: Weights, tile: int, upto: int, linear: Linear) -> bool:
     return True
 
 
+class Collectives:
+    """What a forward asks of its tensor-parallel group (ADR 0030): on one device, nothing.
+    `reduce` sums a row-parallel projection's partial outputs over the ranks (after the
+    attention output projection and after the MLP's down projection); `gather` joins the
+    ranks' vocabulary slices of the logits. models/sharding.py has the group's."""
+
+    size = 1  # ranks
+    rank = 0
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 class ModelRunner:
     """Weights + KV slots + the batched forward. Sessions are allocated, rolled back and
     freed through the runner; `forward` appends rows and returns their logits."""
@@ -314,6 +331,7 @@ class ModelRunner:
         self.feature_layers: tuple[int, ...] = ()
         self.last_features: list[torch.Tensor] = []
         self.device = weights.embed.device
+        self.tp = Collectives()  # a tensor-parallel rank's group (ADR 0030; models/sharding.py)
         # tile=None ("fast"): the short rows attend in one padded call where that pays, on CUDA
         # (one kernel launch, not one per row); on the CPU gathering every row's keys into one
         # padded tensor costs more than the calls it saves (ADR 0016), so rows attend alone
@@ -570,11 +588,11 @@ class ModelRunner:
 
     def _mlp_block(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> None:
         """h [T, H] (a view of the residual stream, updated in place), o [T, Hq D]."""
-        h += self.linear(o, layer.wo, layer.bo)
+        h += self.tp.reduce(self.linear(o, layer.wo, layer.bo))
         x = rms_norm(h, layer.mlp_norm, self.w.eps)
         gate, up = self.linear(x, layer.w_gate_up, None).chunk(2, dim=-1)
         act = silu_rows(gate) if self.tile else F.silu(gate)
-        h += self.linear(act * up, layer.w_down, None)
+        h += self.tp.reduce(self.linear(act * up, layer.w_down, None))
 
     def _logits(self, h: torch.Tensor, rows: Sequence[Row], offsets: list[int],
                 sizes: list[int]) -> list[torch.Tensor]:
@@ -589,5 +607,5 @@ class ModelRunner:
         hs = h[to_device(wanted + [0] * (self._padded(r_total) - r_total), self.device, torch.long)]  # [Rp, H]
         out = torch.empty(hs.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
         for t in self._tiles(hs.shape[0]):
-            out[t] = self.linear(rms_norm(hs[t], self.w.norm, self.w.eps), self.w.lm_head, None).float()
+            out[t] = self.tp.gather(self.linear(rms_norm(hs[t], self.w.norm, self.w.eps), self.w.lm_head, None)).float()
         return list(out[:r_total].split(counts))

@@ -65,6 +65,7 @@ class StackSpec:
     env: dict[str, str] = field(default_factory=dict)  # for every service (e.g. OTEL_*, SPECSERVE_TRACING)
     tls_dir: str = ""  # tls.crt/tls.key/ca.crt: TLS on every hop, mTLS to workers (ADR 0011)
     http_port: int = 0  # router 0's HTTP API port (0 = a free one; the others always take a free one)
+    tensor_parallel: int = 1  # the target over this many ranks (ADR 0030), target_threads each
 
 
 @dataclass
@@ -250,6 +251,7 @@ class Stack:
             "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
             "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
             "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
+            "SPECSERVE_TARGET_TENSOR_PARALLEL": str(spec.tensor_parallel),
             "SPECSERVE_TARGET_METRICS_PORT": "0", "SPECSERVE_TARGET_DRAFT_POOLS": json.dumps(self.info.pools),
             # the remote pools of EAGLE heads: the target sends them its features on the Link
             "SPECSERVE_TARGET_EAGLE_POOLS": json.dumps(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,7 +134,9 @@ def eager_tile(b: Batching, graphs: bool) -> int | None:
     return None if graphs else b.tile
 
 
-def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
+def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRunner] | None = None) -> ModelRunner:
+    """The runner of `model` under these settings; `load`: what builds it in place of
+    `ModelRunner.from_hf` (a tensor-parallel rank's shard, models/sharding.py: ShardLoader)."""
     device = resolve_device(b.device)
     dtype = resolve_dtype(b.dtype, device)
 
@@ -147,7 +149,7 @@ def make_runner(model: torch.nn.Module, b: Batching) -> ModelRunner:
     graphs = b.cuda_graphs == "auto" and device.type == "cuda"
     fixed = b.fixed_step if b.fixed_step is not None else graphs
     # the device step's scratch slot comes on top of the sessions' (within the byte budget)
-    runner = ModelRunner.from_hf(model, kv_budget_bytes=budget, max_sessions=b.max_sessions + int(fixed),
+    runner = (load or ModelRunner.from_hf)(model, kv_budget_bytes=budget, max_sessions=b.max_sessions + int(fixed),
                                  max_len=b.max_len or None, device=device, dtype=dtype,
                                  tile=eager_tile(b, graphs and fixed), fuse_upto=b.fuse_upto)
     if fixed:
@@ -162,9 +164,10 @@ class _RunnerSessions:
 
     max_batch: int | None = None
 
-    def __init__(self, model: torch.nn.Module, max_positions: int, b: Batching) -> None:
+    def __init__(self, model: torch.nn.Module, max_positions: int, b: Batching,
+                 load: Callable[..., ModelRunner] | None = None) -> None:
         self.chunk = b.prefill_chunk
-        self.runner = make_runner(model, b)
+        self.runner = make_runner(model, b, load)
         self.max_positions = min(max_positions, self.runner.kv.max_len)
 
     def open(self, session_id: str) -> Any:
@@ -268,10 +271,11 @@ class StepClock:
 class BatchedTarget(_RunnerSessions):
     verifies_trees = True  # token trees: one row each, judged by algorithm/tree.py
 
-    def __init__(self, target: TargetModel, b: Batching) -> None:
+    def __init__(self, target: TargetModel, b: Batching, load: Callable[..., ModelRunner] | None = None) -> None:
+        """`load`: see `make_runner` (a tensor-parallel rank's shard, ADR 0030)."""
         self.target = target
         self.capture_budget_s = b.capture_budget_s
-        super().__init__(target.model, target.max_positions, b)
+        super().__init__(target.model, target.max_positions, b, load)
         ds = self.runner.device_step
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
         self._ahead: _Ahead | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -22,7 +23,8 @@ from specserve.serving.grpc_server import configure_logging
 log = logging.getLogger("specserve.target.launcher")
 
 
-def launch(settings: TargetSettings, info_file: str = "") -> None:
+def _ray_environment() -> None:
+    """The environment Ray reads at init (and passes to every process it starts here)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # ray.shutdown() waits up to this long to flush Ray's task events (about 6 s on a local head,
     # where the flush never went idle): a stopping launcher should not sit out a pod's grace
@@ -41,6 +43,10 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
         # so another local user cannot submit work to it. RAY_AUTH_MODE=disabled opts out.
         if os.environ.setdefault("RAY_AUTH_MODE", "token") == "token":
             os.environ.setdefault("RAY_AUTH_TOKEN", uuid.uuid4().hex)
+
+
+def launch(settings: TargetSettings, info_file: str = "") -> None:
+    _ray_environment()
     import ray
 
     from specserve.services.target.actor import TargetWorker
@@ -48,7 +54,9 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=settings.namespace, logging_level=logging.WARNING)
     else:
-        ray.init(namespace=settings.namespace, include_dashboard=False, num_cpus=max(2, int(settings.num_cpus) + 1),
+        # (a tensor-parallel target's ranks each take num_cpus: room for all of them, ADR 0030)
+        cpus = max(2, math.ceil(settings.num_cpus * settings.tensor_parallel) + 1)
+        ray.init(namespace=settings.namespace, include_dashboard=False, num_cpus=cpus,
                  _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
     from specserve.serving.telemetry import (
         carrier,
@@ -65,6 +73,16 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
                    resources=settings.resources or None, max_restarts=settings.max_restarts,
                    max_task_retries=0)
     with tracer().start_as_current_span("specserve.target.launch"):
+        if settings.tensor_parallel > 1:  # rank 0 in bundle 0 of the group's placement (ADR 0030)
+            from specserve.services.target.tp_group import PlacementRefused, in_bundle, place
+
+            try:
+                options["scheduling_strategy"] = in_bundle(place(settings), 0)
+            except PlacementRefused as exc:  # a clear error at start, not a pending actor
+                log.critical("%s", exc)
+                ray.shutdown()
+                shutdown_tracing()
+                raise SystemExit(2) from exc
         actor: Any = ray.remote(TargetWorker).options(**options).remote(settings.model_dump_json(), carrier())
         info = ray.get(actor.info.remote())
     log.info("target actor %s ready at %s (pid %s)", settings.name, info["address"], info["pid"])
@@ -76,6 +94,10 @@ def launch(settings: TargetSettings, info_file: str = "") -> None:
     stop.wait()
     log.info("stopping target actor %s", settings.name)
     ray.kill(actor, no_restart=True)
+    if settings.tensor_parallel > 1:
+        from specserve.services.target.tp_group import unplace
+
+        unplace(settings)
     ray.shutdown()
     shutdown_tracing()
 

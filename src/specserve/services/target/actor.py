@@ -54,6 +54,7 @@ class TargetWorker:
         self._error: BaseException | None = None
         self.address = ""
         self._loop = asyncio.new_event_loop()
+        self.group = None  # a tensor-parallel target's LeaderTarget (ADR 0030)
         self._thread = threading.Thread(target=self._run, name="target-grpc", daemon=True)
         self._thread.start()
 
@@ -78,8 +79,6 @@ class TargetWorker:
         import torch
 
         from specserve.device import resolve_device
-        from specserve.models.loading import load_model
-        from specserve.models.verifier import TargetModel
         from specserve.services.target.server import TargetServicer
         from specserve.serving.grpc_server import GrpcServer
         from specserve.serving.metrics import WorkerMetrics
@@ -94,7 +93,6 @@ class TargetWorker:
         from specserve.state.store import SessionStore, connect
         from specserve.v1 import target_pb2, target_pb2_grpc
         from specserve.worker import threads
-        from specserve.worker.model_step import Batching, make_target_step, warm_up
 
         s = self.settings
         setup_tracing("specserve-target")
@@ -106,17 +104,16 @@ class TargetWorker:
             torch.set_num_threads(s.torch_threads)
             model_thread = threads.ModelThread("engine")  # every model call, the engine loop's too
 
-            def build():
-                target = TargetModel(load_model(s.model))
-                engine = make_target_step(target, Batching.from_settings(s))
-                warm_up(engine)  # the batched step once, before the engine loop owns the model
-                return target, engine
-
-            target, engine = await asyncio.wrap_future(model_thread.submit(build))
+            target, engine = await asyncio.wrap_future(model_thread.submit(_build, s))
+            self.group = engine if s.tensor_parallel > 1 else None
             device = str(resolve_device(s.device))  # where either path put the model
             span.set_attribute("specserve.device", device)
             log.info("target model on %s (Ray GPU ids %s, num_gpus %s)", device, _ray_gpu_ids(), s.num_gpus)
             metrics = WorkerMetrics("target")
+            if self.group is not None:  # each rank's state (ADR 0030)
+                from specserve.services.target.tp_group import GroupCollector
+
+                metrics.registry.register(GroupCollector(self.group))
             store = SessionStore(redis, prefix=s.key_prefix, ttl_s=s.session_ttl_s, lease_s=s.lease_s)
             host = self.host = loop_host(s, engine, metrics, target, store, tls, model_thread)
             servicer = TargetServicer(host)
@@ -140,7 +137,7 @@ class TargetWorker:
         def entry() -> str:
             return json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name,
                                "metrics_port": self.metrics_port, "incarnation": host.incarnation,
-                               "sessions": host.load})
+                               "sessions": host.load, **group_entry(self.group)})
 
         async def beat() -> None:
             async with redis.pipeline(transaction=False) as pipe:
@@ -162,6 +159,38 @@ class TargetWorker:
                 await beat()
             except Exception:  # Redis blips must not kill the worker; the next beat retries
                 log.warning("heartbeat to Redis failed", exc_info=True)
+
+
+def _build(s: TargetSettings):
+    """(the target, its model step), warmed up; on the model thread. A tensor-parallel target:
+    ranks 1..N-1 beside this one, each with its shard (ADR 0030)."""
+    from specserve.worker.model_step import Batching, make_target_step, warm_up
+
+    if s.tensor_parallel > 1:
+        from specserve.services.target.tp_group import start_ranks
+
+        engine = start_ranks(s, _group_lost)
+        target = engine.local.target
+    else:
+        from specserve.models.loading import load_model
+        from specserve.models.verifier import TargetModel
+
+        target = TargetModel(load_model(s.model))
+        engine = make_target_step(target, Batching.from_settings(s))
+    warm_up(engine)  # the batched step once, before the engine loop owns the model
+    if s.tensor_parallel > 1:
+        engine.check()  # every rank's pid and state, for the registry
+    return target, engine
+
+
+def group_entry(group) -> dict:
+    """A tensor-parallel target's ranks in its registry entry (ADR 0030): each one's pid, step
+    messages received and verdict digest at the last check (once a second while it steps)."""
+    if group is None:
+        return {}
+    return {"tensor_parallel": group.tp.size,
+            "ranks": [{"rank": r.rank, "pid": r.pid, "steps": r.messages.get("step", 0), "digest": r.digest}
+                      for r in group.last_check]}
 
 
 def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thread=None):
@@ -253,11 +282,21 @@ def eagle_local(s: TargetSettings, engine, target):
         raise ValueError("a local:eagle pool needs the batched runner (the target's features): this target "
                          "runs on the per-session path")
     engine.keep_features(head.cfg.feature_layers)
+    if s.tensor_parallel > 1:  # no rank holds the whole model: the head's parts from the files (ADR 0030)
+        return EagleLocalDrafts(head, TargetParts.from_weights(s.model, head.cfg.feature_layers))
     parts = TargetParts(target.model, head.cfg.feature_layers)
     if getattr(engine, "runner", None) is not None and engine.runner.device_step is not None:
         engine.enable_head(head)  # the head's rounds in the device step, chained where the lookahead is on
         return DeviceHeadDrafts(head, parts)
     return EagleLocalDrafts(head, parts)
+
+
+def _group_lost(exc: BaseException) -> None:
+    """A rank of this tensor-parallel target died or failed (ADR 0030): the group is one unit,
+    so rank 0 exits and Ray restarts the group, which adopts the sessions from Redis."""
+    log.critical("a rank of this tensor-parallel target is lost (%r): exiting so that Ray restarts the group", exc)
+    logging.shutdown()
+    os._exit(ENGINE_FAILED_EXIT)
 
 
 def _exit_for_a_restart(exc: BaseException) -> None:

@@ -53,6 +53,9 @@ def up(
                                   "(ADR 0023) instead of one Redis; the services use its redis+sentinel:// address."),
     redis_cluster: bool = typer.Option(False, "--redis-cluster", help="A Redis Cluster of three masters with a "
                                        "replica each (ADR 0023); the services use its redis+cluster:// address."),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="The target split over this many ranks "
+                                        "(1, 2, 4 or 8; ADR 0030): Ray actors in one placement group, gloo on "
+                                        "the CPU, NCCL on GPUs."),
 ) -> None:
     """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, the draft pools
     (small: 2 replicas, ngram and eagle-local inside the target, eagle: 1 replica) and the router (gRPC, and the
@@ -66,6 +69,12 @@ def up(
         typer.echo("specserve up: --redis-ha and --redis-cluster are exclusive", err=True)
         raise typer.Exit(2)
     spec.redis_ha, spec.redis_cluster = redis_ha, redis_cluster
+    if tensor_parallel not in (1, 2, 4, 8):
+        typer.echo(f"specserve up: --tensor-parallel must be 1, 2, 4 or 8, got {tensor_parallel}", err=True)
+        raise typer.Exit(2)
+    spec.tensor_parallel = tensor_parallel
+    if tensor_parallel > 1:  # every rank shares this machine's cores
+        spec.target_threads = max(1, spec.target_threads // tensor_parallel)
     (run_dir / "router.tls").unlink(missing_ok=True)
     if tls:
         spec.tls_dir = str(make_local_ca(run_dir.resolve() / "tls"))
