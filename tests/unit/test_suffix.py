@@ -217,6 +217,9 @@ def test_a_session_follows_its_committed_sequence_and_rebuilds_on_another():
     assert session.drafts(seq, 4).tokens == reference(seq, [], 4, s)[0]
     other = [5, 1, 2, 7, 1, 2]  # not an extension (its last tokens differ): rebuilt
     assert session.drafts(other, 2).tokens == [7, 1]
+    changed = [5, 9, 2, 7, 1, 2]  # the same length and last token, another sequence: rebuilt
+    assert session.drafts(changed, 2) is None or session.drafts(changed, 2).tokens == reference(changed, [], 2, s)[0]
+    assert session.drafts([8, 9, 8, 9, 8], 4).tokens == [9, 8, 9, 8]  # shorter: rebuilt (periodic past its end)
     assert session.drafts([5], 2) is None
 
 

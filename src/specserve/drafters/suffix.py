@@ -42,6 +42,7 @@ NARROW = 48  # candidates narrowed one column at a time down to this many, then 
 PY_ROWS = 16  # a continuation of at most this many occurrences is walked in Python
 MAX_TOUCH = 16  # index entries marked used by one proposal (least recently used out)
 MAX_MATCH = 64
+SYNC_CHECK = 16  # a session's sequence is taken as the one it holds if these last tokens agree
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,8 @@ class Occurrences:
         for i, (buf, pos, end) in enumerate(self.parts):
             if not pos.size:
                 continue
-            if end:  # the session's own sequence: past its end, the continuation repeats
-                idx = pos[:, None] + cols[None, :] % (end - pos)[:, None]
-            else:
-                idx = pos[:, None] + cols[None, :]
+            # the session's own sequence (end > 0): past its end, the continuation repeats
+            idx = pos[:, None] + (cols[None, :] % (end - pos)[:, None] if end else cols[None, :])
             rows.append(buf.take(idx, mode="clip"))
             part_of.append(np.full(pos.size, i))
             pos_of.append(pos)
@@ -151,8 +150,8 @@ def walk(g: np.ndarray, n: int, start: int, length: int, min_prob: float) -> tup
     A few rows are walked in Python (a numpy call costs more than a short loop); many, in
     numpy, where runs the rows agree on are taken whole and only disagreements vote."""
     if g.shape[0] <= PY_ROWS:
-        tokens, probs, live = walk_rows(g.tolist(), n, start, length, min_prob)
-        return tokens, probs, np.array(live, dtype=np.int64)
+        few, few_p, live = walk_rows(g.tolist(), n, start, length, min_prob)
+        return few, few_p, np.array(live, dtype=np.int64)
     rows = np.arange(g.shape[0])
     tokens: list[int] = []
     probs: list[float] = []
@@ -269,9 +268,13 @@ class SuffixSession:
 
     def _sync(self, token_ids: Sequence[int]) -> None:
         """The buffer is the committed sequence: extended by what is new, rebuilt where the
-        sequence is not the one it holds (its last token differs, or it is shorter)."""
+        sequence is not the one it holds (shorter, or its last SYNC_CHECK tokens there differ;
+        an engine's session only grows, and a draft is a proposal: a stale view costs
+        acceptance, never output)."""
         have = self.n - 1
-        if len(token_ids) < have or (have and token_ids[have - 1] != self.buf[have]):
+        check = min(have, SYNC_CHECK)
+        if len(token_ids) < have or (check and list(token_ids[have - check:have])
+                                     != self.buf[have - check + 1:have + 1].tolist()):
             self.n, have = 1, 0
         new = len(token_ids) - have
         if new <= 0:

@@ -70,7 +70,8 @@ class SuffixDrafts(LocalDrafts):
     learns_from_outputs = True  # told of every finished session (engine/drafting.py DraftPools.close)
 
     def __init__(self, vocab_size: int, share: Share | None = None, clock: Callable[[], float] = time.time) -> None:
-        super().__init__(SuffixDrafter(vocab_size))
+        self.suffix = SuffixDrafter(vocab_size)
+        super().__init__(self.suffix)
         self.share = share
         self.clock = clock
         self.indexes: dict[str, SuffixIndex] = {}
@@ -136,7 +137,7 @@ class SuffixDrafts(LocalDrafts):
         self.drain()
         cls = self._class_of[session.id] = session.plan.index_class or "default"
         settings = settings_of(session.plan)
-        draft = self.drafter.start(self.index_for(cls, settings), settings)
+        draft = self.suffix.start(self.index_for(cls, settings), settings)
         local = self.sessions[session.id] = _Local(session, draft, self._grammar(session))
         self._propose(session.id, local, session.k_next)
 

@@ -22,7 +22,7 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,17 +97,17 @@ class SuffixShare:
         return out
 
     async def follow(self, deliver: Callable[[SharedOutput], None], block_ms: int = 1000,
-                     on_idle: Callable[[], Awaitable[None]] | None = None) -> None:
+                     classes_every_s: float = CLASSES_EVERY_S) -> None:
         """Forever: the other targets' new outputs of every class, to `deliver` (this target's
         own are skipped: it indexed them when it served them). New classes are picked up every
-        CLASSES_EVERY_S; Redis outages are ridden out, resuming after the last id read."""
+        `classes_every_s`; Redis outages are ridden out, resuming after the last id read."""
         backoff, loop = OUTAGE_BACKOFF_S, asyncio.get_running_loop()
         next_classes = 0.0
         while True:
             try:
                 if loop.time() >= next_classes:
                     await self._new_classes()
-                    next_classes = loop.time() + CLASSES_EVERY_S
+                    next_classes = loop.time() + classes_every_s
                 if not self.last_ids:
                     await asyncio.sleep(block_ms / 1e3)
                     continue
@@ -118,8 +118,6 @@ class SuffixShare:
                     if shared is not None and shared.origin != self.origin:
                         deliver(shared)
                 backoff = OUTAGE_BACKOFF_S
-                if on_idle is not None:
-                    await on_idle()
             except REDIS_DOWN:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_S)

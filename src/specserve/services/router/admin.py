@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from typing import Any
 
 import grpc
 
@@ -71,7 +72,7 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
                   draft_priority=msg.draft_priority, **_suffix_from_pb(msg))
 
 
-def _suffix_from_pb(msg: policy_pb2.Policy) -> dict[str, float | int]:
+def _suffix_from_pb(msg: policy_pb2.Policy) -> dict[str, Any]:
     """The suffix fields a message sets (unset: the policy's defaults)."""
     return {name: getattr(msg, name) for name in ("suffix_max_requests", "suffix_max_tokens", "suffix_min_prob",
                                                   "suffix_spec_factor") if msg.HasField(name)}
