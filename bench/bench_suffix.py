@@ -10,7 +10,8 @@ cell, each class's `warm` requests run plain: the class index learns from them (
 finished session of the class feeds it). The measured prompts are never among them, and the
 suffix arm runs first on each set (the other pinned arms never draft from the index, so the
 outputs they add cannot flatter it); the controller's cells at 16 streams run on a set of
-their own. Cells:
+their own. The machine's load drifts (other work shares it): the 1-stream arms are paired
+prompt by prompt, and the 16-stream cells run plain, controller, controller, plain. Cells:
 
   1 stream   agent, extraction: suffix (K 32: the drafter's own length rule within it),
              plain, ngram (K 4 and 8), small (K 4)
@@ -35,8 +36,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_peer import run_cell, served_model
-from common import parser, warn_if_busy
+from bench_peer import one_request, run_cell, served_model
+from common import cell_summary, parser, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec, local_target_threads
@@ -69,7 +70,7 @@ def workloads(pair: Path) -> dict[str, dict[str, list[str]]]:
             "chat": {"warm": held["chat"][16:], "one": [], "many": held["chat"][:16]}}
 
 
-ONE_STREAM_ARMS = {  # in this order: the suffix arm first on each set
+ONE_STREAM_ARMS = {  # in this order: the suffix arm first on each prompt
     "suffix": {"draft_pool": "suffix", "num_draft_tokens": 32},
     "plain": {"draft_pool": "none"},
     "ngram K4": {"draft_pool": "ngram", "num_draft_tokens": 4},
@@ -78,34 +79,68 @@ ONE_STREAM_ARMS = {  # in this order: the suffix arm first on each set
 }
 
 
-def _cell(url: str, model: str, cls: str, arm: str, extra: dict, prompts: list[str], streams: int,
-          requests: int, max_tokens: int) -> dict:
-    cell = run_cell(url, model, prompts, streams, requests, max_tokens, {**extra, "workload_class": cls})
-    cell.update({"class": cls, "arm": arm})
-    ran = f" ran {sorted(set(x for rs in cell['ran'] for x in rs))}" if arm == "controller" and cell["ran"] else ""
-    print(f"[suffix] {cls:10s} {arm:10s} {streams:2d} streams {cell['tok_s']:7.1f} tok/s  "
-          f"tok/pass {cell.get('tokens_per_pass') or 0:.2f}{ran}", file=sys.stderr, flush=True)
-    return cell
+def one_stream(url: str, model: str, cls: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    """The 1-stream arms, paired prompt by prompt (each prompt through every arm in turn, the
+    suffix arm first), so a load that drifts over the run weighs on every arm alike. Only the
+    suffix arm's requests carry the class: the others' (the same greedy outputs) are counted
+    under a class of their own, so the index holds the warm outputs and the suffix arm's own."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
+    done: dict[str, list[dict]] = {arm: [] for arm in ONE_STREAM_ARMS}
+    walls = dict.fromkeys(ONE_STREAM_ARMS, 0.0)
+    for prompt in prompts:
+        for arm, extra in ONE_STREAM_ARMS.items():
+            label = cls if arm == "suffix" else f"{cls}-ref"
+            t = time.perf_counter()
+            done[arm].append(one_request(client, model, prompt, max_tokens, {**extra, "workload_class": label}))
+            walls[arm] += time.perf_counter() - t
+    cells = []
+    for arm, rs in done.items():
+        cell = cell_summary(rs, 1, walls[arm], dict(enumerate(r["text"] for r in rs)))
+        cell.update({"class": cls, "arm": arm, "tokens_per_pass": sum(r["tokens"] for r in rs)
+                     / sum(r["rounds"] for r in rs), "accepted_per_round": sum(r["accepted"] or 0 for r in rs)
+                     / sum(r["rounds"] for r in rs)})
+        print(f"[suffix] {cls:10s} {arm:10s}  1 stream  {cell['tok_s']:7.1f} tok/s  "
+              f"tok/pass {cell['tokens_per_pass']:.2f}", file=sys.stderr, flush=True)
+        cells.append(cell)
+    return cells
+
+
+def sixteen_streams(url: str, model: str, cls: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    """The controller against plain at 16 streams, in the order plain, controller, controller,
+    plain (a drifting load weighs on both alike), pooled per arm; each prompt once a cell."""
+    runs: dict[str, list[dict]] = {"controller": [], "plain": []}
+    for arm in ("plain", "controller", "controller", "plain"):
+        extra = {"workload_class": cls, **({"draft_pool": "none"} if arm == "plain" else {})}
+        runs[arm].append(run_cell(url, model, prompts, 16, len(prompts) // 16, max_tokens, extra))
+    cells = []
+    for arm, rs in runs.items():
+        tokens, wall = sum(c["tokens"] for c in rs), sum(c["wall_s"] for c in rs)
+        cell = {"class": cls, "arm": arm, "streams": 16, "tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+                "tok_s_each": [round(c["tok_s"], 1) for c in rs], "texts": rs[-1]["texts"],
+                "tokens_per_pass": sum(c.get("tokens_per_pass", 1.0) for c in rs) / len(rs),
+                "ran": sorted({x for c in rs for r in (c["ran"] or []) for x in r})}
+        print(f"[suffix] {cls:10s} {arm:10s} 16 streams {cell['tok_s']:7.1f} tok/s  each {cell['tok_s_each']}  "
+              f"tok/pass {cell['tokens_per_pass']:.2f}  ran {cell['ran']}", file=sys.stderr, flush=True)
+        cells.append(cell)
+    return cells
 
 
 def measure(url: str, loads: dict, a) -> list[dict]:
     model = served_model(url)
-    cells = []
     for cls, sets in loads.items():  # the index learns each class's warm outputs first
         if sets["warm"] and cls in ("agent", "extraction"):
             run_cell(url, model, sets["warm"], 1, len(sets["warm"]), a.max_tokens,
                      {"draft_pool": "none", "workload_class": cls})
+    cells = []
     for cls in ("agent", "extraction"):
-        for arm, extra in ONE_STREAM_ARMS.items():
-            cells.append(_cell(url, model, cls, arm, extra, loads[cls]["one"], 1, len(loads[cls]["one"]),
-                               a.max_tokens))
+        cells += one_stream(url, model, cls, loads[cls]["one"], a.max_tokens)
     for cls in ("agent", "extraction", "code", "chat"):
-        many = loads[cls]["many"]
         if a.controller_warm:  # the controller's first requests learn the class's pools (not counted)
             run_cell(url, model, loads[cls]["warm"], 4, max(a.controller_warm // 4, 1), a.max_tokens,
                      {"workload_class": cls})
-        for arm, extra in (("controller", {}), ("plain", {"draft_pool": "none"})):
-            cells.append(_cell(url, model, cls, arm, extra, many, 16, len(many) // 16, a.max_tokens))
+        cells += sixteen_streams(url, model, cls, loads[cls]["many"], a.max_tokens)
     return cells
 
 

@@ -14,6 +14,7 @@ import pytest
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters.suffix import SuffixSettings
 from specserve.engine.loop import EngineLoop
+from specserve.engine.scheduler import Budget
 from specserve.engine.session import EnginePlan, Status
 from specserve.engine.suffix_pool import SuffixDrafts, settings_of
 from specserve.models.verifier import TargetModel
@@ -153,3 +154,46 @@ def test_at_high_load_the_k_choice_holds_the_suffix_pool_plain(target):
     loop.speculation.cost.coef = np.array([0.010, 0.0, 0.001])  # a + r B + b B n (seconds)
     assert loop.speculation.best_k(s, batch=1, step_s=0.011) == 3
     assert loop.speculation.best_k(s, batch=32, step_s=0.042) == 0
+
+
+@pytest.mark.slow
+def test_sampled_output_at_t1_follows_the_targets_distribution():
+    """Chi-squared at T = 1, as test_engine_sequence.py does it (the micro pair there, its
+    exact distribution of the first three tokens enumerated): 2000 sessions through the
+    engine on the suffix pool, each with a seed of its own, all of one class, so the class
+    index learns every finished output and later sessions draft from it (one-hot q, judged
+    by the engine's rejection sampling). p > 1e-3 (fixed seeds: deterministic)."""
+    from scipy.stats import chisquare
+    from test_engine_sequence import ALPHA, PROMPT, SCALE, _exact_distribution, _micro
+
+    from specserve.algorithm.sampling import SamplingParams
+
+    target_hf = _micro(seed=0, scale=SCALE)
+    sp = SamplingParams(temperature=1.0)
+    exact = _exact_distribution(target_hf, sp)
+    source = SuffixDrafts(5)
+    model = make_target_step(TargetModel(target_hf), Batching(kv_budget_mb=8, max_sessions=128, prefill_chunk=16))
+    loop = EngineLoop(model, _stops, {"suffix": source}, budget=Budget(max_batch=128))
+    n, wave = 2048, 128  # (the KV slots' sessions at once)
+    counts: dict[tuple[int, ...], int] = {}
+    rounds = []
+    for first in range(0, n, wave):
+        for seed in range(first, first + wave):
+            loop.add(f"s{seed}", PROMPT, EnginePlan(GenerationParams(max_tokens=3, sampling=sp, num_draft_tokens=2,
+                                                                     seed=seed), pool="suffix", workload_class="c",
+                                                    stats_class="c"))
+        loop.run_until_idle()
+        for seed in range(first, first + wave):
+            s = loop.ended[f"s{seed}"]
+            counts[tuple(s.generated)] = counts.get(tuple(s.generated), 0) + 1
+            rounds += s.rounds
+    assert sum(r.accepted for r in rounds) > n // 4 and sum(r.k - r.accepted for r in rounds) > n // 10
+    assert source.snapshot()["c"].proposals["index"] > n // 4  # the index drafted many of them
+    keys = sorted(exact)
+    assert sum(counts.get(k, 0) for k in keys if exact[k] == 0) == 0, "emitted an impossible sequence"
+    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    exp = np.array([exact[k] for k in keys]) * n
+    big = exp >= 5
+    obs_p, exp_p = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    keep = exp_p > 0
+    assert chisquare(obs_p[keep], exp_p[keep] * obs_p[keep].sum() / exp_p[keep].sum()).pvalue > ALPHA
