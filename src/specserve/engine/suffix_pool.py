@@ -117,6 +117,7 @@ class SuffixDrafts(LocalDrafts):
         """A session this engine finished (any pool): its output into its class's index, and
         to the fleet. A shadow twin's is its served session's again; an output cut short
         (cancelled, failed) is not what the class produces."""
+        self.drain()  # (a target whose sessions run other pools indexes the fleet's outputs too)
         plan = session.plan
         if plan.shadow or session.status is not Status.FINISHED or not session.generated:
             return

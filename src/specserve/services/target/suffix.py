@@ -41,7 +41,10 @@ class SuffixFleet:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-        self.loop.call_soon_threadsafe(post)
+        try:
+            self.loop.call_soon_threadsafe(post)
+        except RuntimeError:  # the event loop is closed (the worker is stopping): not shared, nothing more
+            self.share.lost += 1
 
     def _deliver(self, out: SharedOutput) -> None:
         settings = SuffixSettings(**out.conf) if out.conf else None
