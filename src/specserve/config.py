@@ -9,16 +9,18 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Pools drafted inside the target's own process, on the engine's thread (no replica, no
-# network hop on any round): by prompt lookup (ADR 0014, "n-gram beside the target"), or by an
-# EAGLE-style head from the target's own features (ADR 0020). Each is its pool's only address.
+# network hop on any round): by prompt lookup (ADR 0014, "n-gram beside the target"), by an
+# EAGLE-style head from the target's own features (ADR 0020), or by suffix decoding over the
+# session and its class's outputs, shared by the fleet (ADR 0026). Each is its pool's only address.
 LOCAL_NGRAM = "local:ngram"
 LOCAL_EAGLE = "local:eagle"
-LOCAL = (LOCAL_NGRAM, LOCAL_EAGLE)
+LOCAL_SUFFIX = "local:suffix"
+LOCAL = (LOCAL_NGRAM, LOCAL_EAGLE, LOCAL_SUFFIX)
 
 
 def pools_have_replicas(v: dict[str, list[str]]) -> dict[str, list[str]]:
     """draft_pools (router and target): every pool names at least one replica, or is one local
-    drafter alone (`local:ngram`, `local:eagle`)."""
+    drafter alone (`local:ngram`, `local:eagle`, `local:suffix`)."""
     for name, addrs in v.items():
         if not addrs:
             raise ValueError(f"draft pool {name!r} has no replica addresses")

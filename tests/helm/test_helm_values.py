@@ -209,7 +209,29 @@ def test_an_in_target_ngram_pool_has_no_deployment_and_both_sides_name_it_local(
     for var, pools_json in seen.items():
         assert pools_json["ngram"] == [LOCAL_NGRAM] and pools_json["small"] != [LOCAL_NGRAM], var
     values["draft"]["pools"][0]["inTarget"] = True  # a model pool cannot
-    assert 'draft.pools "small": inTarget needs model "ngram" or "eagle"' in rejected(helm, tmp_path, values)
+    assert 'draft.pools "small": inTarget needs model "ngram", "eagle" or "suffix"' in \
+        rejected(helm, tmp_path, values)
+
+
+def test_a_suffix_pool_is_drafted_inside_the_target_only(helm, render, tmp_path):
+    """ADR 0026: `model: suffix` with inTarget is local:suffix on both sides (no Deployment);
+    without inTarget the chart refuses it (there is no suffix replica to deploy)."""
+    from rendered import containers, env_of
+
+    from specserve.config import LOCAL_SUFFIX
+
+    values = default_values()
+    values["draft"]["pools"].append({"name": "suffix", "model": "suffix", "inTarget": True, "replicas": 1})
+    path = tmp_path / "suffix.yaml"
+    path.write_text(yaml.safe_dump(values))
+    manifests = render(path)
+    assert "suffix" not in {m["metadata"]["labels"].get("specserve.io/pool") for m in manifests
+                            if m["kind"] in ("Deployment", "Service", "PodDisruptionBudget")}
+    envs = [env_of(c) for _, _, c in containers(manifests)]
+    for var in ("SPECSERVE_ROUTER_DRAFT_POOLS", "SPECSERVE_TARGET_DRAFT_POOLS"):
+        assert json.loads(next(e for e in envs if var in e)[var]["value"])["suffix"] == [LOCAL_SUFFIX], var
+    values["draft"]["pools"][-1]["inTarget"] = False
+    assert 'draft.pools "suffix": a suffix pool is drafted inside the target only' in rejected(helm, tmp_path, values)
 
 
 def test_eagle_pools_in_the_target_and_remote(helm, render, tmp_path):

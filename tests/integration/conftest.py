@@ -87,9 +87,9 @@ def otlp_receiver():
 @pytest.fixture(scope="session")
 def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver):
     """The whole system on loopback: its own redis-server, a Ray head owned by the target
-    launcher, pools `small` (2 model replicas), `ngram` (1), `ngram-local` and `eagle-local`
-    (drafted inside the target: no replica) and `eagle` (1 replica of the pair's head), and
-    the router; every service
+    launcher, pools `small` (2 model replicas), `ngram` (1), `ngram-local`, `eagle-local` and
+    `suffix` (drafted inside the target: no replica) and `eagle` (1 replica of the pair's
+    head), and the router; every service
     exports its spans to `otlp_receiver`."""
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
@@ -99,7 +99,8 @@ def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
         pools={"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", replicas=1),
                "ngram-local": PoolSpec("ngram", local=True),
                # the pair's EAGLE head, beside the target and on a replica fed its features
-               "eagle-local": PoolSpec("eagle", local=True), "eagle": PoolSpec("eagle", replicas=1)},
+               "eagle-local": PoolSpec("eagle", local=True), "eagle": PoolSpec("eagle", replicas=1),
+               "suffix": PoolSpec("suffix", local=True)},  # suffix decoding (ADR 0026)
         target_threads=1,
         # tests kill workers on purpose: fail over fast, and wait long enough for Ray's restart
         router_env={"SPECSERVE_ROUTER_TARGET_WAIT_S": "180",

@@ -619,6 +619,13 @@ def test_policy_cli(pstack, tmp_path):
     got = json.loads(cli("get", cls).stdout)
     assert (got["draft_priority"], got["guard_min_accepted"], got["guard_min_speedup"]) == (3, 0.5, 0.9)
     assert cli("set", cls, "--draft-priority", "12").returncode == 2  # 0-9
+    # a class's suffix index (ADR 0026): its bounds and drafting floor; what is not set keeps its default
+    assert cli("set", cls, "--suffix", "max_requests=64", "--suffix", "min_prob=0.25").returncode == 0
+    got = json.loads(cli("get", cls).stdout)
+    assert (got["suffix_max_requests"], got["suffix_min_prob"], got["suffix_max_tokens"]) == (64, 0.25, 65536)
+    bad_suffix = cli("set", cls, "--suffix", "min_prob=2")
+    assert bad_suffix.returncode == 2 and "suffix_min_prob" in bad_suffix.stderr
+    assert cli("set", cls, "--suffix", "depth=3").returncode == 2  # an unknown key: refused by the CLI
     assert cli("delete", cls).stdout.strip() == "deleted"
 
 

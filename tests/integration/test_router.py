@@ -56,7 +56,7 @@ def _prompts(eval_prompts, n_per_class: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local", "eagle-local", "eagle"])
+@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local", "eagle-local", "eagle", "suffix"])
 def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts, pool):
     drafted = 0
     # (the eagle pools: 2 prompts a class; the head's drafting on this CPU is the slow part)
@@ -66,7 +66,7 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
         assert resp.finish_reason in ("eos", "length")
         assert resp.stats.draft_pool == pool and resp.stats.workload_class == item["workload_class"]
         drafted += resp.stats.draft_tokens
-        if pool == "ngram-local":  # drafted inside the target at each outcome: never waited for
+        if pool in ("ngram-local", "suffix"):  # drafted inside the target at each outcome: never waited for
             assert not [r for r in resp.stats.round if r.fallback_reason == "draft_late"]
         chunks = list(stub.GenerateStream(_req(item["prompt"], draft_pool=pool), timeout=120))
         assert [t for c in chunks for t in c.token_ids] == list(resp.token_ids)
@@ -94,6 +94,54 @@ def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair
                                  temperature=0.8, top_p=0.95), timeout=120)
         assert list(got.token_ids) == want.token_ids
         assert got.stats.seed == 77
+
+
+def _scrape(address: str) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _suffix(metrics: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in metrics.items() if n == name and all((k, w) in ls for k, w in labels.items()))
+
+
+def _target_metrics(stack) -> str:
+    """The running target's metrics address (a restarted one registers its own port)."""
+    entry = json.loads(redis.Redis.from_url(stack.info.redis_url).get("specserve:target:target-0"))
+    return f"127.0.0.1:{entry['metrics_port']}"
+
+
+AGENT_RECORDS = 3
+
+
+def test_the_suffix_pool_drafts_a_repeat_heavy_class_from_its_index_exactly(stub, stack, reference):
+    """The `agent` workload (ADR 0026): its warm requests run plain and the class's index
+    learns their outputs; then held-out renderings of the same orders (prompts the index has
+    never seen) run on the suffix pool: each output is target-only greedy, and the blocks come
+    from the index (the class has no policy here: its index is `other`'s)."""
+    from specserve.tooling.workloads import agent_workload
+
+    work = agent_workload(AGENT_RECORDS)
+    for prompt in work.warm:
+        stub.Generate(_req(prompt, max_tokens=40, draft_pool="none", workload_class="agent"), timeout=120)
+    before = _scrape(_target_metrics(stack))
+    accepted = rounds = 0
+    for prompt in work.held_out[:AGENT_RECORDS]:
+        resp = stub.Generate(_req(prompt, max_tokens=40, draft_pool="suffix", num_draft_tokens=32,
+                                  workload_class="agent"), timeout=120)
+        assert list(resp.token_ids) == reference(prompt, 40)[: len(resp.token_ids)], prompt[:60]
+        accepted, rounds = accepted + resp.stats.accepted_tokens, rounds + resp.stats.rounds
+    after = _scrape(_target_metrics(stack))
+    from_index = _suffix(after, "specserve_suffix_proposals_total", workload_class="other", source="index") - \
+        _suffix(before, "specserve_suffix_proposals_total", workload_class="other", source="index")
+    assert from_index >= AGENT_RECORDS and accepted / rounds > 2.0, (from_index, accepted, rounds)
+    assert _suffix(after, "specserve_suffix_index_outputs", workload_class="other") >= 2 * AGENT_RECORDS
+    assert _suffix(after, "specserve_suffix_index_bytes", workload_class="other") > 0
 
 
 def test_speculation_off_is_plain_decoding(stub, reference, eval_prompts):
@@ -246,3 +294,21 @@ def test_kill_the_target_actor_process(stub, stack, reference, eval_prompts):
     assert chunks[-1].finish_reason in ("eos", "length")
     after = json.loads(r.get("specserve:target:target-0"))
     assert after["pid"] != before["pid"], "Ray restarted the actor in a new process"
+
+
+def test_a_restarted_target_keeps_its_classes_suffix_index(stub, stack):
+    """After the kill above, Ray's new incarnation of the target loaded every class's index
+    from the fleet's Redis streams (ADR 0026): the `agent` outputs served before the kill are
+    in it (origin fleet: the old incarnation is another target to it), and a held-out request
+    drafts from them at once."""
+    from specserve.tooling.workloads import agent_workload
+
+    prompt = agent_workload(AGENT_RECORDS).held_out[AGENT_RECORDS]  # a rendering not served before
+    resp = stub.Generate(_req(prompt, max_tokens=40, draft_pool="suffix", num_draft_tokens=32,
+                              workload_class="agent"), timeout=120)
+    metrics = _scrape(_target_metrics(stack))  # (the engine indexes what it loaded before it drafts)
+    assert _suffix(metrics, "specserve_suffix_index_added_total", workload_class="other", origin="fleet") \
+        >= 2 * AGENT_RECORDS
+    assert _suffix(metrics, "specserve_suffix_index_added_total", workload_class="other", origin="local") <= 1
+    assert _suffix(metrics, "specserve_suffix_proposals_total", workload_class="other", source="index") >= 1
+    assert resp.stats.accepted_tokens > 10  # the order's JSON, drafted from the index

@@ -301,8 +301,11 @@ affinity:
 {{- fail (printf "draft.pools: pool name %q is used twice" $p.name) -}}
 {{- end -}}
 {{- $_ := set $seen $p.name true -}}
-{{- if and $p.inTarget (not (has ($p.model | toString) (list "ngram" "eagle"))) -}}
-{{- fail (printf "draft.pools %q: inTarget needs model \"ngram\" or \"eagle\" (prompt lookup or the target's EAGLE head: the only drafters inside the target)" $p.name) -}}
+{{- if and $p.inTarget (not (has ($p.model | toString) (list "ngram" "eagle" "suffix"))) -}}
+{{- fail (printf "draft.pools %q: inTarget needs model \"ngram\", \"eagle\" or \"suffix\" (prompt lookup, the target's EAGLE head or suffix decoding: the only drafters inside the target)" $p.name) -}}
+{{- end -}}
+{{- if and (eq ($p.model | toString) "suffix") (not $p.inTarget) -}}
+{{- fail (printf "draft.pools %q: a suffix pool is drafted inside the target only (inTarget: true; ADR 0026)" $p.name) -}}
 {{- end -}}
 {{- if and (eq ($p.model | toString) "eagle") (not $p.inTarget) (not (and ($p.settings | default dict).eagle_head ($p.settings | default dict).eagle_target)) -}}
 {{- fail (printf "draft.pools %q: a remote eagle pool needs settings.eagle_head and settings.eagle_target (directories under models.mountPath)" $p.name) -}}
@@ -330,7 +333,8 @@ affinity:
 {{- end -}}
 
 {{/* SPECSERVE_ROUTER_DRAFT_POOLS: pool -> [its headless Service's DNS name:port], or
-     ["local:ngram"] for a pool drafted inside the target (inTarget: no Deployment) */}}
+     ["local:<model>"] (local:ngram, local:eagle, local:suffix) for a pool drafted inside the
+     target (inTarget: no Deployment) */}}
 {{/* SPECSERVE_TARGET_EAGLE_POOLS: the remote pools whose replicas draft with an EAGLE head
      (model "eagle", not inTarget): the target sends them its features (ADR 0020) */}}
 {{- define "specserve.eaglePoolsJson" -}}

@@ -44,6 +44,10 @@ MAX_MARGIN = 10.0
 MAX_PROBE = 0.5
 MAX_DRAFT_PRIORITY = 9  # a class's draft_priority: 0 (the default, shed first) .. 9
 OUTPUT_FORMATS = ("text", "json_object")  # a class's default output (schema-free JSON: ADR 0017)
+# a class's suffix index (ADR 0026): the most outputs and tokens a target keeps of it (the
+# index costs about 60 bytes a token), and the most a Redis stream of it holds
+MAX_SUFFIX_REQUESTS = 1 << 16
+MAX_SUFFIX_TOKENS = 1 << 21
 
 
 class PolicyConflict(Exception):
@@ -91,6 +95,15 @@ class Policy:
     # draft capacity (ADR 0021): on a saturated draft replica, a higher priority's sessions are
     # admitted and keep their drafts before a lower one's; in [0, MAX_DRAFT_PRIORITY]
     draft_priority: int = 0
+    # the suffix pool (ADR 0026): the class's index of recent committed outputs, on every
+    # target and shared through Redis, keeps at most suffix_max_requests outputs and
+    # suffix_max_tokens tokens (least recently used out; 0 requests: the class keeps none);
+    # its drafts stop below suffix_min_prob (a token's share of the matches' votes) and at
+    # suffix_spec_factor x the match's length
+    suffix_max_requests: int = 256
+    suffix_max_tokens: int = 65536
+    suffix_min_prob: float = 0.1
+    suffix_spec_factor: float = 1.0
     version: int = 0
     updated_by: str = ""
     updated_at: float = 0.0
@@ -148,7 +161,24 @@ class Policy:
             raise bad(f"draft_priority must be an integer in [0, {MAX_DRAFT_PRIORITY}], got {self.draft_priority}")
         if self.output_format not in OUTPUT_FORMATS:
             raise bad(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.output_format!r}")
+        self._validate_suffix(bad)
         return self
+
+    def _validate_suffix(self, bad: Any) -> None:
+        if not (isinstance(self.suffix_max_requests, int) and 0 <= self.suffix_max_requests <= MAX_SUFFIX_REQUESTS):
+            raise bad(f"suffix_max_requests must be an integer in [0, {MAX_SUFFIX_REQUESTS}] (0: no index), "
+                      f"got {self.suffix_max_requests}")
+        if not (isinstance(self.suffix_max_tokens, int) and 0 <= self.suffix_max_tokens <= MAX_SUFFIX_TOKENS):
+            raise bad(f"suffix_max_tokens must be an integer in [0, {MAX_SUFFIX_TOKENS}], got {self.suffix_max_tokens}")
+        if not (0 <= self.suffix_min_prob <= 1 and math.isfinite(self.suffix_min_prob)):
+            raise bad(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob}")
+        if not (0 < self.suffix_spec_factor <= MAX_K and math.isfinite(self.suffix_spec_factor)):
+            raise bad(f"suffix_spec_factor must be in (0, {MAX_K}], got {self.suffix_spec_factor}")
+
+    def suffix(self) -> dict[str, float | int]:
+        """The class's suffix settings as the session's plan carries them to the engine."""
+        return {"max_requests": self.suffix_max_requests, "max_tokens": self.suffix_max_tokens,
+                "min_prob": self.suffix_min_prob, "spec_factor": self.suffix_spec_factor}
 
     @property
     def pools(self) -> tuple[str, ...]:

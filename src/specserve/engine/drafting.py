@@ -158,6 +158,9 @@ class DraftPools:
         self.serial_pools = {name for name, source in self.sources.items()
                              if getattr(source, "on_engine_thread", False)}
         self.serial_s = 0.0
+        # the sources that learn from every finished session, whichever pool it ran on (the
+        # suffix pool's class indexes, ADR 0026): fixed per pool
+        self.learners: list[Any] = [s for s in self.sources.values() if getattr(s, "learns_from_outputs", False)]
         for source in self.sources.values():
             source.attach(deliver)
 
@@ -218,6 +221,10 @@ class DraftPools:
             source.features(s.id, start, features)
 
     def close(self, s: EngineSession) -> None:
+        """The session ended: its source forgets it, and every source that learns from outputs
+        hears how it ended (`served`: on this thread, at the end of its last round)."""
         source = self.of(s)
         if source is not None:
             source.close(s.id)
+        for learner in self.learners:
+            learner.served(s)

@@ -47,6 +47,8 @@ class EnginePlan:
     k_max: int = 0  # adaptive: the most; params.num_draft_tokens is the K the first round starts at
     constraint: Constraint | None = None  # structured output (ADR 0017): the target masks every position
     draft_priority: int = 0  # its class's (ADR 0021): a saturated draft replica sheds the lowest first
+    # its class's suffix settings (ADR 0026: the policy's suffix_* fields), as stored; None = the defaults
+    suffix: dict[str, Any] | None = None
 
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> EnginePlan:
@@ -61,12 +63,19 @@ class EnginePlan:
                    d.get("shadow_pool") or None, seeded=bool(d.get("seeded")),
                    k_min=int(d.get("k_min") or 1), k_max=int(d.get("k_max") or 0),
                    constraint=Constraint.decode(d.get("constraint")),
-                   draft_priority=int(d.get("draft_priority") or 0))
+                   draft_priority=int(d.get("draft_priority") or 0), suffix=d.get("suffix") or None)
 
     @property
     def exact(self) -> bool:
         """Its output is fixed by its seed: sampled, with a seed the client chose."""
         return self.seeded and self.params.sampling.temperature > 0
+
+    @property
+    def index_class(self) -> str:
+        """The class whose suffix index its output feeds and its drafts read (ADR 0026): its
+        statistics' class, constrained or not (`other` for a class no policy names, so a
+        client cannot grow the indexes or their Redis streams without bound)."""
+        return (self.stats_class or self.workload_class).partition("+")[0]
 
     @property
     def labels(self) -> tuple[str, str]:

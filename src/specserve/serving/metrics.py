@@ -4,7 +4,13 @@ deploy/grafana/ queries exactly these names (a test parses it)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from specserve.serving.busy import BusyMeter, DeviceCollector
 
@@ -210,3 +216,46 @@ class WorkerMetrics:
                 self.device_steps.labels(how).inc(now - self._device_seen.get(how, 0))
             self._device_seen[how] = now
         self.cuda_graphs.set(len(step.graphs))
+
+
+class SuffixCollector(Collector):
+    """The suffix pool's class indexes (ADR 0026), read at each scrape from the pool's
+    `snapshot()` (class -> its figures: outputs, tokens, nbytes, oldest, added by origin,
+    proposals by source), so the engine's thread only counts. The hit rate is
+    `specserve_suffix_proposals_total{source="index"}` over all its sources."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Any]], clock: Callable[[], float] = time.time) -> None:
+        self.snapshot, self.clock = snapshot, clock
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # (the families come with collect: their classes are known at a scrape)
+
+    def collect(self) -> Iterator[Metric]:
+        now, stats = self.clock(), self.snapshot()
+        gauges = {
+            "outputs": GaugeMetricFamily("specserve_suffix_index_outputs", "Committed outputs in the class's suffix "
+                                         "index on this target (ADR 0026).", labels=["workload_class"]),
+            "tokens": GaugeMetricFamily("specserve_suffix_index_tokens", "Tokens in the class's suffix index.",
+                                        labels=["workload_class"]),
+            "nbytes": GaugeMetricFamily("specserve_suffix_index_bytes", "Memory the class's suffix index holds "
+                                        "(its buffers and sorted keys).", labels=["workload_class"]),
+            "age": GaugeMetricFamily("specserve_suffix_index_age_seconds", "Since the oldest output in the class's "
+                                     "suffix index was added: how far back it remembers.", labels=["workload_class"]),
+        }
+        added = CounterMetricFamily("specserve_suffix_index_added", "Outputs added to the class's suffix index, by "
+                                    "origin: served here (local) or by another target (fleet, through Redis).",
+                                    labels=["workload_class", "origin"])
+        proposals = CounterMetricFamily("specserve_suffix_proposals", "Blocks the suffix pool drafted, by where they "
+                                        "came from: the class's index, the session's own sequence, or none (no "
+                                        "match); index over all is the index's hit rate.",
+                                        labels=["workload_class", "source"])
+        for cls, s in sorted(stats.items()):
+            gauges["outputs"].add_metric([cls], s.outputs)
+            gauges["tokens"].add_metric([cls], s.tokens)
+            gauges["nbytes"].add_metric([cls], s.nbytes)
+            gauges["age"].add_metric([cls], max(now - s.oldest, 0.0) if s.oldest else 0.0)
+            for origin, n in s.added.items():
+                added.add_metric([cls, origin], n)
+            for source, n in s.proposals.items():
+                proposals.add_metric([cls, source], n)
+        yield from (*gauges.values(), added, proposals)

@@ -22,20 +22,21 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM
+from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM, LOCAL_SUFFIX
 from specserve.tooling.files import write_private
 from specserve.tooling.redis_server import LocalRedis
 
 
 @dataclass
 class PoolSpec:
-    # "ngram", "eagle" (the pair's EAGLE head, `eagle/`, fed the target's features; ADR 0020)
-    # or a model directory (relative to the pair, or absolute)
+    # "ngram", "eagle" (the pair's EAGLE head, `eagle/`, fed the target's features; ADR 0020),
+    # "suffix" (suffix decoding, inside the target only; ADR 0026) or a model directory
+    # (relative to the pair, or absolute)
     model: str
     replicas: int = 1
     env: dict[str, str] = field(default_factory=dict)  # e.g. SPECSERVE_DRAFT_SIMULATED_TOKEN_MS
-    # "ngram" and "eagle" only: drafted inside the target (`local:ngram`, `local:eagle`), no
-    # replica process
+    # "ngram", "eagle" and "suffix" only: drafted inside the target (`local:ngram`,
+    # `local:eagle`, `local:suffix`), no replica process
     local: bool = False
 
 
@@ -215,10 +216,14 @@ class Stack:
             if ps.model == "eagle" and not (pair / "eagle" / "config.json").exists():
                 raise StackError(f"pool {pool!r}: no EAGLE head at {pair / 'eagle'} "
                                  "(`specserve models eagle` trains one)")
+            if ps.model == "suffix" and not ps.local:
+                raise StackError(f"pool {pool!r}: a suffix pool drafts inside the target only (local=True)")
             if ps.local:
-                if ps.model not in ("ngram", "eagle"):
-                    raise StackError(f"pool {pool!r}: only an n-gram pool or an EAGLE head drafts inside the target")
-                self.info.pools[pool] = [LOCAL_NGRAM if ps.model == "ngram" else LOCAL_EAGLE]
+                local = {"ngram": LOCAL_NGRAM, "eagle": LOCAL_EAGLE, "suffix": LOCAL_SUFFIX}.get(ps.model)
+                if local is None:
+                    raise StackError(f"pool {pool!r}: only an n-gram pool, an EAGLE head or a suffix pool drafts "
+                                     "inside the target")
+                self.info.pools[pool] = [local]
                 continue
             for i in range(ps.replicas):
                 name = f"draft-{pool}-{i}"

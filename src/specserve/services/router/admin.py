@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from typing import Any
 
 import grpc
 
@@ -40,7 +41,9 @@ def policy_to_pb(p: Policy) -> policy_pb2.Policy:
         slice_percent=p.slice_percent, guard_min_speedup=p.guard_min_speedup,
         guard_min_accepted=p.guard_min_accepted, promote_after_s=p.promote_after_s,
         guard_max_tpot_ratio=p.guard_max_tpot_ratio, guard_max_error_rate=p.guard_max_error_rate,
-        draft_priority=p.draft_priority, version=p.version,
+        draft_priority=p.draft_priority, suffix_max_requests=p.suffix_max_requests,
+        suffix_max_tokens=p.suffix_max_tokens, suffix_min_prob=p.suffix_min_prob,
+        suffix_spec_factor=p.suffix_spec_factor, version=p.version,
         updated_by=p.updated_by, updated_at=p.updated_at)
     if p.temperature_ceiling is not None:
         msg.temperature_ceiling = p.temperature_ceiling
@@ -51,7 +54,8 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
     if msg.mode not in PB_TO_MODE:
         raise InvalidRequest(f"policy mode is required: one of {', '.join(MODE_TO_PB)}")
     for name in ("safety_margin", "probe_fraction", "temperature_ceiling", "slice_percent", "guard_min_speedup",
-                 "guard_min_accepted", "promote_after_s", "guard_max_tpot_ratio", "guard_max_error_rate"):
+                 "guard_min_accepted", "promote_after_s", "guard_max_tpot_ratio", "guard_max_error_rate",
+                 "suffix_min_prob", "suffix_spec_factor"):
         value = getattr(msg, name)
         if not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number")
@@ -65,7 +69,13 @@ def policy_from_pb(msg: policy_pb2.Policy) -> Policy:
                   guard_min_speedup=msg.guard_min_speedup if msg.HasField("guard_min_speedup") else 1.0,
                   guard_min_accepted=msg.guard_min_accepted, promote_after_s=msg.promote_after_s,
                   guard_max_tpot_ratio=msg.guard_max_tpot_ratio, guard_max_error_rate=msg.guard_max_error_rate,
-                  draft_priority=msg.draft_priority)
+                  draft_priority=msg.draft_priority, **_suffix_from_pb(msg))
+
+
+def _suffix_from_pb(msg: policy_pb2.Policy) -> dict[str, Any]:
+    """The suffix fields a message sets (unset: the policy's defaults)."""
+    return {name: getattr(msg, name) for name in ("suffix_max_requests", "suffix_max_tokens", "suffix_min_prob",
+                                                  "suffix_spec_factor") if msg.HasField(name)}
 
 
 def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:

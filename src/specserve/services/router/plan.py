@@ -34,6 +34,9 @@ class SessionPlan:
     # slice, "plain" for one outside it; its TPOT and outcome feed the outcome guards
     guard_arm: str = ""
     draft_priority: int = 0  # the class's (ADR 0021): a saturated draft replica sheds the lowest first
+    # the class's suffix index and drafting settings (ADR 0026: its policy's suffix_*), where
+    # they are not the defaults: the target's suffix pool keeps and drafts the class's index by them
+    suffix: dict[str, Any] | None = None
 
     @property
     def seed(self) -> int:
@@ -62,7 +65,8 @@ class SessionPlan:
                 "prediction": list(self.prediction), "seeded": self.seeded,
                 **({"adaptive": True, "k_min": self.k_bounds[0], "k_max": self.k_bounds[1]} if self.k_bounds else {}),
                 **({"constraint": self.constraint.encode()} if self.constraint else {}),
-                **({"draft_priority": self.draft_priority} if self.draft_priority else {})}
+                **({"draft_priority": self.draft_priority} if self.draft_priority else {}),
+                **({"suffix": self.suffix} if self.suffix else {})}
 
     @classmethod
     def decode(cls, d: dict[str, Any]) -> SessionPlan:
@@ -76,7 +80,8 @@ class SessionPlan:
                    d.get("policy_class", ""), int(d.get("policy_version", 0)), d.get("policy_source", ""),
                    d.get("decision_reason", ""), tuple(d.get("prediction") or ()), bool(d.get("seeded")),
                    (int(d["k_min"]), int(d["k_max"])) if d.get("adaptive") else None,
-                   Constraint.decode(d.get("constraint")), draft_priority=int(d.get("draft_priority") or 0))
+                   Constraint.decode(d.get("constraint")), draft_priority=int(d.get("draft_priority") or 0),
+                   suffix=d.get("suffix") or None)
 
     def span_attributes(self) -> dict[str, Any]:
         return {"specserve.workload_class": self.workload_class, "specserve.class_reason": self.class_reason,

@@ -103,7 +103,7 @@ class Planner:
                            req.prediction_ids if choice.pool == PREDICTION_POOL else (),
                            seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None,
                            constraint=req.constraint, guard_arm=arm,
-                           draft_priority=policy.draft_priority)
+                           draft_priority=policy.draft_priority, suffix=suffix_settings(policy))
 
     def outcome(self, plan: SessionPlan, tpot_s: float | None, failed: bool) -> None:
         """How a request of a class in a guarded stage ended (the service reports it): its TPOT
@@ -195,3 +195,13 @@ def prediction_choice(pinned_k: int | None) -> Choice:
     """The arm of a request that drafts from its prediction (`drafts_from_prediction`)."""
     return Choice(PREDICTION_POOL, pinned_k if pinned_k is not None else PREDICTION_K, False, Decision.PINNED,
                   Fallback.NONE)
+
+
+_SUFFIX_DEFAULTS = Policy("default").suffix()
+
+
+def suffix_settings(policy: Policy) -> dict[str, float | int] | None:
+    """The class's suffix settings for the session's plan (ADR 0026), where they are not the
+    defaults (the engine assumes those): no bytes added to a plan that changes nothing."""
+    mine = policy.suffix()
+    return mine if mine != _SUFFIX_DEFAULTS else None

@@ -194,14 +194,9 @@ def group_entry(group) -> dict:
 
 
 def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thread=None):
-    """The engine beside the target: one draft source per configured pool (remote replicas, or
-    n-gram drafting in this process for a `local:ngram` pool)."""
+    """The engine beside the target, with a draft source per configured pool (`draft_sources`)."""
     from specserve.algorithm.stops import StopChecker
-    from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM
     from specserve.control.controller import Controller, ShadowLog
-    from specserve.drafters.ngram import NgramDrafter
-    from specserve.engine.drafting import LocalDrafts
-    from specserve.engine.remote_drafts import RemoteDrafts
     from specserve.engine.scheduler import Budget
     from specserve.engine.speculation import SpeculationSettings
     from specserve.model_info import ModelInfo
@@ -214,17 +209,7 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
     def stops_for(params):
         return StopChecker(info.eos_token_ids, params.stop, info.decode)
 
-    def source(name: str, addrs: list[str]):
-        if addrs == [LOCAL_NGRAM]:  # drafted on the engine's thread at each outcome: no hop
-            return LocalDrafts(NgramDrafter(target.vocab_size))
-        if addrs == [LOCAL_EAGLE]:  # the head beside the target, from its features (ADR 0020)
-            return eagle_local(s, engine, target)
-        return RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches, tls=tls,
-                            wants_features=name in s.eagle_pools).start()
-
-    if s.eagle_pools:  # remote heads: the target keeps their features (the head's layers) in every step
-        engine.keep_features(eagle_head_config(s).feature_layers)
-    sources = {name: source(name, addrs) for name, addrs in s.draft_pools.items()}
+    sources, fleets = draft_sources(s, engine, target, store, tls, loop)
     controller = Controller(store.client, s.key_prefix, s.controller_half_life_s, ttl_s=s.stats_ttl_s)
     loop.create_task(controller.start())
 
@@ -234,20 +219,52 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
         grammars = info.grammars(target.vocab_size)
         return ConstrainedRow(grammars.compile(c), grammars.vocab_size, target.vocab_size, encode=info.encode)
 
-    return LoopHost(engine, stops_for, store, s.name, sources, loop,
-                      budget=Budget(max_batch=s.max_batch, max_batched_tokens=s.max_batched_tokens,
-                                    prefill_chunk=s.prefill_chunk),
-                      speculation=SpeculationSettings(block_wait_max_s=s.block_wait_ms / 1e3,
-                                                      max_commit_lag=s.max_commit_lag, gather=s.gather_rows,
-                                                      tree_width=s.tree_width),
-                      redis_outage_s=s.redis_outage_s,
-                      simulated_step_ms=s.simulated_pass_ms, simulated_row_ms=s.simulated_row_ms,
-                      metrics=RoundMetrics(metrics.registry),
-                      controller=controller, shadow_log=ShadowLog(store.client, s.key_prefix, s.stats_ttl_s),
-                      kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
-                      detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
-                      worker_metrics=metrics, constrain=constrain, model_thread=model_thread,
-                      on_loop_failure=_exit_for_a_restart)
+    host = LoopHost(engine, stops_for, store, s.name, sources, loop,
+                    budget=Budget(max_batch=s.max_batch, max_batched_tokens=s.max_batched_tokens,
+                                  prefill_chunk=s.prefill_chunk),
+                    speculation=SpeculationSettings(block_wait_max_s=s.block_wait_ms / 1e3,
+                                                    max_commit_lag=s.max_commit_lag, gather=s.gather_rows,
+                                                    tree_width=s.tree_width),
+                    redis_outage_s=s.redis_outage_s,
+                    simulated_step_ms=s.simulated_pass_ms, simulated_row_ms=s.simulated_row_ms,
+                    metrics=RoundMetrics(metrics.registry),
+                    controller=controller, shadow_log=ShadowLog(store.client, s.key_prefix, s.stats_ttl_s),
+                    kv_bytes_per_token=info.kv_bytes_per_token, heartbeat_s=s.heartbeat_s,
+                    detached_idle_s=s.detached_idle_s, on_no_room=metrics.refused.inc,
+                    worker_metrics=metrics, constrain=constrain, model_thread=model_thread,
+                    on_loop_failure=_exit_for_a_restart)
+    for fleet in fleets:  # what the fleet served before this incarnation, then what it serves
+        fleet.register(metrics.registry)
+        loop.create_task(fleet.start(host.incarnation))
+    return host
+
+
+def draft_sources(s: TargetSettings, engine, target, store, tls, loop) -> tuple[dict, list]:
+    """One draft source per configured pool: remote replicas, or drafting in this process for
+    a `local:ngram`, `local:eagle` or `local:suffix` pool; and the suffix pools' links to the
+    fleet's outputs (ADR 0026)."""
+    from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM, LOCAL_SUFFIX
+    from specserve.drafters.ngram import NgramDrafter
+    from specserve.engine.drafting import LocalDrafts
+    from specserve.engine.remote_drafts import RemoteDrafts
+    from specserve.services.target.suffix import SuffixFleet
+
+    fleets: list[SuffixFleet] = []
+
+    def source(name: str, addrs: list[str]):
+        if addrs == [LOCAL_NGRAM]:  # drafted on the engine's thread at each outcome: no hop
+            return LocalDrafts(NgramDrafter(target.vocab_size))
+        if addrs == [LOCAL_SUFFIX]:  # the session's and its class's outputs, on the engine's thread
+            fleets.append(SuffixFleet(target.vocab_size, store.client, s.key_prefix, loop, ttl_s=s.stats_ttl_s))
+            return fleets[-1].source
+        if addrs == [LOCAL_EAGLE]:  # the head beside the target, from its features (ADR 0020)
+            return eagle_local(s, engine, target)
+        return RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches, tls=tls,
+                            wants_features=name in s.eagle_pools).start()
+
+    if s.eagle_pools:  # remote heads: the target keeps their features (the head's layers) in every step
+        engine.keep_features(eagle_head_config(s).feature_layers)
+    return {name: source(name, addrs) for name, addrs in s.draft_pools.items()}, fleets
 
 
 def eagle_head_config(s: TargetSettings):

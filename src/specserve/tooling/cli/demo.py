@@ -11,6 +11,8 @@ import typer
 
 from specserve.tooling.cli.app import RUN_DIR, app, router_address, router_channel
 
+SUFFIX_K = 32  # the suffix pool's K in the demo: its drafts' length follows its matches within it
+
 
 @app.command("demo")
 def demo(
@@ -22,8 +24,10 @@ def demo(
     run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
     """Through the router: held-out prompts of each workload class, speculation off (plain
-    decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`, and the
-    pair's EAGLE head `eagle-local` where it ships one)."""
+    decoding through the same target) vs on (model draft pool `small`, n-gram pool `ngram`,
+    suffix decoding `suffix` at K 32, and the pair's EAGLE head `eagle-local` where it ships
+    one); and the repeat-heavy `agent` class, whose suffix index first learns from its warm
+    requests."""
     import time
 
     from rich.console import Console
@@ -31,6 +35,7 @@ def demo(
 
     from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
     from specserve.tooling.modelbuild.evaluate import demo_choice
+    from specserve.tooling.workloads import agent_workload
     from specserve.v1 import generation_pb2, generation_pb2_grpc
 
     pair_path = find_pair(models)
@@ -38,8 +43,8 @@ def demo(
     console = Console()
     _demo_notice(console, pair_path)
     address = router_address(router, run_dir)
-    table = Table(title=f"specserve through the router at {address}: greedy, K={k}, {max_tokens} tokens, "
-                        f"{prompts_per_class} held-out prompts per class")
+    table = Table(title=f"specserve through the router at {address}: greedy, K={k} (suffix: up to {SUFFIX_K}), "
+                        f"{max_tokens} tokens, {prompts_per_class} held-out prompts per class")
     for col in ("class", "speculation", "ms/token", "speedup", "accepted/drafted", "same tokens as off"):
         table.add_column(col)
     with router_channel(address, run_dir) as channel:
@@ -47,15 +52,19 @@ def demo(
 
         def call(prompt: str, cls: str, pool: str) -> tuple[generation_pb2.GenerateResponse, float]:
             req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, workload_class=cls,
-                                                 draft_pool=pool, num_draft_tokens=k)
+                                                 draft_pool=pool, num_draft_tokens=SUFFIX_K if pool == "suffix" else k)
             t = time.perf_counter()
             resp = stub.Generate(req, timeout=600)
             return resp, time.perf_counter() - t
 
-        call(prompts[0]["prompt"], prompts[0]["workload_class"], "small")  # warm caches and channels
+        call("def warm_up(self):", "code", "small")  # caches and channels (no demo prompt: its output is indexed)
         for cls in ("code", "chat", "extraction"):
             _demo_class(console, table, call, [p["prompt"] for p in demo_choice(prompts, cls, prompts_per_class)],
                         cls, eagle=_eagle_pools(pair_path, router, run_dir))
+        agent = agent_workload(prompts_per_class)
+        for prompt in agent.warm:  # the class index learns the orders' outputs (served plain)
+            call(prompt, agent.workload_class, "none")
+        _demo_class(console, table, call, agent.held_out[:prompts_per_class], agent.workload_class)
         console.print(table)
         if router is None:  # the local stack: its HTTP API's address is in run/router.http
             code = demo_choice(prompts, "code", 1)[0]["prompt"]
@@ -75,8 +84,10 @@ def _eagle_pools(pair_path: Path, router: str | None, run_dir: Path) -> list[str
 
 def _demo_class(console, table, call, chosen: list[str], cls: str, eagle: Sequence[str] = ()) -> None:
     """One class's prompts with speculation off and on each pool: the plain outputs printed,
-    a table row per arm (time per token, speedup, acceptance, same tokens as plain)."""
-    arms = [("off", "none"), ("on: small", "small"), ("on: ngram", "ngram")] + [
+    a table row per arm (time per token, speedup, acceptance, same tokens as plain). The
+    suffix arm runs first: every arm's outputs join the class's index, and a prompt's own
+    output, drafted back to it, would flatter the suffix pool."""
+    arms = [("on: suffix", "suffix"), ("off", "none"), ("on: small", "small"), ("on: ngram", "ngram")] + [
         (f"on: {p}" if p == "eagle-local" else f"on: {p} (remote)", p) for p in eagle]
     runs = {name: [call(p, cls, pool) for p in chosen] for name, pool in arms}
     plain = runs["off"]
@@ -85,7 +96,7 @@ def _demo_class(console, table, call, chosen: list[str], cls: str, eagle: Sequen
         console.print(f"[dim]prompt:[/dim] {prompt[-120:]!r}")
         console.print(f"[dim]output:[/dim] {resp.text!r}")
     base = sum(s for _, s in plain) / max(sum(len(r.token_ids) for r, _ in plain), 1)
-    for name, results in runs.items():
+    for name, results in sorted(runs.items(), key=lambda kv: kv[0] != "off"):  # (off first, as the reference)
         per_token = sum(s for _, s in results) / max(sum(len(r.token_ids) for r, _ in results), 1)
         acc, drafted = (sum(r.stats.accepted_tokens for r, _ in results),
                         sum(r.stats.draft_tokens for r, _ in results))

@@ -89,6 +89,24 @@ _GUARD_ACCEPTED_OPT = typer.Option(
 _DRAFT_PRIORITY_OPT = typer.Option(
     None, "--draft-priority", min=0, max=9, help="0-9: a saturated draft replica sheds lower priorities' sessions "
     "first (ADR 0021).")
+_SUFFIX_OPT = typer.Option(
+    None, "--suffix", help="The class's suffix index and drafts (ADR 0026), as KEY=VALUE (repeat): max_requests "
+    "(0: no index), max_tokens, min_prob, spec_factor.")
+_SUFFIX_KEYS = {"max_requests": int, "max_tokens": int, "min_prob": float, "spec_factor": float}
+
+
+def _suffix_numbers(items: list[str] | None) -> dict[str, float | int | None]:
+    """`--suffix KEY=VALUE` options as the policy's suffix_* fields."""
+    out: dict[str, float | int | None] = {}
+    for item in items or ():
+        key, _, value = item.partition("=")
+        if key not in _SUFFIX_KEYS:
+            raise typer.BadParameter(f"--suffix {item!r}: KEY is one of {', '.join(_SUFFIX_KEYS)}")
+        try:
+            out[f"suffix_{key}"] = _SUFFIX_KEYS[key](value)
+        except ValueError:
+            raise typer.BadParameter(f"--suffix {item!r}: {value!r} is not a number of that kind") from None
+    return out
 
 
 @policy_app.command("set")
@@ -118,7 +136,7 @@ def policy_set(
         None, "--guard-errors", help="Stages slice and enabled: back one stage when the speculating requests' "
         "error rate exceeds the plain requests' by more than this (e.g. 0.02; 0: off)."),
     guard_speedup: float | None = _GUARD_SPEEDUP_OPT, guard_accepted: float | None = _GUARD_ACCEPTED_OPT,
-    draft_priority: int | None = _DRAFT_PRIORITY_OPT,
+    draft_priority: int | None = _DRAFT_PRIORITY_OPT, suffix: list[str] | None = _SUFFIX_OPT,
     output_format: str | None = typer.Option(
         None, "--output-format", help="text | json_object: the class's output when a request names no constraint."),
     from_file: Path | None = typer.Option(None, "--file", help="A JSON policy (fields as in `policy get`)."),
@@ -145,7 +163,7 @@ def policy_set(
                     "safety_margin": margin, "probe_fraction": probe, "slice_percent": slice_percent,
                     "promote_after_s": promote_after, "guard_max_tpot_ratio": guard_tpot,
                     "guard_max_error_rate": guard_errors, "guard_min_speedup": guard_speedup,
-                    "guard_min_accepted": guard_accepted, "draft_priority": draft_priority})
+                    "guard_min_accepted": guard_accepted, "draft_priority": draft_priority, **_suffix_numbers(suffix)})
     req = policy_pb2.SetPolicyRequest(policy=policy, comment=comment,
                                       expected_version=version if expected_version is None else expected_version)
     _echo_json(_policy_json(_call(stub.SetPolicy, req, md)))

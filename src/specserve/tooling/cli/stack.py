@@ -26,12 +26,18 @@ def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
     token = os.environ.get("SPECSERVE_ROUTER_ADMIN_TOKEN") or secrets.token_urlsafe(24)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_private(run_dir / "admin.token", token)
-    # every class may use both pools: the controller moves each to the pool that pays
-    policies = {"code": {"draft_pool": "small", "draft_pools": ["ngram"], "adaptive_k": True, "k_min": 1, "k_max": 8},
-                "chat": {"draft_pool": "small", "draft_pools": ["ngram"], "k": 4},
-                "extraction": {"draft_pool": "ngram", "draft_pools": ["small"], "adaptive_k": True, "k_min": 2,
-                               "k_max": 12}}
-    pools = {"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", local=True)}
+    # every class may use every pool: the controller moves each to the pool that pays; the suffix
+    # pool (ADR 0026) drafts up to K 32 where its matches are long, and `agent` is the demo's
+    # repeat-heavy class (tooling/workloads.py)
+    policies = {"code": {"draft_pool": "small", "draft_pools": ["ngram", "suffix"], "adaptive_k": True, "k_min": 1,
+                         "k_max": 8},
+                "chat": {"draft_pool": "small", "draft_pools": ["ngram", "suffix"], "k": 4},
+                "extraction": {"draft_pool": "suffix", "draft_pools": ["ngram", "small"], "adaptive_k": True,
+                               "k_min": 2, "k_max": 32},
+                "agent": {"draft_pool": "suffix", "draft_pools": ["ngram", "small"], "adaptive_k": True, "k_min": 1,
+                          "k_max": 32}}
+    pools = {"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", local=True),
+             "suffix": PoolSpec("suffix", local=True)}
     if (pair / "eagle" / "config.json").exists():  # the pair's EAGLE head (ADR 0020): beside the target,
         pools["eagle-local"] = PoolSpec("eagle", local=True)
         pools["eagle"] = PoolSpec("eagle", replicas=1)  # and on a replica fed the target's features
@@ -58,8 +64,8 @@ def up(
                                         "the CPU, NCCL on GPUs."),
 ) -> None:
     """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, the draft pools
-    (small: 2 replicas, ngram and eagle-local inside the target, eagle: 1 replica) and the router (gRPC, and the
-    OpenAI HTTP API), all on loopback."""
+    (small: 2 replicas, ngram, suffix and eagle-local inside the target, eagle: 1 replica) and
+    the router (gRPC, and the OpenAI HTTP API), all on loopback."""
     from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import Stack, StackError, down_from
 

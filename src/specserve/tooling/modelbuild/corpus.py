@@ -154,19 +154,23 @@ def _record(rng: random.Random) -> tuple[str, dict[str, Any]]:
         "date": f"20{rng.randint(18, 26):02d}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
     }
     style = rng.randrange(3)
+    return render_record(rec, style), rec
+
+
+def render_record(rec: dict[str, Any], style: int) -> str:
+    """A record as the corpus writes it in one of its three styles (0: lines, 1: prose,
+    2: key=value pairs)."""
     items_text = "; ".join(f"{it['qty']} x {it['sku']} at {it['price']}" for it in rec["items"])
     if style == 0:
-        source = "\n".join(
+        return "\n".join(
             [f"Record {rec['id']}", f"name: {rec['name']}", f"email: {rec['email']}",
              f"city: {rec['city']}", f"age: {rec['age']}", f"status: {rec['status']}",
              f"date: {rec['date']}", f"items: {items_text}"]
         )
-    elif style == 1:
-        source = (f"Order {rec['id']} from {rec['name']} ({rec['email']}), {rec['age']}, living in "
-                  f"{rec['city']}, placed on {rec['date']} and is {rec['status']}: {items_text}.")
-    else:
-        source = ", ".join(f"{k}={v}" for k, v in rec.items() if k != "items") + f", items={items_text}"
-    return source, rec
+    if style == 1:
+        return (f"Order {rec['id']} from {rec['name']} ({rec['email']}), {rec['age']}, living in "
+                f"{rec['city']}, placed on {rec['date']} and is {rec['status']}: {items_text}.")
+    return ", ".join(f"{k}={v}" for k, v in rec.items() if k != "items") + f", items={items_text}"
 
 
 def extraction_document(rng: random.Random) -> str:
