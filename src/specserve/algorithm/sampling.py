@@ -13,8 +13,8 @@ from specserve.algorithm.rng import GOLDEN, M1, M2
 from specserve.device import to_device
 from specserve.params import SamplingParams
 
-__all__ = ["SamplingParams", "coupled_tokens", "draw", "greedy_tokens", "gumbel", "keys_of", "logits_to_probs",
-           "mask_logits", "truncate_mass"]
+__all__ = ["SamplingParams", "coupled_among", "coupled_tokens", "draw", "exponentials", "greedy_tokens", "keys_of",
+           "logits_to_probs", "mask_logits", "truncate_mass"]
 
 
 def mask_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -151,7 +151,8 @@ def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree
             logits.new_zeros(0, dtype=torch.float64)
         rest = p.masked_fill(ban, 0.0)
         empty = rest.sum(-1) <= 0  # every token of p is a child: unreachable, drawn from p instead
-        recovered = draw(torch.where(empty[:, None], p, rest), to_device(_recover_uniforms(depths, seed, start), device))
+        u = to_device(_recover_uniforms(depths, seed, start), device)
+        recovered = draw(torch.where(empty[:, None], p, rest), u)
         final = torch.where(leaf, coupled_tokens(p, keys), recovered)
     root = torch.zeros(1, dtype=torch.float64, device=device)
     return torch.stack([torch.cat([root, p_tok]), final.double()], 1)
