@@ -15,8 +15,9 @@ kept exactly when it equals it.
    seed set in a thousand, and the seeds are fixed, so the outcome is deterministic (they give
    0.22 to 0.83 here). The controls are the natural mistakes, each failing the same test with
    p-values below 1e-298 at this N (printed): the token at the first mismatch drawn afresh
-   from p (as if it were a bonus), and the draft judged against the drafter's own draw. Also rejection sampling's bonus token, now drawn with the position's noise: at K = 1
-   the second emitted token is the bonus, and must follow p at position 1.
+   from p (as if it were a bonus), and the draft judged against the drafter's own draw. Also
+   rejection sampling's bonus token, now drawn with the position's noise: at K = 1 the second
+   emitted token is the bonus, and must follow p at position 1.
 """
 
 import numpy as np
