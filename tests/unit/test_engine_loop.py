@@ -614,7 +614,8 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     memory-bound step (a + r B, no cost per token) a tree whose other first candidates often
     hold the target's token pays; where each token fed costs as much as the rest of the
     step, it does not; nor where the siblings never hit; nor where the pool drafts on the
-    engine's thread at a cost; a sampled session gets trees (drawn from q) unless it is seeded."""
+    engine's thread at a cost; a sampled session gets trees (drawn from q), a seeded one too (its
+    tokens do not depend on them: the coupled sampler, ADR 0027)."""
     from specserve.algorithm.rejection import Verdict
 
     loop = _loop(pair, tree_width=2)
@@ -639,9 +640,9 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     assert loop.speculation.siblings_of(g).trials == trials
     loop.speculation.cost.coef = np.array([0.010, 0.0005, 0.0])  # memory-bound: tokens cost nothing
     assert loop.speculation.width(g, 4, len(loop.sessions)) == 2
-    # sampled: trees drawn from q, but chains for a seeded session (a tree's coins differ)
+    # sampled: trees drawn from q; seeded too (before ADR 0027 it got chains: a tree's coins differed)
     assert loop.speculation.width(t, 4, len(loop.sessions)) == 2
-    assert loop.speculation.width(e, 4, len(loop.sessions)) == 1
+    assert loop.speculation.width(e, 4, len(loop.sessions)) == 2
     assert loop.speculation.width(g, 0, len(loop.sessions)) == 1
     # drafting on the engine's thread at 2 ms a token, for each of the 3 sessions: the tree's
     # 4 more drafts cost every session 24 ms a step, more than its extra tokens are worth
