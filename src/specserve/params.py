@@ -57,10 +57,9 @@ class SamplingParams:
 
 def coupled_for(sampling: SamplingParams, seeded: bool) -> SamplingParams:
     """The sampling a request's rows run with (ADR 0027): coupled where its client chose the
-    seed and it samples (its tokens must be fixed by the seed alone), else as given."""
-    if seeded and not sampling.greedy and not sampling.coupled:
-        return replace(sampling, coupled=True)
-    return sampling
+    seed and it samples (its tokens must be fixed by the seed alone), else not."""
+    coupled = seeded and not sampling.greedy
+    return sampling if sampling.coupled == coupled else replace(sampling, coupled=coupled)
 
 
 @dataclass(frozen=True)

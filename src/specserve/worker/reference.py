@@ -102,7 +102,7 @@ class ReferenceDecoder:
         self.check_length(len(prompt_ids), params.max_tokens)
         params.sampling.check_vocab(self.target.vocab_size)
         seeded = params.seed is not None if coupled is None else coupled
-        params = replace(params, sampling=coupled_for(replace(params.sampling, coupled=False), seeded))
+        params = replace(params, sampling=coupled_for(params.sampling, seeded))
         seed = fresh_seed() if params.seed is None else params.seed
         stops = StopChecker(self.target.eos_token_ids, params.stop, self._decode)
         resumed = settle([], [int(t) for t in committed], stops, params.max_tokens)  # already over?
