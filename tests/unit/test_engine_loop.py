@@ -10,6 +10,7 @@ committed demo pair's held-out prompts."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import replace
@@ -363,12 +364,24 @@ def test_commits_are_contiguous_and_spell_the_output(pair):
 
 
 def test_an_adopted_session_continues_exactly_after_its_committed_tokens(pair):
+    """Committed tokens end where a round ended (only whole rounds commit): a sampled session
+    adopted there continues exactly. A seeded one continues exactly from any cut: its tokens
+    are plain decoding's with its seed (ADR 0027)."""
     plan = _plans(0.8)[0]
-    whole = _run(_loop(pair), [("s", PROMPTS[1], plan)])["s"]
+    first = _loop(pair)
+    whole = _run(first, [("s", PROMPTS[1], plan)])["s"]
+    cut = next(n for n in itertools.accumulate(r.emitted for r in first.ended["s"].rounds) if n >= 5)
     loop = _loop(pair)
-    loop.add("s", PROMPTS[1], plan, generated=whole[:5], epoch=2)
+    loop.add("s", PROMPTS[1], plan, generated=whole[:cut], epoch=2)
     loop.run_until_idle()
     assert loop.ended["s"].generated == whole and loop.ended["s"].epoch == 2
+    seeded = replace(plan, seeded=True)
+    whole = _run(_loop(pair), [("s", PROMPTS[1], seeded)])["s"]
+    for cut in (3, 4, 5, 7):
+        loop = _loop(pair)
+        loop.add("s", PROMPTS[1], seeded, generated=whole[:cut], epoch=2)
+        loop.run_until_idle()
+        assert loop.ended["s"].generated == whole, cut
 
 
 class LinkingDrafts(LocalDrafts):
