@@ -54,13 +54,13 @@ def test_an_unseeded_requests_reported_seed_replays_it_where_it_ran_plain(demo_p
 SAMPLINGS = [pytest.param(SamplingParams(temperature=1.0), 3, id="T1"),
              pytest.param(SamplingParams(temperature=0.7, top_k=40, top_p=0.9, banned_token_ids=(13, 200)), 17,
                           id="T0.7-topk-topp-banned")]
-ARMS = [("small", 1), ("small", 3), ("small", 6), ("ngram", 2), ("ngram", 5)]
+ARMS = [("small", 2), ("small", 6), ("ngram", 4)]
 
 
 @pytest.mark.parametrize("sp,prompt", SAMPLINGS)
 def test_seeded_output_is_plain_decodings_on_every_pool_and_k(demo_pair, target_model, eval_prompts, sp, prompt):
-    """The same seed on the draft model at K = 1, 3, 6 and the n-gram drafter at K = 2, 5 gives
-    the tokens plain decoding gives with it, drafts kept or not. The control, rounds judged by
+    """The same seed on the draft model at K = 2 and 6 and the n-gram drafter at K = 4 gives the
+    tokens plain decoding gives with it, drafts kept or not. The control, rounds judged by
     rejection sampling (what a seeded request ran before ADR 0027), gives other tokens on
     some arm: the issue's symptom, the drafts changing the sample."""
     engines = {name: _engine(demo_pair, target_model, name) for name in ("small", "ngram")}
@@ -72,7 +72,7 @@ def test_seeded_output_is_plain_decodings_on_every_pool_and_k(demo_pair, target_
         got = engines[name].generate(text, params)
         assert got.token_ids == plain.token_ids, (name, k)
         accepted += sum(got.accepted_per_round)
-        if k in (3, 5):
+        if k in (2, 4):
             differ += engines[name].generate(text, params, coupled=False).token_ids != plain.token_ids
     assert accepted > 10  # drafts were kept: not plain against plain
     assert differ >= 1
