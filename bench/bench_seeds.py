@@ -13,8 +13,10 @@ sampling, on the demo pair in process, at T = 1 and T = 0.7, the same held-out p
    continuations, the probability that a draft-model token is kept, 1 - TV(p, q) = sum
    min(p, q) under rejection sampling, against the probability that the draft's Gumbel-max draw
    meets the target's with shared noise (Monte Carlo over --noise-draws draws per position),
-   with Gumbel coupling's lower bound (1 - TV) / (1 + TV). A drafter without a q (n-gram,
-   one-hot) is kept with probability p(x) under both.
+   with Gumbel coupling's lower bound (1 - TV) / (1 + TV), and the alternative it was chosen
+   over: one shared uniform through both inverse CDFs in token-id order (exact: the overlap of
+   the two tokens' CDF intervals). A drafter without a q (n-gram, one-hot) is kept with
+   probability p(x) under all of them.
 3. **The noise's cost** on this CPU: a verify's verdict over B rows of K + 1 positions, coupled
    against rejection sampling, and a draft position's pick.
 
@@ -93,7 +95,7 @@ def per_position(pair, sampling: SamplingParams, prompts: list[list[int]], outpu
                  draws: int) -> dict:
     """Part 2 along the given continuations (the target's own, coupled plain decoding's)."""
     gen = torch.Generator().manual_seed(0)
-    rej, coup, bound = [], [], []
+    rej, coup, bound, inv = [], [], [], []
     with torch.inference_mode():
         for prompt, out in zip(prompts, outputs, strict=True):
             ids = torch.tensor([prompt + out])
@@ -103,12 +105,15 @@ def per_position(pair, sampling: SamplingParams, prompts: list[list[int]], outpu
             tv = 1.0 - torch.minimum(p, q).sum(-1).double()
             rej += (1.0 - tv).tolist()
             bound += ((1.0 - tv) / (1.0 + tv)).tolist()
+            fp, fq = torch.cumsum(p.double(), -1), torch.cumsum(q.double(), -1)
+            inv += (torch.minimum(fp, fq) - torch.maximum(fp - p, fq - q)).clamp(min=0).sum(-1).tolist()
             for i in range(n):  # (one position's noise at a time: draws x V float64)
                 e = exponentials(torch.randint(0, 2**53, (draws,), generator=gen), None, p.shape[-1])
                 meet = (p[i].double() / e).argmax(-1) == (q[i].double() / e).argmax(-1)
                 coup.append(float(meet.double().mean()))
     return {"positions": len(rej), "rejection_accept": float(np.mean(rej)), "coupled_accept": float(np.mean(coup)),
             "coupled_lower_bound": float(np.mean(bound)), "coupled_over_rejection": float(np.mean(coup) / np.mean(rej)),
+            "inverse_cdf_accept": float(np.mean(inv)),
             "rejection_by_position": rej, "coupled_by_position": coup}
 
 
@@ -181,7 +186,8 @@ def main() -> None:
         positions[tname] = per_position(pair, sampling, prompts, plain, a.noise_draws)
         pp = positions[tname]
         print(f"{tname} per position ({pp['positions']}): rejection {pp['rejection_accept']:.3f}  coupled "
-              f"{pp['coupled_accept']:.3f}  bound {pp['coupled_lower_bound']:.3f}", flush=True)
+              f"{pp['coupled_accept']:.3f}  bound {pp['coupled_lower_bound']:.3f}  inverse-CDF coupling "
+              f"{pp['inverse_cdf_accept']:.3f}", flush=True)
     cost = noise_cost(pair.target.config.vocab_size, a.k)
     print("noise cost (ms):", {k: round(v, 3) for k, v in cost.items() if k.endswith(("b1", "b16", "truncated",
                                                                                          "dense"))})
