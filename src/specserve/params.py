@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specserve.errors import InvalidRequest
 
@@ -27,6 +27,11 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # 1.0 disables top-p
     banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # The coupled sampler (ADR 0027), at T > 0: the target's token at each position is the
+    # Gumbel-max draw of the position's noise, and a draft token is kept exactly when it equals
+    # it, so the tokens are those of plain decoding with the seed whatever the drafts. Not a
+    # client's field: the engine sets it for a request whose client chose the seed (`coupled_for`).
+    coupled: bool = False
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100.0:
@@ -48,6 +53,13 @@ class SamplingParams:
             raise InvalidRequest(f"banned token id {bad[0]} is outside the vocabulary (size {vocab_size})")
         if len(set(self.banned_token_ids)) >= vocab_size:
             raise InvalidRequest("banned_token_ids bans the whole vocabulary")
+
+
+def coupled_for(sampling: SamplingParams, seeded: bool) -> SamplingParams:
+    """The sampling a request's rows run with (ADR 0027): coupled where its client chose the
+    seed and it samples (its tokens must be fixed by the seed alone), else not."""
+    coupled = seeded and not sampling.greedy
+    return sampling if sampling.coupled == coupled else replace(sampling, coupled=coupled)
 
 
 @dataclass(frozen=True)

@@ -708,3 +708,46 @@ def test_shadow_mode_under_a_constraint_serves_it_plain_and_keeps_its_statistics
     assert rec["outcome"] == "agree" and rec["drafted"] > 0  # the twin ran under the same constraint
     # constrained rounds are the class's `+json_object` statistics, not its free-text ones
     assert _effective(admin0, cls).shadow.requests == 0
+
+
+# -- seeds (issue 53, ADR 0027) --------------------------------------------------------------
+def test_a_seeded_request_gives_the_same_tokens_whatever_the_controller_chooses(routers, extraction_prompts):
+    """The same seeded sampled request, naming no pool and no K, sent under the `default`
+    policy five times while the policy is switched between the sends, so that the controller
+    chooses another arm each time: the draft model at K = 4, the untrained draft at K = 2,
+    plain, adaptive K on the spare pool and on the draft model. Every response has the same
+    tokens (the coupled sampler: a seeded row's tokens are plain decoding's with its seed).
+    Before ADR 0027 the drafts changed the sample path and the responses differed from the
+    first round that judged a draft (issue 53: 3 of 6 seeded requests under `specserve up`).
+    The `default` policy is put back as it was at the end."""
+    (gen, admin), _ = routers
+    try:
+        before = admin.GetPolicy(policy_pb2.GetPolicyRequest(workload_class="default"), metadata=AUTH, timeout=10)
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        before = None
+    cls = _cls("nopolicy")  # a class with no policy of its own: under `default`
+    arms = [dict(draft_pool="small", k=4), dict(draft_pool="poor", k=2), dict(mode=OFF, draft_pool=""),
+            dict(draft_pool="spare", adaptive_k=True, k_min=1, k_max=6),
+            dict(draft_pool="small", adaptive_k=True, k_min=1, k_max=8)]
+    outs, pools, accepted = [], [], 0
+    try:
+        for fields in arms:
+            stored = _set(admin, "default", **fields)
+            t0 = time.monotonic()
+            while _effective(admin, cls).policy.version != stored.version:
+                assert time.monotonic() - t0 < 5.0, "the router did not take the new default policy"
+                time.sleep(0.01)
+            resp = _gen(gen, extraction_prompts[2], cls, max_tokens=40, temperature=1.0, seed=2027)
+            outs.append(list(resp.token_ids))
+            pools.append(resp.stats.draft_pool)
+            accepted += resp.stats.accepted_tokens
+            assert resp.stats.seed == 2027
+    finally:
+        if before is None:
+            admin.DeletePolicy(policy_pb2.DeletePolicyRequest(workload_class="default"), metadata=AUTH, timeout=10)
+        else:
+            admin.SetPolicy(policy_pb2.SetPolicyRequest(policy=before), metadata=AUTH, timeout=10)
+    assert len(set(pools)) >= 3, pools  # the controller's choice did change
+    assert accepted > 0  # and drafts were kept: not plain against plain
+    assert all(o == outs[0] for o in outs), [(p, o[:8]) for p, o in zip(pools, outs, strict=True)]

@@ -80,7 +80,10 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
 @pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local"])
 def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair, target_model, eval_prompts, pool):
     """Randomness is keyed by (seed, position, purpose) on every side of the wire, so the
-    distributed rounds reproduce the in-process reference decoder's sampled tokens exactly."""
+    distributed rounds reproduce the in-process reference decoder's sampled tokens exactly.
+    A seeded request's tokens no longer depend on its drafts (ADR 0027), so the drafts are
+    checked apart: a replica draws with the noise the target draws with, so it keeps what the
+    in-process drafter keeps (a replica drafting with other noise keeps fewer)."""
     from specserve.algorithm.sampling import SamplingParams
     from specserve.drafters import HFDrafter
 
@@ -94,6 +97,7 @@ def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair
                                  temperature=0.8, top_p=0.95), timeout=120)
         assert list(got.token_ids) == want.token_ids
         assert got.stats.seed == 77
+        assert got.stats.accepted_tokens == sum(want.accepted_per_round), item["prompt"][:40]
 
 
 def _scrape(address: str) -> dict[tuple[str, tuple], float]:

@@ -227,20 +227,22 @@ def test_an_adaptive_class_leaves_plain_to_the_engine_where_no_pool_pays_over_th
                       MIN_ROUNDS)[0].pool is None
 
 
-def test_a_seeded_sampled_request_runs_at_its_policys_k_whatever_the_statistics():
-    """Its sample path depends on K: with the controller's K it would change as the statistics
-    do (the fault matrix's seeded column, against a fault-free run minutes earlier, differed
-    at its 6th token once the built-in policy became adaptive)."""
+def test_a_seeded_sampled_request_gets_the_arm_an_unseeded_one_gets():
+    """A seed fixes the tokens whatever the arm (the coupled sampler, ADR 0027), so the arm of
+    a seeded request follows the statistics as any other's. (Before, its K was held at the
+    policy's, which fixed K but not the pool: the same seeded request still changed its tokens
+    when the controller moved it to another pool, issue 53.)"""
     adaptive = Policy("c", draft_pool="a", k=4, adaptive_k=True, k_min=1, k_max=6, probe_fraction=0.0)
     k1_best = stats([0.3], {1: (0.5, 12.5, 2.0), 4: (2.0, 20.0, 2.0)})  # K = 1 pays, K = 4 does not
     seeded = RequestFacts(0.8, 10, pinned_pool="a", seeded=True)
     for facts in (seeded, replace(seeded, pinned_pool=None)):  # the pool pinned, or the controller's
-        for estimates in ({"a": est(GOOD, 6)}, {"a": est(k1_best, 6)}):
+        for estimates, k in (({"a": est(GOOD, 6)}, None), ({"a": est(k1_best, 6)}, 1)):
             choice, _ = choose_arm(facts, adaptive, {"a"}, estimates, random.Random(0), MIN_ROUNDS)
-            assert (choice.pool, choice.k) == ("a", 4), (facts, choice)
-    # the controller's K otherwise: a greedy request, or one that names its K
-    greedy = replace(seeded, temperature=0.0)
-    assert choose_arm(greedy, adaptive, {"a"}, {"a": est(k1_best, 6)}, random.Random(0), MIN_ROUNDS)[0].k == 1
+            free, _ = choose_arm(replace(facts, seeded=False), adaptive, {"a"}, estimates, random.Random(0),
+                                 MIN_ROUNDS)
+            assert (choice.pool, choice.k) == (free.pool, free.k), (facts, choice, free)
+            assert k is None or choice.k == k
+    # a K the request names is still its own
     assert choose_arm(replace(seeded, pinned_k=2), adaptive, {"a"}, {"a": est(GOOD, 6)}, random.Random(0),
                       MIN_ROUNDS)[0].k == 2
 

@@ -23,6 +23,7 @@ from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter
 from specserve.models.verifier import TargetModel
+from specserve.params import coupled_for
 from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
@@ -109,7 +110,9 @@ async def _generate(ts: _Target, ds: DraftServicer, sid: str, prompt: list[int],
             held_d = n
         drafts = list(block.tokens) if block else []
         q = q_from_proto(block.q, len(drafts), VOCAB) if block else None
-        result = ts.verify(sid, committed.ids, drafts, q, params.sampling, params.seed)
+        # judged as the engine judges the request's rows (a seed given: coupled, ADR 0027)
+        result = ts.verify(sid, committed.ids, drafts, q, coupled_for(params.sampling, params.seed is not None),
+                           params.seed)
         rolled += result.rolled_back
         settled = settle(generated, list(result.verdict.tokens), stops, params.max_tokens)
         generated += settled.tokens

@@ -63,6 +63,7 @@ class DesignatedCopy:
 
 def _jobs(engine: BatchedTarget, vocab: int) -> list[Work]:
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    coupled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, coupled=True)
     with unset_fake_temporarily():
         q = SparseQ(torch.tensor([[5, 6, 0], [7, 8, 0]]), torch.tensor([[0.6, 0.4, 0.0], [0.9, 0.1, 0.0]]))
     prompt = [(3 * i) % vocab for i in range(1, 21)]
@@ -73,6 +74,9 @@ def _jobs(engine: BatchedTarget, vocab: int) -> list[Work]:
         "greedy-k1-banned": StepRow.verify(None, [4, 5], [6], None, SamplingParams(banned_token_ids=(0, 7)), 4),
         "sampled-sparse-q": StepRow.verify(None, [9, 8, 7], [5, 7], q, sampled, 5),
         "sampled-one-hot": StepRow.verify(None, [11, 12], [13, 14, 15, 16], None, sampled, 6),
+        # a seed the client chose: the coupled verdict, its noise made on the device (ADR 0027)
+        "seeded-sparse-q": StepRow.verify(None, [9, 8, 6], [5, 7], q, coupled, 7),
+        "seeded-one-hot": StepRow.verify(None, [10, 12], [13, 14, 15], None, coupled, 8),
     }
     out = []
     for name, job in jobs.items():

@@ -100,9 +100,9 @@ def test_max_tokens_inside_the_block_and_k_beyond_budget(demo_pair, target_model
 def test_max_tokens_cut_inside_a_sampled_block(demo_pair, target_model, prompt_ids):
     full = _greedy_reference(demo_pair, prompt_ids, 10)
     engine = ReferenceDecoder(target_model, ScriptedDrafter(target_model.vocab_size, full), demo_pair.tokenizer)
+    sampling = SamplingParams(temperature=0.8, banned_token_ids=tuple(target_model.eos_token_ids))  # (no EOS cut)
     for n in range(1, 8):
-        res = engine.generate(prompt_ids, GenerationParams(
-            max_tokens=n, num_draft_tokens=5, sampling=SamplingParams(temperature=0.8), seed=n))
+        res = engine.generate(prompt_ids, GenerationParams(max_tokens=n, num_draft_tokens=5, sampling=sampling, seed=n))
         assert len(res.token_ids) == n
 
 

@@ -10,6 +10,7 @@ committed demo pair's held-out prompts."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import replace
@@ -363,12 +364,24 @@ def test_commits_are_contiguous_and_spell_the_output(pair):
 
 
 def test_an_adopted_session_continues_exactly_after_its_committed_tokens(pair):
+    """Committed tokens end where a round ended (only whole rounds commit): a sampled session
+    adopted there continues exactly. A seeded one continues exactly from any cut: its tokens
+    are plain decoding's with its seed (ADR 0027)."""
     plan = _plans(0.8)[0]
-    whole = _run(_loop(pair), [("s", PROMPTS[1], plan)])["s"]
+    first = _loop(pair)
+    whole = _run(first, [("s", PROMPTS[1], plan)])["s"]
+    cut = next(n for n in itertools.accumulate(r.emitted for r in first.ended["s"].rounds) if n >= 5)
     loop = _loop(pair)
-    loop.add("s", PROMPTS[1], plan, generated=whole[:5], epoch=2)
+    loop.add("s", PROMPTS[1], plan, generated=whole[:cut], epoch=2)
     loop.run_until_idle()
     assert loop.ended["s"].generated == whole and loop.ended["s"].epoch == 2
+    seeded = replace(plan, seeded=True)
+    whole = _run(_loop(pair), [("s", PROMPTS[1], seeded)])["s"]
+    for cut in (3, 4, 5, 7):
+        loop = _loop(pair)
+        loop.add("s", PROMPTS[1], seeded, generated=whole[:cut], epoch=2)
+        loop.run_until_idle()
+        assert loop.ended["s"].generated == whole, cut
 
 
 class LinkingDrafts(LocalDrafts):
@@ -614,7 +627,8 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     memory-bound step (a + r B, no cost per token) a tree whose other first candidates often
     hold the target's token pays; where each token fed costs as much as the rest of the
     step, it does not; nor where the siblings never hit; nor where the pool drafts on the
-    engine's thread at a cost; a sampled session gets trees (drawn from q) unless it is seeded."""
+    engine's thread at a cost; a sampled session gets trees (drawn from q), a seeded one too (its
+    tokens do not depend on them: the coupled sampler, ADR 0027)."""
     from specserve.algorithm.rejection import Verdict
 
     loop = _loop(pair, tree_width=2)
@@ -639,9 +653,9 @@ def test_a_tree_is_offered_where_the_cost_model_says_its_wider_verify_pays(pair)
     assert loop.speculation.siblings_of(g).trials == trials
     loop.speculation.cost.coef = np.array([0.010, 0.0005, 0.0])  # memory-bound: tokens cost nothing
     assert loop.speculation.width(g, 4, len(loop.sessions)) == 2
-    # sampled: trees drawn from q, but chains for a seeded session (a tree's coins differ)
+    # sampled: trees drawn from q; seeded too (before ADR 0027 it got chains: a tree's coins differed)
     assert loop.speculation.width(t, 4, len(loop.sessions)) == 2
-    assert loop.speculation.width(e, 4, len(loop.sessions)) == 1
+    assert loop.speculation.width(e, 4, len(loop.sessions)) == 2
     assert loop.speculation.width(g, 0, len(loop.sessions)) == 1
     # drafting on the engine's thread at 2 ms a token, for each of the 3 sessions: the tree's
     # 4 more drafts cost every session 24 ms a step, more than its extra tokens are worth

@@ -16,6 +16,7 @@ from specserve.algorithm.sampling import SamplingParams
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters import HFDrafter, NgramDrafter
 from specserve.models.verifier import verify_block
+from specserve.params import coupled_for
 from specserve.services.draft.server import DraftServicer
 from specserve.serving.wire import prefix_to_proto, sampling_to_proto
 from specserve.state.prefix import CommittedPrefix
@@ -88,7 +89,9 @@ async def _through_servicer(servicer: DraftServicer, target_model, prompt_ids, p
             block = answer
         await asyncio.sleep(0.05)  # the target's verify time: the worker drafts ahead meanwhile
         q = q_from_proto(block.q, len(block.tokens), target_model.vocab_size)
-        verdict = verify_block(session, committed.ids, list(block.tokens), q, params.sampling, params.seed)
+        # judged as the engine judges a seeded request's rows: coupled (ADR 0027)
+        verdict = verify_block(session, committed.ids, list(block.tokens), q, coupled_for(params.sampling, True),
+                               params.seed)
         settled = settle(generated, verdict.tokens, stops, params.max_tokens)
         generated += settled.tokens
         committed.extend(settled.tokens)

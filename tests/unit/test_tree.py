@@ -391,10 +391,11 @@ def test_a_sampled_tree_from_small_is_its_chain_plus_siblings_drawn_from_q(demo_
     assert trees >= 3, trees
 
 
-def test_unseeded_sampled_sessions_verify_trees_with_q_and_seeded_ones_chains(demo_pair):
-    """The engine offers trees (tree_width 2) to a sampled session without a seed of its own,
-    drawn from the draft's q and judged with it, and chains to a seeded one (its output is
-    fixed by its seed, whatever the load)."""
+def test_sampled_sessions_verify_trees_and_a_seeded_ones_tokens_are_plain_decodings(demo_pair):
+    """The engine offers trees (tree_width 2) to every sampled session: to one without a seed
+    of its own drawn from the draft's q and judged with it; to a seeded one too, judged by the
+    coupled sampler (ADR 0027), so its tokens are those of plain decoding with its seed, tree
+    or chain. (Before, a seeded session was given chains: a tree's coins differ from a chain's.)"""
     from specserve.algorithm.stops import StopChecker
     from specserve.drafters.hf import HFDrafter
     from specserve.engine.drafting import LocalDrafts
@@ -403,7 +404,7 @@ def test_unseeded_sampled_sessions_verify_trees_with_q_and_seeded_ones_chains(de
     from specserve.engine.speculation import SpeculationSettings
     from specserve.params import GenerationParams
 
-    model = make_target_step(TargetModel(demo_pair.target), Batching(max_sessions=2, max_len=512))
+    model = make_target_step(TargetModel(demo_pair.target), Batching(max_sessions=3, max_len=512))
     verified: list[StepRow] = []
     step = model.step
 
@@ -419,10 +420,13 @@ def test_unseeded_sampled_sessions_verify_trees_with_q_and_seeded_ones_chains(de
     params = GenerationParams(max_tokens=40, num_draft_tokens=3, seed=5, sampling=SamplingParams(temperature=0.9))
     loop.add("free", prompt, EnginePlan(params, pool="small", seeded=False))
     loop.add("seeded", prompt, EnginePlan(params, pool="small", seeded=True))
+    loop.add("plain", prompt, EnginePlan(params, pool=None, seeded=True))
     loop.run_until_idle()
-    free, seeded = loop.ended["free"], loop.ended["seeded"]
+    free, seeded, plain = loop.ended["free"], loop.ended["seeded"], loop.ended["plain"]
     assert len(free.generated) == len(seeded.generated) == 40
-    assert any(r.tree_size > 0 for r in free.rounds) and not any(r.tree_size > 0 for r in seeded.rounds)
+    assert any(r.tree_size > 0 for r in free.rounds) and any(r.tree_size > 0 for r in seeded.rounds)
+    assert sum(r.accepted for r in seeded.rounds if r.tree_size > 0) > 0  # trees that settled tokens
+    assert seeded.generated == plain.generated
     assert verified and all(r.q is not None for r in verified)
     # a per-session target (batching off) judges rows as chains only: it is never given a tree
     # (a sampled tree judged as a flattened chain would not be exact)

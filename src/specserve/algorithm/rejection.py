@@ -1,4 +1,5 @@
-"""Rejection sampling: the verdict on one drafted block (Leviathan et al. 2023, DESIGN §2).
+"""Rejection sampling: the verdict on one drafted block (Leviathan et al. 2023, DESIGN §2), and
+the coupled verdict of a seeded row (ADR 0027).
 
 Vocabulary: the target distribution is p, the draft distribution q. For each of the K draft
 tokens x̂_i, in order, the token is **accepted** when u_i · q(x̂_i) < p(x̂_i) (u_i uniform in
@@ -11,9 +12,20 @@ truncated with top-k/top-p); or absent, meaning one-hot at the draft tokens (det
 drafters such as n-gram). A draft token with q(x̂) = 0 (a drafter that misreports q) is
 judged by the target alone: kept iff p(x̂) > 0. A token with p(x̂) = 0 is never kept.
 
-Every uniform comes from `rng.uniform(seed, absolute position, purpose)`, so a verdict is a
-pure function of its inputs. `rejection_sample` is the fast batched path;
-`rejection_sample_reference` is the slow loop it must equal exactly (tests/unit).
+Every random number comes from `rng.uniform(seed, absolute position, purpose)`, so a verdict is
+a pure function of its inputs: the accept coins (ACCEPT) and the recovered draw (RECOVER, by
+inverse CDF), and the position's noise (BONUS's key) for every token drawn fresh from p: the
+bonus token, and a plain step's (a block of no drafts), by Gumbel-max (`sampling.coupled_tokens`).
+
+**Coupled** rows (`SamplingParams.coupled`: a seed the client chose, ADR 0027) are judged
+otherwise: the target's token at every position of the block is its Gumbel-max draw with the
+position's noise, y_i; a draft token is accepted exactly when it equals y_i, and the block
+ends with y at the first mismatch (or past the last draft). The emitted tokens are then those
+of plain decoding with the seed whatever the drafts were: the drafts decide only how many
+positions one pass settles. Exact: each y_i is a draw from p_i.
+
+`rejection_sample` / `coupled_sample` are the fast batched paths; `rejection_sample_reference`
+/ `coupled_sample_reference` the slow loops they must equal (tests/unit).
 """
 
 from __future__ import annotations
@@ -23,8 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve.algorithm.rng import Purpose, uniform
-from specserve.algorithm.sampling import draw
+from specserve.algorithm.rng import Purpose, exponentials_reference, noise_keys, uniform
+from specserve.algorithm.sampling import coupled_tokens, draw
 from specserve.device import to_device
 
 
@@ -125,21 +137,32 @@ def _draft_lists(draft: torch.Tensor, num_draft: torch.Tensor) -> list[list[int]
 
 @dataclass(frozen=True)
 class StepUniforms:
-    """Every uniform a batch's rejection sampling may use, drawn on the host in one go
-    (ADR 0001 counters, so identical on every device) and copied in with the step: accept
-    draws at the K draft positions, recover and bonus draws at each of the K+1 places the
-    block may end. Which of those are used depends on the verdict, which stays on the device."""
+    """Every random number a batch's verdicts may use, drawn on the host in one go (ADR 0001
+    counters, so identical on every device) and copied in with the step: accept draws at the
+    K draft positions, recover draws and the noise keys (rng.noise_keys) at each of the K+1
+    places the block may end. Which of those are used depends on the verdict, which stays on
+    the device. (A coupled verdict uses the keys alone.)"""
 
     accept: np.ndarray  # [B, K] float64
     recover: np.ndarray  # [B, K+1]
-    bonus: np.ndarray  # [B, K+1]
+    keys: np.ndarray  # [B, K+1] int64
 
     @classmethod
     def draw(cls, seeds: np.ndarray, start: np.ndarray, k: int) -> StepUniforms:
         pos = start[:, None] + np.arange(k + 1)[None, :]  # [B, K+1]
         s = seeds[:, None]
-        return cls(uniform(s, pos[:, :k], Purpose.ACCEPT), uniform(s, pos, Purpose.RECOVER),
-                   uniform(s, pos, Purpose.BONUS))
+        return cls(uniform(s, pos[:, :k], Purpose.ACCEPT), uniform(s, pos, Purpose.RECOVER), noise_keys(s, pos))
+
+
+def _draft_probs(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(x̂_i) and q(x̂_i) [B, K] (q one-hot where None): the statistics every verdict reports."""
+    k = draft.shape[1]
+    if k == 0:
+        empty = torch.zeros(draft.shape[0], 0, device=p.device)
+        return empty, empty
+    px = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+    qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(px)
+    return px, qx
 
 
 def rejection_judge(
@@ -155,14 +178,12 @@ def rejection_judge(
     dev = p.device
     rows = torch.arange(bsz, device=dev)
     valid = torch.arange(k, device=dev).unsqueeze(0) < num_draft.unsqueeze(1)  # [B, K]
+    px, qx = _draft_probs(p, draft, q)
     if k > 0:
-        px = p[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
-        qx = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1) if q is not None else torch.ones_like(px)
         u_acc = to_device(u.accept, dev)
         accept = (u_acc * qx.double() < px.double()) & valid
         num_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B]
     else:
-        px = qx = torch.zeros(bsz, 0, device=dev)
         num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
     rejected = num_acc < num_draft  # [B]
 
@@ -177,10 +198,27 @@ def rejection_judge(
         usable = rejected & (residual.sum(-1) > 0)
         dist = torch.where(usable.unsqueeze(-1), residual, p_final)
     at_end = num_acc.unsqueeze(1)
-    u_rec = to_device(u.recover, dev).gather(1, at_end).squeeze(1)
-    u_bonus = to_device(u.bonus, dev).gather(1, at_end).squeeze(1)
-    final = draw(dist, torch.where(rejected, u_rec, u_bonus))  # [B]
-    return Judged(num_acc, final, px, qx)
+    recovered = draw(dist, to_device(u.recover, dev).gather(1, at_end).squeeze(1))
+    bonus = coupled_tokens(p_final, to_device(u.keys, dev).gather(1, at_end).squeeze(1))
+    return Judged(num_acc, torch.where(rejected, recovered, bonus), px, qx)
+
+
+def coupled_judge(
+    p: torch.Tensor,  # [B, K+1, V] float32 target probabilities (logits_to_probs)
+    draft: torch.Tensor,  # [B, K] int64 draft tokens, padded past num_draft
+    num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= K
+    q: torch.Tensor | None,  # [B, K, V] float32 (statistics only: the verdict does not read q)
+    u: StepUniforms,
+) -> Judged:
+    """Batched coupled verdicts on p's device (module docstring): the target's own draw at
+    every position with the position's noise, drafts kept while they equal it. As pure a
+    function as `rejection_judge` (a fixed-shape argmax over p / noise), graph-friendly."""
+    k = draft.shape[1]
+    own = coupled_tokens(p, to_device(u.keys, p.device))  # [B, K+1]
+    valid = torch.arange(k, device=p.device).unsqueeze(0) < num_draft.unsqueeze(1)
+    num_acc = torch.cumprod(((draft == own[:, :k]) & valid).long(), dim=1).sum(dim=1)
+    px, qx = _draft_probs(p, draft, q)
+    return Judged(num_acc, own.gather(1, num_acc.unsqueeze(1)).squeeze(1), px, qx)
 
 
 def rejection_sample(
@@ -190,10 +228,19 @@ def rejection_sample(
     q: torch.Tensor | None,  # [B, K, V] float32 dense draft probabilities; None = one-hot
     seeds: np.ndarray,  # [B] uint64 request seeds
     start: np.ndarray,  # [B] int64 absolute position of draft[:, 0]
+    coupled: bool = False,
 ) -> list[Verdict]:
-    """`rejection_judge` with the uniforms of (seeds, start), read back as Verdicts."""
-    judged = rejection_judge(p, draft, num_draft, q, StepUniforms.draw(seeds, start, draft.shape[1]))
+    """`rejection_judge` (or `coupled_judge`) with the numbers of (seeds, start), read back as
+    Verdicts."""
+    judge = coupled_judge if coupled else rejection_judge
+    judged = judge(p, draft, num_draft, q, StepUniforms.draw(seeds, start, draft.shape[1]))
     return verdicts_from_host(judged.packed().cpu().tolist(), _draft_lists(draft, num_draft), True)
+
+
+def coupled_sample(p: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, q: torch.Tensor | None,
+                   seeds: np.ndarray, start: np.ndarray) -> list[Verdict]:
+    """`coupled_judge` read back as Verdicts (`rejection_sample`'s arguments)."""
+    return rejection_sample(p, draft, num_draft, q, seeds, start, coupled=True)
 
 
 def rejection_sample_reference(
@@ -224,8 +271,28 @@ def rejection_sample_reference(
         tok = _draw_reference(dist, float(uniform(seed, start + i, Purpose.RECOVER)))
         return Verdict(i, list(draft[:i]) + [tok], i, p_list, q_list)
     kk = len(draft)
-    tok = _draw_reference(p32[kk], float(uniform(seed, start + kk, Purpose.BONUS)))
-    return Verdict(kk, list(draft) + [tok], None, p_list, q_list)
+    return Verdict(kk, list(draft) + [_coupled_reference(p32[kk], seed, start + kk)], None, p_list, q_list)
+
+
+def coupled_sample_reference(p: torch.Tensor, draft: list[int], q: torch.Tensor | None, seed: int,
+                             start: int) -> Verdict:
+    """The slow, obvious coupled verdict: the target's own draw at each position in turn, the
+    draft kept while it equals it. The fast path must equal it exactly."""
+    p32 = p.float().numpy()
+    p_list = [float(p32[i, x]) for i, x in enumerate(draft)]
+    q_list = [1.0 if q is None else float(q.float().numpy()[i, x]) for i, x in enumerate(draft)]
+    for i, x in enumerate(draft):
+        own = _coupled_reference(p32[i], seed, start + i)
+        if own != x:
+            return Verdict(i, list(draft[:i]) + [own], i, p_list, q_list)
+    kk = len(draft)
+    return Verdict(kk, list(draft) + [_coupled_reference(p32[kk], seed, start + kk)], None, p_list, q_list)
+
+
+def _coupled_reference(probs: np.ndarray, seed: int, position: int) -> int:
+    """argmax p / E with numpy's exponentials of the position's key: Gumbel-max, written out."""
+    noise = exponentials_reference(noise_keys(seed, [position]), np.arange(probs.shape[-1]))[0]
+    return int(np.argmax(probs.astype(np.float64) / noise))
 
 
 def _draw_reference(probs: np.ndarray, u: float) -> int:

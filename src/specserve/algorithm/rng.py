@@ -19,12 +19,15 @@ if TYPE_CHECKING:  # (torch only where the device's uniforms are drawn: this mod
 
 
 class Purpose(IntEnum):
-    DRAFT = 1  # the draft sampling its proposal
-    ACCEPT = 2  # the accept/reject coin of a draft token
-    RECOVER = 3  # the recovered token at the first rejection
-    BONUS = 4  # the bonus token (also every plain decode step)
+    DRAFT = 1  # retired (ADR 0027): a drafter draws with the position's noise (BONUS); the value stays reserved
+    ACCEPT = 2  # the accept/reject coin of a draft token (rejection sampling)
+    RECOVER = 3  # the recovered token at the first rejection (rejection sampling)
+    # the position's noise (ADR 0027): its 53 bits key the Gumbel noise of every fresh sample at
+    # the position: the target's (a plain step, a bonus token, every token of a seeded row) and
+    # a drafter's proposal or guess there
+    BONUS = 4
     SIBLING = 5  # a token tree's second and later candidates at one position (algorithm/tree.py)
-    SIBLING_DRAFT = 6  # the draw of a sampled tree's second and later candidates (algorithm/tree.py)
+    SIBLING_DRAFT = 6  # retired (ADR 0027): a sampled tree's siblings are the position's Gumbel top-k
 
 
 # SplitMix64 (Steele, Lea and Flood, 2014): the golden-ratio increment and the finaliser's two
@@ -74,6 +77,27 @@ def uniform(
         h = _mix(h ^ (pos * _GOLDEN + tag))
         h = _mix(h + tag * _M1)
         return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def noise_keys(seed: int | np.ndarray, positions: int | np.ndarray | list[int]) -> np.ndarray:
+    """int64 keys of the positions' noise (ADR 0027): the 53 bits of uniform(seed, position,
+    BONUS) as integers, exactly `uniform(...) * 2**53` (so a device that was handed the uniform
+    derives the same key: algorithm/sampling.py `keys_of`)."""
+    return (uniform(seed, positions, Purpose.BONUS) * 9007199254740992.0).astype(np.int64)
+
+
+def exponentials_reference(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The position noise of tokens (ADR 0027): standard exponentials [..., E] float64 of
+    `keys` [...] (noise_keys) and token `ids` [..., E] (the slow reference of
+    algorithm/sampling.py `exponentials`, whose hashes must be these bits): per key, SplitMix64's
+    own stream from the mixed key, a token's number at its id, mapped to the open interval
+    (0, 1) and through -log u."""
+    with np.errstate(over="ignore"):
+        state = _mix(np.asarray(keys).astype(np.uint64) + _GOLDEN)
+        x = _mix(state[..., None] + np.asarray(ids).astype(np.uint64) * _GOLDEN)
+        u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+    out: np.ndarray = -np.log(u)
+    return out
 
 
 def fresh_seed() -> int:

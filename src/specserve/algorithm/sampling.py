@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from specserve.algorithm.rng import GOLDEN, M1, M2
 from specserve.device import to_device
 from specserve.params import SamplingParams
 
-__all__ = ["SamplingParams", "draw", "greedy_tokens", "logits_to_probs", "mask_logits", "truncate_mass"]
+__all__ = ["SamplingParams", "coupled_among", "coupled_tokens", "draw", "exponentials", "greedy_tokens", "keys_of",
+           "logits_to_probs", "mask_logits", "truncate_mass"]
 
 
 def mask_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -114,3 +116,75 @@ def draft_heads(masked: torch.Tensor, tok: torch.Tensor, scores: torch.Tensor) -
     conf = scores.gather(1, torch.stack([tok, alt.clamp(min=0)], 1)).double()  # [B, 2]
     conf = torch.stack([conf[:, 0], torch.where(alt_ok, conf[:, 1], torch.zeros_like(conf[:, 1]))], 1)
     return torch.cat([tok.double().unsqueeze(1), alt.double().unsqueeze(1), conf], 1)
+
+
+# SplitMix64's constants as torch's int64 holds them (two's complement): int64 addition and
+# multiplication wrap modulo 2**64 on every device, so the uint64 mixer runs as is, with the
+# right shifts made logical by a mask.
+_SIGNED = 1 << 64
+_G, _M1, _M2 = (c - _SIGNED if c >= 1 << 63 else c for c in (GOLDEN, M1, M2))
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 30)
+    x = x * _M1
+    x = x ^ _shr(x, 27)
+    x = x * _M2
+    return x ^ _shr(x, 31)
+
+
+def _mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """`_mix` in place, with `tmp` (x's shape) as scratch: on the CPU a step's noise is
+    megabytes, and a fresh tensor per operation costs more than the arithmetic (2.5x measured)."""
+    for shift, mult in ((30, _M1), (27, _M2)):
+        torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(tmp).mul_(mult)
+    torch.bitwise_right_shift(x, 31, out=tmp).bitwise_and_((1 << 33) - 1)
+    return x.bitwise_xor_(tmp)
+
+
+def keys_of(u: torch.Tensor) -> torch.Tensor:
+    """The noise keys of positions whose uniforms uniform(seed, pos, BONUS) a step was handed
+    (float64, on any device) -> int64: their 53 bits, as rng.noise_keys gives them on the host."""
+    return (u.double() * 9007199254740992.0).long()
+
+
+def exponentials(keys: torch.Tensor, ids: torch.Tensor | None, vocab: int = 0) -> torch.Tensor:
+    """The position noise of tokens (ADR 0027), float64 standard exponentials on the keys'
+    device (rng.exponentials_reference's numbers: the same 64-bit hashes, the log within an
+    ulp of numpy's): keys [...] int64 (rng.noise_keys); `ids`
+    [..., E] int64 (broadcast against keys[..., None]) or None for every token of `vocab`
+    -> [..., E]. Per key, SplitMix64's stream from the mixed key, the token's number in it,
+    u in (0, 1), -log u. A pure function of its inputs: no generator state, no host round
+    trip (it can run inside a captured graph)."""
+    if ids is None:
+        ids = torch.arange(vocab, device=keys.device, dtype=torch.long)
+    state = _mix(keys.long() + _G)
+    x = state.unsqueeze(-1) + ids.long() * _G
+    tmp = torch.empty_like(x)
+    _mix_(x, tmp)
+    torch.bitwise_right_shift(x, 11, out=tmp).bitwise_and_((1 << 53) - 1)
+    return tmp.double().add_(0.5).mul_(1.0 / 9007199254740992.0).log_().neg_()
+
+
+def coupled_tokens(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The coupled sampler (ADR 0027): probs [..., V] (logits_to_probs, or a drafter's q), keys
+    [...] int64 -> ids [...]: argmax(p / E) with E the keys' exponentials, which is Gumbel-max,
+    argmax(log p + G) with G = -log E, in one log instead of two. So each id is an exact draw
+    from p (unnormalised is fine; zero-probability tokens are never drawn), and two
+    distributions drawn with one key pick the same token as often as Gumbel coupling allows:
+    a drafter's proposal from q is the target's own sample from p whenever the two argmaxes
+    meet. Ties (measure zero) go to the first index."""
+    return probs.to(torch.float64, copy=True).div_(exponentials(keys, None, probs.shape[-1])).argmax(-1)
+
+
+def coupled_among(probs: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`coupled_tokens` over a distribution given by its support: probs [..., E] of the token
+    ids [..., E] (a truncated q's entries; zero-probability padding allowed) -> ids [...]. The
+    same token as the dense form, at the cost of E tokens' noise instead of V."""
+    best = probs.to(torch.float64, copy=True).div_(exponentials(keys, ids)).argmax(-1, keepdim=True)
+    return ids.gather(-1, best).squeeze(-1)

@@ -10,22 +10,29 @@ candidates. At a node with target distribution p, its children c_1, c_2, ... are
 order: c_j is accepted with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})) (p with the
 rejected candidates removed, renormalised); the first accepted child becomes the node and its
 children are tried next. Where every child is rejected, the final token is drawn from p with
-all of them removed (recovered); at a leaf, from p (bonus). Each candidate tried is kept with
+all of them removed (recovered, by inverse CDF with RECOVER); at a leaf, from p (bonus, by
+Gumbel-max with the position's noise, as rejection.py draws it). Each candidate tried is kept with
 exactly its probability under the target given the ones before it were not, so the emitted
 tokens follow the target's distribution; at T = 0 the walk follows the target's argmax. A chain
 (parents -1, 0, 1, ...) is judged exactly as `rejection.rejection_judge` judges it with a
-one-hot q: the same uniforms (ACCEPT at each position for the first candidate, RECOVER or
-BONUS where the block ends), the same verdicts.
+one-hot q: the same numbers (ACCEPT at each position for the first candidate, RECOVER or the
+position's noise where the block ends), the same verdicts.
 
 A sampled session's tree may carry its drafter's q instead (recursive rejection sampling
 without replacement, as SpecInfer's and Jeon et al.'s): the candidates at a node were drawn from
-the drafter's q there one after another without replacement (`draw_siblings`), and each node's
+the drafter's q there without replacement (`draw_siblings`: the position's Gumbel top-k), and each node's
 q row is the distribution its token was drawn from (siblings share one). Candidate c_j is
 accepted with probability min(1, p_j(c_j) / q_j(c_j)), where p_1 = p, q_1 = q, and after a
 rejection p_{j+1} = norm(max(0, p_j - q_j)) and q_{j+1} = q_j with c_j removed, renormalised;
 where every child is rejected the final token is drawn from the last residual. Below the root's
 children each branch is a chain drawn from q, judged as a chain is; a chain with q gets
 `rejection_judge`'s verdicts with that q.
+
+A coupled session's tree (`SamplingParams.coupled`, ADR 0027) is judged as its chain is: the
+target's own draw at each node (Gumbel-max with the noise of the node's position, the one
+plain decoding draws there), the child equal to it accepted (siblings are distinct, so at most
+one is), and that draw the final token where none is. The path is then plain decoding's with
+the seed, whatever the tree.
 
 The device computes, per node, its token's probability under its parent's distribution and
 the node's final token (recovered from p less its children, or bonus), and with q the token's
@@ -41,8 +48,8 @@ import numpy as np
 import torch
 
 from specserve.algorithm.rejection import QProbs, Verdict, q_to_dense
-from specserve.algorithm.rng import Purpose, uniform
-from specserve.algorithm.sampling import draw, logits_to_probs, mask_logits
+from specserve.algorithm.rng import Purpose, noise_keys, uniform
+from specserve.algorithm.sampling import coupled_tokens, draw, exponentials, logits_to_probs, mask_logits
 from specserve.device import to_device
 from specserve.params import SamplingParams
 
@@ -107,18 +114,26 @@ def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree
     tokens at each node (structured/grammar.py: ConstrainedRow.constrain_tree); p is the
     target's masked to them. `q` (sampled only; None: one-hot candidates): each node's draft
     distribution; the rows are then [m + 1, 3], p_j and q_j of each token (module docstring)
-    and the final token."""
+    and the final token. A coupled session's rows (module docstring) are [m + 1, 2]: 1 where a
+    token is its parent's own draw, else 0, and each node's own draw."""
     device = logits.device
     if allowed is not None:
         logits = logits.masked_fill(~to_device(allowed, device), float("-inf"))
     m = tree.size
     children = tree.children()
     depths = [0] + tree.depths
-    if q is not None and not sampling.greedy:
-        return _judge_with_q(logits_to_probs(logits, sampling), tokens, children, q,
-                             _final_uniforms(children, depths, seed, start))
     toks = to_device(list(tokens), device, torch.long)
     parent_rows = to_device([p + 1 for p in tree.parents], device, torch.long)  # [m]
+    if not sampling.greedy:  # every node's fresh draw's noise: at the position after it
+        keys = to_device(noise_keys(seed, [start + d for d in depths]), device)  # [m + 1]
+        leaf = to_device([not kids for kids in children], device, torch.bool)
+    if sampling.coupled and not sampling.greedy:
+        own = coupled_tokens(logits_to_probs(logits, sampling), keys)  # [m + 1]
+        p_tok = (own.index_select(0, parent_rows) == toks).double()
+        return torch.stack([torch.cat([own.new_zeros(1, dtype=torch.float64), p_tok]), own.double()], 1)
+    if q is not None and not sampling.greedy:
+        return _judge_with_q(logits_to_probs(logits, sampling), tokens, children, q,
+                             _recover_uniforms(depths, seed, start), keys, leaf)
     # children's tokens removed at each node that has any (a leaf keeps all of p)
     ban = torch.zeros(logits.shape, dtype=torch.bool, device=device)
     rows = [n for n in range(m + 1) for _ in children[n]]
@@ -135,24 +150,26 @@ def tree_judge_on_device(logits: torch.Tensor, tokens: Sequence[int], tree: Tree
         p_tok = p.index_select(0, parent_rows).gather(1, toks[:, None])[:, 0].double() if m else \
             logits.new_zeros(0, dtype=torch.float64)
         rest = p.masked_fill(ban, 0.0)
-        u = _final_uniforms(children, depths, seed, start)
         empty = rest.sum(-1) <= 0  # every token of p is a child: unreachable, drawn from p instead
-        final = draw(torch.where(empty[:, None], p, rest), to_device(u, device))
+        u = to_device(_recover_uniforms(depths, seed, start), device)
+        recovered = draw(torch.where(empty[:, None], p, rest), u)
+        final = torch.where(leaf, coupled_tokens(p, keys), recovered)
     root = torch.zeros(1, dtype=torch.float64, device=device)
     return torch.stack([torch.cat([root, p_tok]), final.double()], 1)
 
 
-def _final_uniforms(children: list[list[int]], depths: list[int], seed: int, start: int) -> np.ndarray:
-    """Per node, the uniform of its final token: RECOVER where it has children (drawn if all
-    are rejected), BONUS at a leaf; keyed by the node's absolute position."""
-    return np.array([uniform(seed, [start + d], Purpose.RECOVER if kids else Purpose.BONUS)[0]
-                     for kids, d in zip(children, depths, strict=True)])
+def _recover_uniforms(depths: list[int], seed: int, start: int) -> np.ndarray:
+    """Per node, the RECOVER uniform of its final token where it has children (drawn if all
+    are rejected), keyed by the node's absolute position (a leaf's final token is drawn with
+    the position's noise instead)."""
+    return uniform(seed, [start + d for d in depths], Purpose.RECOVER)
 
 
 def _judge_with_q(p: torch.Tensor, tokens: Sequence[int], children: list[list[int]], q: QProbs,
-                  u: np.ndarray) -> torch.Tensor:
+                  u: np.ndarray, keys: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     """`tree_judge_on_device`'s rows for a tree with its drafter's q (recursive rejection
-    sampling without replacement at each node; module docstring); `u` its final uniforms."""
+    sampling without replacement at each node; module docstring); `u` the nodes' RECOVER
+    uniforms, `keys` their noise keys, `leaf` which have no children."""
     device, m = p.device, len(tokens)
     qd = q_to_dense(q, to_device(list(tokens), device, torch.long), p.shape[-1])  # [m, V] float32
     px = [p.new_zeros(())] * (m + 1)
@@ -173,26 +190,24 @@ def _judge_with_q(p: torch.Tensor, tokens: Sequence[int], children: list[list[in
                 q_cur = q_cur.index_fill(0, to_device([x], device, torch.long), 0.0)
                 q_cur = q_cur / q_cur.sum().clamp(min=1e-30)
         dists.append(dist)
-    final = draw(torch.stack(dists), to_device(u, device))
+    final = torch.where(leaf, coupled_tokens(p, keys), draw(torch.stack(dists), to_device(u, device)))
     return torch.stack([torch.stack(px).double(), final.double(), torch.stack(qx).double()], 1)
 
 
 def draw_siblings(q: torch.Tensor, width: int, seed: int, position: int, first: int) -> list[int]:
-    """Up to `width` distinct tokens drawn one after another without replacement from the
-    drafter's q [V] at `position`: `first` (the chain's own draw there, with the DRAFT uniform),
-    then draws from q with the ones before removed, each with its own SIBLING_DRAFT uniform;
-    fewer where q's support is smaller."""
-    out = [first]
-    rest = q.double().clone()
-    for j in range(1, width):
-        rest[out[-1]] = 0.0
-        if float(rest.sum()) <= 0.0:
-            break
-        if j >= SIBLINGS:
-            raise ValueError(f"at most {SIBLINGS} candidates a position")
-        u = uniform(seed, [position * SIBLINGS + j], Purpose.SIBLING_DRAFT)
-        out.append(int(draw(rest[None], torch.from_numpy(u))[0]))
-    return out
+    """Up to `width` distinct tokens drawn without replacement from the drafter's q [V] at
+    `position`: `first` (the chain's own draw there), then the other tokens of q's support in
+    the order of the position's noise, q / E descending (the Gumbel top-k: a draw without
+    replacement from q, since `first` is that order's head, or independent of it; and for a
+    coupled session the likeliest other meetings with the target's own draw); fewer where q's
+    support is smaller."""
+    if width > SIBLINGS:
+        raise ValueError(f"at most {SIBLINGS} candidates a position")
+    keys = torch.from_numpy(noise_keys(seed, [position])).to(q.device)
+    score = q.double() / exponentials(keys, None, q.shape[-1])[0]
+    score[first] = 0.0
+    top = torch.topk(score, min(width - 1, score.shape[-1]))
+    return [first] + [int(t) for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True) if v > 0]
 
 
 def walk(host: np.ndarray, tokens: Sequence[int], tree: Tree, sampling: SamplingParams, seed: int,
@@ -207,7 +222,7 @@ def walk(host: np.ndarray, tokens: Sequence[int], tree: Tree, sampling: Sampling
         nxt = None
         for s, c in enumerate(children[node]):
             prob = float(host[c, 0])
-            if sampling.greedy:
+            if sampling.greedy or sampling.coupled:  # the node's own token, or nothing
                 keep = prob >= 0.5
             elif with_q:  # as a chain's draft: u q_j(c) < p_j(c)
                 keep = uniform_for(seed, start + depth, s) * float(host[c, 2]) < prob

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from specserve.control.controller import Estimate
@@ -62,15 +62,10 @@ class RequestFacts:
     prompt_tokens: int
     pinned_pool: str | None = None  # the request's draft_pool (NO_SPECULATION = opt out)
     pinned_k: int | None = None  # the request's num_draft_tokens
-    seeded: bool = False  # the request names a seed
+    # the request names a seed (its tokens are then fixed by the seed whatever arm it gets:
+    # the coupled sampler, ADR 0027, so its arm is chosen as any other request's)
+    seeded: bool = False
     request_id: str | None = None  # the client's id: a rollout slice keeps its retries in their arm
-
-    @property
-    def reproducible(self) -> bool:
-        """A seeded sampled request: its output must not depend on statistics, so its K comes
-        from its policy (or itself), never from the controller's estimates (its sample path
-        depends on K)."""
-        return self.seeded and self.temperature > 0
 
 
 @dataclass(frozen=True)
@@ -214,19 +209,8 @@ def choose_arm(facts: RequestFacts, policy: Policy, pools_here: Collection[str],
         k = facts.pinned_k if facts.pinned_k is not None else a.k or policy.k_range[0]
         if policy.mode == "shadow":
             return Choice(pool, k, True, Decision.SHADOW, Fallback.SHADOW), a
-        return _steady(Choice(pool, k, False, Decision.PINNED, Fallback.NONE), facts, policy), a
-    return _steady(_by_assessment(a, policy, pools, rng, min_rounds), facts, policy), a
-
-
-def _steady(choice: Choice, facts: RequestFacts, policy: Policy) -> Choice:
-    """A reproducible request (seeded, sampled) that speculates at a K it did not name runs
-    at its policy's K (within the policy's range), whatever the statistics say: the same
-    request on the same arm gives the same tokens tomorrow. (With a fixed-K policy that was
-    always so; an adaptive one's K follows the controller's estimates.)"""
-    if not facts.reproducible or facts.pinned_k is not None or choice.pool is None or choice.shadow:
-        return choice
-    k_min, k_max = policy.k_range
-    return replace(choice, k=min(max(policy.k, k_min), k_max))
+        return Choice(pool, k, False, Decision.PINNED, Fallback.NONE), a
+    return _by_assessment(a, policy, pools, rng, min_rounds), a
 
 
 def _by_assessment(a: Assessment, policy: Policy, pools: list[str], rng: random.Random,

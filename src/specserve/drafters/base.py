@@ -57,7 +57,9 @@ class DraftSession(Protocol):
         self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int
     ) -> DraftProposal:
         """Propose up to k tokens following `token_ids` (the committed sequence: prompt and
-        generated). Draft randomness is uniform(seed, absolute position, DRAFT)."""
+        generated). A sampled draw at a position is the Gumbel-max draw with that position's
+        noise, keyed by (seed, absolute position): the noise the target draws its own token
+        there with (ADR 0027)."""
         ...
 
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:

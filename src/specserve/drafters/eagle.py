@@ -305,7 +305,7 @@ class EagleSession:
 
     def _chain(self, inp: torch.Tensor, token: int, n: int, k: int, sampling, seed: int) -> tuple[list[int], Any]:
         """K tokens from position n - 2's input and the last committed token (greedy: argmax,
-        one-hot q; sampled: draws with uniform(seed, position, DRAFT), q dense); the cache is
+        one-hot q; sampled: Gumbel-max draws with the positions' noise, q dense); the cache is
         left holding the committed positions only."""
         from specserve.algorithm.rejection import DenseQ
         from specserve.algorithm.sampling import logits_to_probs
@@ -416,12 +416,13 @@ class EagleDrafter:
 
 
 def _drawn(probs: torch.Tensor, seed: int, position: int) -> int:
-    """The head's sampled draft at `position` from its distribution there: uniform(seed,
-    position, DRAFT), as every drafter draws (a chain's and a tree's first candidate alike)."""
-    from specserve.algorithm.rng import Purpose, uniform
-    from specserve.algorithm.sampling import draw
+    """The head's sampled draft at `position` from its distribution there: its Gumbel-max draw
+    with the position's noise, as every drafter draws and the target draws its own token there
+    (ADR 0027; a chain's and a tree's first candidate alike)."""
+    from specserve.algorithm.rng import noise_keys
+    from specserve.algorithm.sampling import coupled_tokens
 
-    return int(draw(probs[None], torch.from_numpy(uniform(seed, [position], Purpose.DRAFT)))[0])
+    return int(coupled_tokens(probs, torch.from_numpy(noise_keys(seed, [position])).to(probs.device)[0]))
 
 
 def features_to_wire(feats: torch.Tensor) -> tuple[int, int, bytes]:

@@ -14,9 +14,11 @@ from specserve.algorithm.rejection import DenseQ, SparseQ, q_to_dense
 from specserve.algorithm.rng import Purpose, uniform
 from specserve.algorithm.sampling import (
     SamplingParams,
+    coupled_among,
+    coupled_tokens,
     draft_heads,
-    draw,
     greedy_tokens,
+    keys_of,
     logits_to_probs,
     truncate_mass,
 )
@@ -132,7 +134,7 @@ class HFDraftSession:
     def _sampled_tree(self, token_ids: Sequence[int], k: int, sampling: SamplingParams, seed: int, width: int,
                       sure: float) -> DraftTree | None:
         """A sampled session's tree: the chain's own first draw from q (the truncated q the
-        chain samples from, with its DRAFT uniform), then up to `width` - 1 more first
+        chain samples from, with the position's noise), then up to `width` - 1 more first
         candidates drawn from that q without replacement (algorithm/tree.py: draw_siblings),
         each followed by draws from q to depth k as a chain's; every node's q row goes with it,
         so the target judges them by recursive rejection sampling. None where the draw is sure."""
@@ -164,9 +166,9 @@ class HFDraftSession:
 
     @torch.inference_mode()
     def guess_next(self, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> int | None:
-        """At T = 0 the draft's argmax; at T > 0 a draw from q with the uniform the target
-        draws its bonus token with, uniform(seed, position, BONUS): when q is close to p the
-        two inverse-CDF draws agree (a coupling), so the guess is right as often as possible."""
+        """At T = 0 the draft's argmax; at T > 0 a draw from q with the noise the target draws
+        its token there with (ADR 0027): when q is close to p the two Gumbel-max draws agree (a
+        coupling), so the guess is right as often as possible."""
         if len(token_ids) >= self.drafter.max_positions:
             return None
         self.lm.reconcile(token_ids)
@@ -232,21 +234,24 @@ def q_entries(q_max_entries: int, vocab: int) -> int | None:
 def pick_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Tensor | None, q_mass: float,
                    q_max_entries: int) -> DevicePick:
     """The draft token from the draft's logits [V] at one position, on their device: argmax at
-    T = 0 (`greedy_picks_on_device`), else a draw with the uniform `u` ([1] float64 on the
-    device: uniform(seed, pos, DRAFT)) from q truncated to q_mass. Shared by the per-session
-    path and the batched draft worker, so both draft the same from the same logits."""
+    T = 0 (`greedy_picks_on_device`), else the Gumbel-max draw from q truncated to q_mass with
+    the position's noise (ADR 0027: the noise the target draws its own token there with, keyed
+    by the uniform `u`, [1] float64 on the device: uniform(seed, pos, BONUS)). Shared by the
+    per-session path and the batched draft worker, so both draft the same from the same logits."""
     if sampling.greedy:
         tok, heads = greedy_picks_on_device(logits.unsqueeze(0), [sampling])
         return DevicePick(tok[0], heads[0], None, None)
     if u is None:
         raise ValueError("a sampled draft position needs its uniform")
     probs = truncate_mass(logits_to_probs(logits, sampling), q_mass, q_max_entries)
-    tok = draw(probs.unsqueeze(0), u)  # [1]
-    head = draft_heads(_banned(logits.unsqueeze(0), [sampling]), tok, probs.unsqueeze(0))[0]
     entries = q_entries(q_max_entries, probs.shape[-1])
     if entries is None:
-        return DevicePick(tok[0], head, probs, None)
-    q, q_ids = torch.topk(probs, entries)
+        tok = coupled_tokens(probs.unsqueeze(0), keys_of(u))  # [1]
+        q, q_ids = probs, None
+    else:  # the noise of the truncated q's support only (at most `entries` tokens, not V)
+        q, q_ids = torch.topk(probs, entries)
+        tok = coupled_among(q.unsqueeze(0), q_ids.unsqueeze(0), keys_of(u))
+    head = draft_heads(_banned(logits.unsqueeze(0), [sampling]), tok, probs.unsqueeze(0))[0]
     return DevicePick(tok[0], head, q, q_ids)
 
 
@@ -279,7 +284,7 @@ def draft_step(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: i
                q_max_entries: int) -> DraftStep:
     """`pick_on_device` read back at once: the per-session path, which feeds each token to
     its own next forward."""
-    u = None if sampling.greedy else to_device(uniform(seed, [pos], Purpose.DRAFT), logits.device)
+    u = None if sampling.greedy else to_device(uniform(seed, [pos], Purpose.BONUS), logits.device)
     pick = pick_on_device(logits, sampling, u, q_mass, q_max_entries)
     entries = q_entries(q_max_entries, logits.shape[-1]) if not sampling.greedy else None
     width = 4 + (0 if sampling.greedy else 2 * entries if entries is not None else logits.shape[-1])
@@ -301,7 +306,7 @@ def bonus_on_device(logits: torch.Tensor, sampling: SamplingParams, u: torch.Ten
         return greedy_tokens(logits, sampling).long()
     if u is None:
         raise ValueError("a sampled guess needs its uniform")
-    return draw(logits_to_probs(logits, sampling).unsqueeze(0), u)[0].long()
+    return coupled_tokens(logits_to_probs(logits, sampling).unsqueeze(0), keys_of(u))[0].long()
 
 
 def bonus_guess(logits: torch.Tensor, sampling: SamplingParams, seed: int, pos: int) -> int:

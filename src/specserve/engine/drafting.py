@@ -188,7 +188,8 @@ class DraftPools:
     def can_draft(self, s: EngineSession) -> bool:
         """Whether a row of the session may wait for a block. An exact session also waits
         while its pool has no live replica (a restarted target's links still connecting, a
-        failover), up to `exact_wait_s`: a plain round would change its sample path. It waits
+        failover), up to `exact_wait_s` (ADR 0014: a plain round changed its sample path; since
+        the coupled sampler, ADR 0027, it changes only its speed). It waits
         once per outage (not when its last round already ran plain for want of a replica),
         and not for a pool that refused it."""
         source = self.sources.get(s.plan.pool or "")  # (per session a step: no call through `of`)

@@ -353,7 +353,7 @@ class EngineLoop:
             if result.features is not None else 0,
             probe=bool(k_asked and s.probing))
         # after the record: its fallback reason is this round's, not the next's
-        if s.plan.adaptive and not s.plan.exact:  # (the engine picks K for these only)
+        if s.plan.adaptive:  # (the engine picks K for these only)
             self.speculation.choose_k(s, self._batch(), forward_ms / 1e3, verified=k > 0)
         self._next_round(s, settled)
         return s, stats

@@ -9,7 +9,7 @@ draft replica), and a `CommitRecord` (what the committer appends to Redis).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from specserve.algorithm.round import RoundStats, draft_budget
 from specserve.algorithm.stops import IncrementalText, StopChecker
 from specserve.control.arms import Fallback
-from specserve.params import GenerationParams, SamplingParams
+from specserve.params import GenerationParams, SamplingParams, coupled_for
 from specserve.state.prefix import CommittedPrefix
 from specserve.step import subtree_nodes
 from specserve.structured.constraint import Constraint
@@ -40,8 +40,8 @@ class EnginePlan:
     prediction: tuple[int, ...] = ()  # Predicted Outputs: the request's expected output (pool `prediction`)
     shadow_pool: str | None = None  # shadow mode: a speculative twin beside this plain session
     shadow: bool = False  # this is the twin: it commits nothing
-    # the client chose the seed: at T > 0 its output must be the same on every run, so its
-    # rounds keep the plan's K and wait for their blocks (the sample path depends on them)
+    # the client chose the seed: at T > 0 its output must be the same on every run, so its rows
+    # sample with the coupled sampler (ADR 0027: `params.sampling.coupled`, set here)
     seeded: bool = False
     k_min: int = 1  # adaptive: the least K a speculative round verifies (the policy's bound)
     k_max: int = 0  # adaptive: the most; params.num_draft_tokens is the K the first round starts at
@@ -49,6 +49,11 @@ class EnginePlan:
     draft_priority: int = 0  # its class's (ADR 0021): a saturated draft replica sheds the lowest first
     # its class's suffix settings (ADR 0026: the policy's suffix_* fields), as stored; None = the defaults
     suffix: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # every row of the session (verify, local and remote drafting) carries its sampling
+        object.__setattr__(self, "params", replace(self.params, sampling=coupled_for(self.params.sampling,
+                                                                                     self.seeded)))
 
     @classmethod
     def from_stored(cls, d: dict[str, Any]) -> EnginePlan:

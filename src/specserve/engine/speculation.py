@@ -70,8 +70,9 @@ class SpeculationSettings:
     # the longest a row waits for its late block; also the step time assumed before any step
     block_wait_max_s: float = 0.005
     # how long an exact session (plan.exact) waits for its block before it runs plain anyway:
-    # longer than a draft source's failover (engine/remote_drafts.py, 1 s), so only a pool with no
-    # replica left can change its sample path
+    # longer than a draft source's failover (engine/remote_drafts.py, 1 s). Kept from before the
+    # coupled sampler (ADR 0027), under which a plain round no longer changes an exact session's
+    # tokens, only its speed: ADR 0027 leaves its removal to a later change
     exact_wait_s: float = 5.0
     # commit back-pressure: a session with this many rounds handed to the committer and not yet
     # answered by Redis runs no further round until one is (0 = unbounded). Through a Redis
@@ -147,7 +148,7 @@ class Speculation:
         """How long a row waits for its late block, by cost: a block worth E emitted tokens
         in one step is worth waiting for up to E - 1 plain steps (in that time plain rounds
         would emit as many), and never longer than `block_wait_max_s`."""
-        if s.plan.exact:  # a late block would change its sample path: wait for it
+        if s.plan.exact:  # (ADR 0014; since ADR 0027 its tokens no longer depend on it: see there)
             return self.settings.exact_wait_s
         if s.probing:  # held plain: a block that is not there yet is not waited for
             return 0.0
@@ -264,11 +265,11 @@ class Speculation:
     # ---- K and width ----
     def start_k(self, s: EngineSession) -> None:
         """A new adaptive session starts where its class's sessions are now."""
-        if s.plan.adaptive and not s.plan.exact:
+        if s.plan.adaptive:
             s.k_choice = self._k_last.get(_k_key(s), s.plan.params.num_draft_tokens)
 
     def choose_k(self, s: EngineSession, batch: int, step_s: float, verified: bool) -> None:
-        """The session's K for its next round (adaptive plans that are not exact). A session
+        """The session's K for its next round (adaptive plans). A session
         held plain probes every PROBE_EVERY rounds: for up to PROBE_ROUNDS rounds it asks for
         blocks without waiting for them, until one was there to verify (`verified`: this round
         verified drafts)."""
@@ -319,12 +320,11 @@ class Speculation:
         1 + w K tokens and is expected to emit E(K) + (1 - α_1) β E(K - 1) (β: how often
         another first candidate held the target's token where the first did not). At low load
         a memory-bound step verifies the extra tokens nearly free; as the batch grows they
-        cost what the fit says. Greedy sessions, and sampled ones without a seed of their own
-        (a sampled tree's candidates are drawn from the drafter's q, algorithm/tree.py); a
-        seeded session's sample path is fixed by its seed alone, and a tree's coins differ from
-        a chain's, so its path would depend on the load: it is given chains."""
+        cost what the fit says. Any session: greedy, sampled (a tree's candidates drawn from
+        the drafter's q, algorithm/tree.py), or seeded (its tokens are plain decoding's with
+        its seed, a tree or not: the coupled sampler, ADR 0027)."""
         wide = self.settings.tree_width
-        if wide <= 1 or k <= 0 or s.plan.exact:
+        if wide <= 1 or k <= 0:
             return 1
         if self.settings.tree_always:
             return wide

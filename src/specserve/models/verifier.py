@@ -14,6 +14,7 @@ from specserve.algorithm.rejection import (
     QProbs,
     StepUniforms,
     Verdict,
+    coupled_judge,
     greedy_judge,
     q_to_dense,
     rejection_judge,
@@ -113,12 +114,12 @@ def judge_rows(rows: Sequence[JudgeRow]) -> list[Verdict]:
     return verdicts_of(rows, groups, to_host([packed])[0].tolist())
 
 
-def verdicts_of(rows: Sequence[JudgeRow], groups: dict[tuple[bool, bool], list[int]],
+def verdicts_of(rows: Sequence[JudgeRow], groups: dict[tuple[bool, bool, bool], list[int]],
                 host: list[list[float]]) -> list[Verdict]:
     """`judge_on_device`'s packed rows, copied to the host as lists, -> one Verdict per row."""
     out: list[Verdict | None] = [None] * len(rows)
     offset = 0
-    for (greedy, _), idx in groups.items():
+    for (greedy, _, _), idx in groups.items():
         width = 2 if greedy else 2 + 2 * max(len(rows[i].drafts) for i in idx)
         part = [r[:width] for r in host[offset:offset + len(idx)]]
         offset += len(idx)
@@ -127,17 +128,18 @@ def verdicts_of(rows: Sequence[JudgeRow], groups: dict[tuple[bool, bool], list[i
     return out  # type: ignore[return-value]
 
 
-def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool], list[int]], torch.Tensor]:
-    """The rows grouped by kind (greedy; sampled with a q; sampled without), one
-    `greedy_judge` or `rejection_judge` per group on the logits' device, and every group's
-    `Judged.packed()` in one [B, W] float64 tensor there, in group order (ADR 0016: the step
-    reads nothing back before this tensor's one copy)."""
+def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool, bool], list[int]], torch.Tensor]:
+    """The rows grouped by kind (greedy; sampled with a q or without; coupled, ADR 0027), one
+    `greedy_judge`, `rejection_judge` or `coupled_judge` per group on the logits' device, and
+    every group's `Judged.packed()` in one [B, W] float64 tensor there, in group order (ADR
+    0016: the step reads nothing back before this tensor's one copy)."""
     device = rows[0].logits.device
-    groups: dict[tuple[bool, bool], list[int]] = {}
+    groups: dict[tuple[bool, bool, bool], list[int]] = {}
     for i, r in enumerate(rows):
-        groups.setdefault((r.sampling.greedy, r.q is None), []).append(i)
+        greedy = r.sampling.greedy
+        groups.setdefault((greedy, r.q is None, r.sampling.coupled and not greedy), []).append(i)
     parts = []
-    for (greedy, no_q), idx in groups.items():
+    for (greedy, no_q, coupled), idx in groups.items():
         rs = [rows[i] for i in idx]
         kmax = max(len(r.drafts) for r in rs)
         draft_t = to_device([r.drafts + [0] * (kmax - len(r.drafts)) for r in rs], device,
@@ -151,7 +153,7 @@ def judge_on_device(rows: Sequence[JudgeRow]) -> tuple[dict[tuple[bool, bool], l
             _pad_rows(q_to_dense(r.q, draft_t[b, :len(r.drafts)], p.shape[-1]), kmax) for b, r in enumerate(rs)])
         uniforms = StepUniforms.draw(np.array([r.seed for r in rs], dtype=np.uint64),
                                      np.array([r.start for r in rs], dtype=np.int64), kmax)
-        parts.append(rejection_judge(p, draft_t, num, q, uniforms).packed())
+        parts.append((coupled_judge if coupled else rejection_judge)(p, draft_t, num, q, uniforms).packed())
     width = max(t.shape[1] for t in parts)
     return groups, torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])
 

@@ -699,13 +699,12 @@ class BatchedDraft(_RunnerSessions):
 
     def _uniforms(self, live: list[_Drafting]) -> None:
         """Every sampled row's uniforms for the step, drawn on the host (ADR 0001: the same
-        on every device) and copied in at once: uniform(seed, pos, DRAFT) for its k
-        positions, or uniform(seed, pos, BONUS) for a guess."""
+        on every device) and copied in at once: uniform(seed, pos, BONUS), the keys of the
+        positions' noise (ADR 0027), for its k positions (1 for a guess)."""
         sampled = [d for d in live if not d.job.sampling.greedy]
         if not sampled:
             return
-        draws = [uniform(d.job.seed, [len(d.job.ids)], Purpose.BONUS) if d.job.kind is Kind.GUESS else
-                 uniform(d.job.seed, list(range(len(d.job.ids), len(d.job.ids) + d.k)), Purpose.DRAFT)
+        draws = [uniform(d.job.seed, list(range(len(d.job.ids), len(d.job.ids) + d.k)), Purpose.BONUS)
                  for d in sampled]
         flat = to_device(np.concatenate(draws), self.runner.device)
         at = 0

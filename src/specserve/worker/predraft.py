@@ -5,7 +5,7 @@ sampling and seed. Round n+1 then asks with the real committed prefix: a hit ret
 prepared block at once, a miss drafts afresh.
 
 Lossless by construction: a drafter's block is a pure function of (prefix, K, sampling, seed)
-(its draws are uniform(seed, absolute position, DRAFT)), so a prepared block used only for the
+(its draws use the noise of (seed, absolute position), ADR 0027), so a prepared block used only for the
 exact prefix it assumed equals what drafting afresh would give. Torch-free.
 
 The likely prefixes after a block d_1..d_K drafted after `ids`:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specserve.algorithm.rng import fresh_seed
 from specserve.algorithm.round import RoundStats, draft_budget, settle
@@ -21,7 +21,7 @@ from specserve.algorithm.stops import StopChecker
 from specserve.drafters.base import Drafter
 from specserve.errors import InvalidRequest
 from specserve.models.verifier import TargetModel
-from specserve.params import GenerationParams
+from specserve.params import GenerationParams, coupled_for
 from specserve.step import ModelStep, RowResult, Step, StepRow
 
 
@@ -91,12 +91,18 @@ class ReferenceDecoder:
         prompt: str | Sequence[int],
         params: GenerationParams,
         committed: Sequence[int] = (),
+        coupled: bool | None = None,
     ) -> GenerationResult:
         """Generate after `prompt`. `committed` resumes a generation whose first tokens are
-        already committed (same seed -> the same continuation)."""
+        already committed (same seed -> the same continuation). Sampled with a seed given,
+        the rows use the coupled sampler (ADR 0027: the tokens are plain decoding's with the
+        seed, whatever K and the drafter), as the engine's do; `coupled` overrides that (a
+        benchmark's rejection-sampling arm at a fixed seed)."""
         prompt_ids = self.encode_prompt(prompt)
         self.check_length(len(prompt_ids), params.max_tokens)
         params.sampling.check_vocab(self.target.vocab_size)
+        seeded = params.seed is not None if coupled is None else coupled
+        params = replace(params, sampling=coupled_for(params.sampling, seeded))
         seed = fresh_seed() if params.seed is None else params.seed
         stops = StopChecker(self.target.eos_token_ids, params.stop, self._decode)
         resumed = settle([], [int(t) for t in committed], stops, params.max_tokens)  # already over?

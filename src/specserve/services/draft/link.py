@@ -162,7 +162,7 @@ class Link:
             if linked.features_through and not self.servicer.ready(sid, n):
                 # A feature head reopened here after a failover, before the target's features
                 # that follow its open came: its block is drafted when they come (an empty one
-                # would make the round plain and change a seeded session's sample path). (A new
+                # would make the round plain, and cost an exact session its wait). (A new
                 # session has none at its open: its empty first block is what the local pool's
                 # nothing is, a plain first round, and tells the target the replica answers.)
                 linked.deferred = (k, carrier)

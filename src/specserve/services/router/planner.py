@@ -93,10 +93,10 @@ class Planner:
         self.metrics.classified.labels(stats_class, req.class_reason.split(":")[0]).inc()
         self.metrics.decisions.labels(stats_class, choice.pool or "none", choice.decision.value, choice.arm).inc()
         self.metrics.policy_version.labels(stats_class).set(policy.version)
-        # the engine picks K where the policy lets it (not for a pinned K, a probe, or a seeded
-        # sampled request, whose rounds must reproduce: arms._steady fixed its K)
+        # the engine picks K where the policy lets it (not for a pinned K or a probe; a seeded
+        # request too: its tokens do not depend on K, ADR 0027)
         adaptive = policy.adaptive_k and choice.decision is Decision.SPECULATE and not choice.probe \
-            and not choice.shadow and not req.facts.reproducible
+            and not choice.shadow
         arm = guard_arm(policy, choice) if source == "class" else ""
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
                            policy.version, source, request_reason(choice, assessment),
