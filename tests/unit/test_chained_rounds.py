@@ -26,7 +26,7 @@ from test_device_audit import ARCHITECTURES
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import specserve.device as device_module
-from specserve.algorithm.rng import Purpose, _signed, uniform, uniform_on_device
+from specserve.algorithm.rng import Purpose, signed64, uniform, uniform_on_device
 from specserve.algorithm.stops import StopChecker
 from specserve.algorithm.tree import Tree
 from specserve.drafters.eagle import EagleConfig, EagleHead, EagleSession, TargetParts, load_head
@@ -52,7 +52,7 @@ def test_the_devices_uniforms_are_the_host_stream_bit_for_bit():
     positions = rng.integers(0, 2**40, size=64).tolist() + [0, 1, 2**62]
     for purpose in Purpose:
         for seed in (0, 7, 2**63 - 1, 2**63, 2**64 - 1):
-            got = uniform_on_device(torch.tensor(_signed(seed)), torch.tensor(positions), purpose).numpy()
+            got = uniform_on_device(torch.tensor(signed64(seed)), torch.tensor(positions), purpose).numpy()
             assert np.array_equal(got, uniform(seed, positions, purpose)), (seed, purpose)
 
 

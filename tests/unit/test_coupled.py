@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specserve.algorithm import rng as host_rng
-from specserve.algorithm import sampling as device_rng
 from specserve.algorithm.rejection import (
     SparseQ,
     StepUniforms,
@@ -67,8 +66,8 @@ def test_the_devices_noise_is_the_host_references():
     with np.errstate(over="ignore"):
         host = host_rng._mix(host_rng._mix(keys.astype(np.uint64) + host_rng._GOLDEN)[:, None]
                              + ids.astype(np.uint64) * host_rng._GOLDEN)
-    dev = device_rng._mix(device_rng._mix(torch.from_numpy(keys) + device_rng._G).unsqueeze(-1)
-                          + torch.from_numpy(ids) * device_rng._G)
+    dev = host_rng.mix_int64(host_rng.mix_int64(torch.from_numpy(keys) + host_rng.S_GOLDEN).unsqueeze(-1)
+                             + torch.from_numpy(ids) * host_rng.S_GOLDEN)
     assert np.array_equal(host.view(np.int64), dev.numpy())
     assert np.allclose(exponentials(torch.from_numpy(keys), None, len(ids)).numpy(),
                        exponentials_reference(keys, ids), rtol=1e-14, atol=0)

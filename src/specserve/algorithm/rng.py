@@ -106,26 +106,30 @@ def fresh_seed() -> int:
 
 
 
-def _signed(x: int) -> int:
+def signed64(x: int) -> int:
     """A 64-bit pattern as the int64 torch stores it (two's complement)."""
     x &= MASK64
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_S_GOLDEN, _S_M1, _S_M2 = _signed(GOLDEN), _signed(M1), _signed(M2)
+# SplitMix64's constants as torch's int64 holds them: int64 addition and multiplication wrap
+# modulo 2**64 on every device, so the uint64 mixer runs as is on tensors, with the right
+# shifts made logical by a mask (`shr`). Torch-free here: the functions take any int64 tensor.
+S_GOLDEN, S_M1, S_M2 = signed64(GOLDEN), signed64(M1), signed64(M2)
 
 
-def _shr(x: Tensor, n: int) -> Tensor:
+def shr(x: Tensor, n: int) -> Tensor:
     """Logical right shift of an int64 tensor (torch's >> is arithmetic: the sign bit spreads)."""
     return (x >> n) & ((1 << (64 - n)) - 1)
 
 
-def _mix_t(x: Tensor) -> Tensor:
-    x = x ^ _shr(x, 30)
-    x = x * _S_M1  # int64 products wrap as uint64's do (two's complement), on every device
-    x = x ^ _shr(x, 27)
-    x = x * _S_M2
-    return x ^ _shr(x, 31)
+def mix_int64(x: Tensor) -> Tensor:
+    """`_mix` on an int64 tensor: the same 64 bits, on the tensor's device."""
+    x = x ^ shr(x, 30)
+    x = x * S_M1
+    x = x ^ shr(x, 27)
+    x = x * S_M2
+    return x ^ shr(x, 31)
 
 
 def uniform_on_device(seed: Tensor, positions: Tensor, purpose: Purpose) -> Tensor:
@@ -133,9 +137,9 @@ def uniform_on_device(seed: Tensor, positions: Tensor, purpose: Purpose) -> Tens
     together): the same float64 numbers bit for bit, as a pure tensor function (no host read,
     no branch on data), so a sampled verdict whose positions the device computed (a round
     chained on the device, ADR 0025) can draw inside a CUDA graph. Seeds are the 64-bit
-    patterns `uniform` takes, stored as int64 (`_signed`)."""
+    patterns `uniform` takes, stored as int64 (`signed64`)."""
     tag = int(purpose)
-    h = _mix_t(seed + _S_GOLDEN)
-    h = _mix_t(h ^ (positions * _S_GOLDEN + tag))
-    h = _mix_t(h + _signed(tag * M1))
-    return _shr(h, 11).double() * (1.0 / 9007199254740992.0)
+    h = mix_int64(seed + S_GOLDEN)
+    h = mix_int64(h ^ (positions * S_GOLDEN + tag))
+    h = mix_int64(h + signed64(tag * M1))
+    return shr(h, 11).double() * (1.0 / 9007199254740992.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.algorithm.rng import GOLDEN, M1, M2
+from specserve.algorithm.rng import S_GOLDEN, S_M1, S_M2, mix_int64
 from specserve.device import to_device
 from specserve.params import SamplingParams
 
@@ -118,29 +118,10 @@ def draft_heads(masked: torch.Tensor, tok: torch.Tensor, scores: torch.Tensor) -
     return torch.cat([tok.double().unsqueeze(1), alt.double().unsqueeze(1), conf], 1)
 
 
-# SplitMix64's constants as torch's int64 holds them (two's complement): int64 addition and
-# multiplication wrap modulo 2**64 on every device, so the uint64 mixer runs as is, with the
-# right shifts made logical by a mask.
-_SIGNED = 1 << 64
-_G, _M1, _M2 = (c - _SIGNED if c >= 1 << 63 else c for c in (GOLDEN, M1, M2))
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ _shr(x, 30)
-    x = x * _M1
-    x = x ^ _shr(x, 27)
-    x = x * _M2
-    return x ^ _shr(x, 31)
-
-
 def _mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """`_mix` in place, with `tmp` (x's shape) as scratch: on the CPU a step's noise is
+    """`rng.mix_int64` in place, with `tmp` (x's shape) as scratch: on the CPU a step's noise is
     megabytes, and a fresh tensor per operation costs more than the arithmetic (2.5x measured)."""
-    for shift, mult in ((30, _M1), (27, _M2)):
+    for shift, mult in ((30, S_M1), (27, S_M2)):
         torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
         x.bitwise_xor_(tmp).mul_(mult)
     torch.bitwise_right_shift(x, 31, out=tmp).bitwise_and_((1 << 33) - 1)
@@ -163,8 +144,8 @@ def exponentials(keys: torch.Tensor, ids: torch.Tensor | None, vocab: int = 0) -
     trip (it can run inside a captured graph)."""
     if ids is None:
         ids = torch.arange(vocab, device=keys.device, dtype=torch.long)
-    state = _mix(keys.long() + _G)
-    x = state.unsqueeze(-1) + ids.long() * _G
+    state = mix_int64(keys.long() + S_GOLDEN)
+    x = state.unsqueeze(-1) + ids.long() * S_GOLDEN
     tmp = torch.empty_like(x)
     _mix_(x, tmp)
     torch.bitwise_right_shift(x, 11, out=tmp).bitwise_and_((1 << 53) - 1)
