@@ -16,6 +16,7 @@ import socket
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,12 +245,10 @@ def test_tp2_serves_every_kind_of_session_as_tp1_does(group, demo_pair, eval_pro
     """Greedy: the same tokens as the one-device target, a difference only at a near-tie;
     seeded T = 1: the same tokens. Every step reached rank 1 as one message, and both ranks
     computed the same verdicts."""
-    from specserve.drafters.eagle import TargetParts, load_head
     from specserve.tooling.hf_agreement import TOLERANCE
     from specserve.worker.model_step import BatchedTarget
 
-    head = load_head(SHIPPED / "eagle")
-    parts = TargetParts.from_weights(SHIPPED / "target", head.cfg.feature_layers)
+    head, parts = _head_parts()
     sessions = _sessions(demo_pair, eval_prompts)
     loop, reports = _engine(group, demo_pair, head, parts)
     got = _run(loop, sessions)
@@ -280,3 +279,69 @@ def test_tp2_serves_every_kind_of_session_as_tp1_does(group, demo_pair, eval_pro
     accepted = {pool: sum(r.accepted for sid, _, p in sessions if p.pool == pool for r in loop.ended[sid].rounds)
                 for pool in ("small", "ngram", "eagle")}
     assert all(n > 0 for n in accepted.values()), accepted  # speculation ran, on every pool
+
+
+def _probs(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+
+@pytest.mark.slow
+def test_tp2_samples_the_targets_distribution_at_t1(group, demo_pair, eval_prompts):
+    """Chi-squared at T = 1 under TP 2 (issue 54): 1,024 unseeded-by-the-client sessions of
+    two tokens on the small draft at K = 4, so the first token is a fresh draw from the
+    prefill's logits and the second is judged by rejection sampling (the verify's logits
+    gathered from both ranks' vocabulary halves). The expected joint of (x1, x2) comes from
+    the one-device HF model in fp32: every pair of the first token's likeliest six and the
+    second's bins of expected count >= 5, the rest of each x1's row pooled, and one bin for
+    every other x1. p > 1e-3 with fixed seeds (deterministic). The control: the same counts
+    against the joint with the first token's distribution from another prompt fail."""
+    from scipy.stats import chisquare
+
+    from specserve.engine.session import EnginePlan
+
+    prompt = next(p for p in eval_prompts if p["workload_class"] == "chat")
+    ids = demo_pair.tokenizer.encode(prompt["prompt"])[-24:]
+    other = demo_pair.tokenizer.encode(next(p for p in eval_prompts if p["workload_class"] == "code")["prompt"])[-24:]
+    loop, _ = _engine(group, demo_pair, *_head_parts())
+    n = 1024
+    sp = SamplingParams(temperature=1.0)
+    for first in range(0, n, 32):  # the group's KV slots hold 32 sessions
+        for i in range(first, first + 32):
+            loop.add(f"x{i}", ids, EnginePlan(GenerationParams(max_tokens=2, num_draft_tokens=4, seed=7000 + i,
+                                                               sampling=sp), pool="small"))
+        loop.run_until_idle()
+    pairs = [tuple(loop.ended[f"x{i}"].generated) for i in range(n)]
+    assert all(len(p) == 2 for p in pairs)
+    judged = [r for i in range(n) for r in loop.ended[f"x{i}"].rounds]
+    assert sum(r.accepted for r in judged) > 0 and sum(r.k - r.accepted for r in judged) > 0  # both verdicts met
+
+    def pvalue(first_ids: list[int]) -> float:
+        p1 = _probs(demo_pair.target, first_ids)
+        top = p1.topk(6).indices.tolist()
+        obs, exp = [], []
+        for x1 in top:
+            p2 = _probs(demo_pair.target, ids + [x1]) * float(p1[x1]) * n
+            big = [int(v) for v in torch.nonzero(p2 >= 5).flatten()]
+            for x2 in big:
+                obs.append(sum(1 for p in pairs if p == (x1, x2)))
+                exp.append(float(p2[x2]))
+            obs.append(sum(1 for p in pairs if p[0] == x1 and p[1] not in big))
+            exp.append(float(p1[x1]) * n - sum(float(p2[x2]) for x2 in big))
+        obs.append(sum(1 for p in pairs if p[0] not in top))
+        exp.append(n - sum(exp))
+        o, e = np.array(obs, dtype=float), np.array(exp)
+        keep = e > 0
+        assert len(o[keep]) >= 8  # enough bins to judge
+        return float(chisquare(o[keep], e[keep] * o[keep].sum() / e[keep].sum()).pvalue)
+
+    assert pvalue(ids) > 1e-3
+    assert pvalue(other) < 1e-3  # the control: the first token's law of another prompt
+
+
+def _head_parts():
+    from specserve.drafters.eagle import TargetParts, load_head
+
+    head = load_head(SHIPPED / "eagle")
+    return head, TargetParts.from_weights(SHIPPED / "target", head.cfg.feature_layers)
+

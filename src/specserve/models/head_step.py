@@ -112,8 +112,8 @@ class DeviceHead:
         """The target's logits from predicted features [R, H] (its final norm, its LM head)."""
         from specserve.models.runner import rms_norm
 
-        w = self.ds.r.w
-        out: torch.Tensor = self.ds.r.linear(rms_norm(x, w.norm, w.eps), w.lm_head, None)
+        r = self.ds.r  # under tensor parallelism each rank's LM head is a vocabulary slice (ADR 0030)
+        out: torch.Tensor = r.tp.gather(r.linear(rms_norm(x, r.w.norm, r.w.eps), r.w.lm_head, None))
         return out
 
     def _pick(self, x: torch.Tensor) -> torch.Tensor:

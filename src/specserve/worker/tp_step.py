@@ -174,6 +174,13 @@ class LeaderTarget:
         self._send("features", tuple(layers))
         self.local.keep_features(layers)
 
+    def enable_head(self, head: Any) -> None:
+        """The target's own EAGLE head inside every rank's device step (ADR 0025): each rank
+        holds the whole head (one layer, replicated) and gathers its first draft's logits from
+        the ranks' LM-head slices."""
+        self._send("head", head)
+        self.local.enable_head(head)
+
     def step(self, step: Step) -> StepResult:
         self._send("step", [self._wire(row) for row in step.rows])
         out = self.local.step(step)
@@ -240,6 +247,8 @@ def follow(local: BatchedTarget, tp: GroupCollectives) -> RankState:
             digest.add(local.step(Step(rows)))
         elif kind == "features":
             local.keep_features(body)
+        elif kind == "head":
+            local.enable_head(body)
         elif kind == "check":
             dist.all_gather_object([None] * tp.size, _state(tp, channel, digest, local.runner.device),
                                    group=control_group())

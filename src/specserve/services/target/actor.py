@@ -300,8 +300,9 @@ def eagle_local(s: TargetSettings, engine, target):
                          "runs on the per-session path")
     engine.keep_features(head.cfg.feature_layers)
     if s.tensor_parallel > 1:  # no rank holds the whole model: the head's parts from the files (ADR 0030)
-        return EagleLocalDrafts(head, TargetParts.from_weights(s.model, head.cfg.feature_layers))
-    parts = TargetParts(target.model, head.cfg.feature_layers)
+        parts = TargetParts.from_weights(s.model, head.cfg.feature_layers)
+    else:
+        parts = TargetParts(target.model, head.cfg.feature_layers)
     if getattr(engine, "runner", None) is not None and engine.runner.device_step is not None:
         engine.enable_head(head)  # the head's rounds in the device step, chained where the lookahead is on
         return DeviceHeadDrafts(head, parts)
