@@ -365,3 +365,53 @@ def test_a_request_ids_session_made_again_after_its_hash_expired_starts_empty(st
         assert not await redis_client.exists(store.session_key(again.session_id) + ":rounds")  # its round ids too
 
     run(body())
+
+
+def test_a_cancelled_follower_stops_though_redis_py_swallows_the_cancel(redis_server, run, monkeypatch):
+    """redis-py's blocking XREAD can swallow a task's cancellation (one that lands as the block
+    runs out returns the empty reply): the router's stream follower and the suffix pool's fleet
+    follower, each a loop around such a read, read on forever after a cancel (the suite's
+    teardown of test_suffix_fleet.py hung on it). Each is cancelled 120 times at a random
+    moment of its 20 ms blocks and must stop within 2 s every time; before
+    `raise_if_cancelled`, a few dozen cancels reached one that was swallowed."""
+    import random
+
+    from specserve.state import follow
+    from specserve.state.store import connect
+    from specserve.state.suffix_share import SuffixShare
+
+    rng = random.Random(5)
+    monkeypatch.setattr(follow, "BLOCK_MS", 20)
+
+    async def stops(start) -> None:
+        for i in range(120):
+            task = await start()
+            await asyncio.sleep(rng.random() * 0.05)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=2.0)
+            assert done and task.cancelled(), f"cancel {i} was swallowed: the follower reads on"
+
+    async def body():
+        client = connect(redis_server.url)
+        store = SessionStore(client, prefix=f"c{uuid.uuid4().hex[:6]}", ttl_s=60)
+        sid, _ = await new_session(store)
+        share = SuffixShare(client, store.prefix, origin="here")
+        await share.publish("agent", [1, 2, 3], max_requests=4)
+        await share.load()
+
+        async def fleet() -> asyncio.Task:
+            return asyncio.get_running_loop().create_task(share.follow(lambda out: None, block_ms=20))
+
+        async def router() -> asyncio.Task:  # the router's one XREAD for every stream it follows
+            f = follow.StreamFollower(store)
+            await f.follow(store._keys(sid)[2], "0-0")
+            assert f._task is not None
+            return f._task
+
+        try:
+            await stops(router)
+            await stops(fleet)
+        finally:
+            await client.aclose()
+
+    run(body())

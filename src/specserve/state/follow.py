@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN
+from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN, raise_if_cancelled
 from specserve.state.records import as_str
 
 if TYPE_CHECKING:
@@ -138,8 +138,10 @@ class StreamFollower:
                 continue
             try:
                 reply = await self._read()
+                raise_if_cancelled()
                 backoff = OUTAGE_BACKOFF_S
             except Exception as exc:  # Redis away (its readers ride it out), or a bug: never a silent stall
+                raise_if_cancelled()
                 if not isinstance(exc, REDIS_DOWN):
                     log.exception("the stream follower's read failed")
                 for subs in list(self.subs.values()):

@@ -23,7 +23,7 @@ from redis.exceptions import AskError, MovedError, NoScriptError
 
 from specserve.errors import InvalidRequest, ServedTokensChanged, SessionNotFound
 from specserve.state import scripts
-from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN
+from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN, raise_if_cancelled
 from specserve.state.records import Chunk, SessionStatus, as_str
 
 if TYPE_CHECKING:
@@ -102,6 +102,7 @@ async def _follow(store: SessionStore, session_id: str, pos: int, block_ms: int,
                     sub = await follower.follow(out_key, last_id)
                 entries = await sub.next(block_ms) if sub is not None else _xread_entries(
                     await _read(store, hash_key, partial(_xread, out_key, last_id, block_ms)))
+                raise_if_cancelled()
                 if not entries:
                     status = await store._r.hget(hash_key, "status")
                     if status is None:

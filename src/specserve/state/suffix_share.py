@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN
+from specserve.state.connection import OUTAGE_BACKOFF_MAX_S, OUTAGE_BACKOFF_S, REDIS_DOWN, raise_if_cancelled
 from specserve.state.records import as_str
 
 log = logging.getLogger("specserve.state.suffix")
@@ -112,6 +112,7 @@ class SuffixShare:
                     await asyncio.sleep(block_ms / 1e3)
                     continue
                 reply = await self.redis.xread({self.key(c): i for c, i in self.last_ids.items()}, block=block_ms)
+                raise_if_cancelled()
                 for cls, entry_id, fields in _entries(reply, len(self.prefix) + len(":{suffix}:class:")):
                     self.last_ids[cls] = entry_id
                     shared = self._entry(cls, entry_id, fields)
@@ -119,6 +120,7 @@ class SuffixShare:
                         deliver(shared)
                 backoff = OUTAGE_BACKOFF_S
             except REDIS_DOWN:
+                raise_if_cancelled()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_S)
 
