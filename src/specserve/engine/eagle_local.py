@@ -79,6 +79,7 @@ class _OnDevice:
 
     def __init__(self, session: EngineSession) -> None:
         self.prefix = CommittedPrefix(session.committed.ids)
+        self.greedy = session.plan.params.sampling.greedy  # (a sampled session's drafts there are chains)
 
 
 class DeviceHeadDrafts(EagleLocalDrafts):
@@ -86,12 +87,14 @@ class DeviceHeadDrafts(EagleLocalDrafts):
     `BatchedTarget.enable_head`): a session whose rows the device step judges (greedy, no
     banned tokens, no constraint) drafts there, inside the round that verifies the drafts;
     its block here is K placeholders (`DraftBlock.on_device`), delivered at once. Other
-    sessions draft on the host's head as `EagleLocalDrafts` does, from the features."""
+    sessions draft on the host's head as `EagleLocalDrafts` does, from the features. A sampled
+    session's rounds there are chains (trees on the device are greedy)."""
 
     @staticmethod
     def on_device(session: EngineSession) -> bool:
+        """Greedy or sampled (judged on the device, ADR 0025), without banned tokens or a constraint."""
         sampling = session.plan.params.sampling
-        return sampling.greedy and not sampling.banned_token_ids and session.plan.constraint is None
+        return not sampling.banned_token_ids and session.plan.constraint is None
 
     def features_for(self, session: EngineSession) -> bool:
         return not self.on_device(session)
@@ -110,6 +113,6 @@ class DeviceHeadDrafts(EagleLocalDrafts):
         if k <= 0 or self.deliver is None:
             return
         n = len(s.prefix)  # a tree where the engine offers one: the head's one shape (step.head_tree)
-        parents = tuple(head_tree(width, k)) if width > 1 else None
-        self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), (0,) * (k * width), parents=parents,
-                                on_device=True))
+        parents = tuple(head_tree(width, k)) if width > 1 and s.greedy else None
+        nodes = k * (width if parents else 1)
+        self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), (0,) * nodes, parents=parents, on_device=True))

@@ -43,6 +43,7 @@ from specserve.device import to_device
 from specserve.models.step_buckets import Bucket, bucket_ladders, round_up
 from specserve.models.step_graphs import StepCounts, StepGraphs
 from specserve.models.step_inputs import StepInputs
+from specserve.models.step_judge import NO_SAMPLING, SampledFlags, flags_of, judge_sampled
 
 if TYPE_CHECKING:
     from specserve.drafters.eagle import EagleHead
@@ -180,6 +181,7 @@ class DeviceStep:
         self.head: DeviceHead | None = None
         # the prepared step: (the most drafts a row asks of the head, any row feeds it, its widest tree)
         self._head_rows = (0, False, 1)
+        self.sampled: SampledFlags = NO_SAMPLING  # what its rows at T > 0 need (models/step_judge.py)
 
     def enable_head(self, head: EagleHead) -> DeviceHead:
         """Run `head` inside this step's rounds (models/head_step.py); the runner keeps the
@@ -258,6 +260,9 @@ class DeviceStep:
         self.inputs.write(rows, slots, starts, b, depths, chain)
         self._head_rows = (max((r.head or 0 for r in rows), default=0), any(r.head is not None for r in rows),
                            max((r.head_width for r in rows if r.head), default=1))
+        self.sampled = flags_of([r.sampling for r in rows], self.r.vocab_size)
+        if self.sampled.any and self.head is not None and self._head_rows[0]:
+            self.head.keep_q()  # (its sampled drafts' q, for the judge: allocated once)
         self._set_block_masks(masks)
         self.last = b
 
@@ -311,11 +316,15 @@ class DeviceStep:
         logits.copy_(self.r.tp.gather(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None)))
         jpos = self.field("jpos", t).view(b.rows, b.width)
         top = logits.argmax(-1)  # the first index on ties, as greedy_tokens
-        judged = greedy_judge(top.index_select(0, jpos.reshape(-1)).view(b.rows, b.width),
-                              ids.index_select(0, jpos[:, 1:].reshape(-1)).view(b.rows, b.width - 1),
+        judged_drafts = ids.index_select(0, jpos[:, 1:].reshape(-1)).view(b.rows, b.width - 1)
+        judged = greedy_judge(top.index_select(0, jpos.reshape(-1)).view(b.rows, b.width), judged_drafts,
                               self.field("ndraft", b.rows))
         self.verdicts[:b.rows].copy_(judged.packed())
         self.picks[:b.rows].copy_(judged.final)
+        if self.sampled.any:  # rows at T > 0, judged here too (models/step_judge.py)
+            q = self.head.q_of(b, judged_drafts) if self.head is not None and self._head_rows[0] else None
+            judge_sampled(self, b, logits.index_select(0, jpos.reshape(-1)).view(b.rows, b.width, -1), judged_drafts,
+                          self.field("ndraft", b.rows), q)
         if self.with_heads:
             last = logits.index_select(0, jpos[:, -1])  # [R, V]: a draft row's one logit position
             self.heads[:b.rows].copy_(draft_heads(last, judged.final, torch.softmax(last, -1)))
@@ -372,6 +381,9 @@ class DeviceStep:
         that draft on the target's own head runs as its round (`DeviceHead.launch`)."""
         if self.head is not None and self._head_rows[1]:
             self.head.launch(b, self._head_rows[0], self._head_rows[2])
+            return
+        if self.sampled.any:  # (a graph per bucket and what its sampled rows need)
+            self.step_graphs.launch_variant(("sampled", *self.sampled.key()), b, lambda: self._run(b))
             return
         self.step_graphs.launch(b, lambda: self._run(b))
 

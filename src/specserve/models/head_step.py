@@ -82,6 +82,7 @@ class DeviceHead:
         self.lanes = torch.arange(ds.max_width, dtype=torch.long, device=dev)
         self.rows_at = torch.arange(ds.max_rows, dtype=torch.long, device=dev)
         self.path = torch.zeros(ds.max_rows, ds.max_width, dtype=torch.long, device=dev)  # a tree's accepted lanes
+        self.q: torch.Tensor | None = None  # the sampled drafts' q (`keep_q`), where rows sample
 
     # ---- the head's layer over [R, W] queries -------------------------------------------------
 
@@ -120,6 +121,37 @@ class DeviceHead:
         """The target's greedy token from predicted features [R, H]."""
         return self.logits(x).argmax(-1)
 
+    def _draft(self, x: torch.Tensor, r: int, s: int, start: torch.Tensor) -> torch.Tensor:
+        """Draft s of each row (at position start + 1 + s) from predicted features [R, H]: the
+        argmax, or where the step samples (models/step_judge.py) each sampled row's draw from
+        its q with the position's noise (as the host's head draws), q kept for the judge."""
+        logits = self.logits(x)
+        greedy = logits.argmax(-1)
+        if not self.ds.sampled.any:
+            return greedy
+        from specserve.models.step_judge import sampled_picks
+
+        tok, q = sampled_picks(self.ds, r, logits, start + 1 + s, greedy)
+        assert self.q is not None
+        self.q[:r, s].copy_(q)
+        return tok
+
+    def keep_q(self) -> None:
+        """The sampled drafts' q [rows, W - 1, V] (float32), kept from now on (the judge reads it)."""
+        if self.q is None:
+            ds = self.ds
+            with torch.inference_mode(False):  # (a buffer written in and out of inference mode)
+                self.q = torch.zeros(ds.max_rows, max(ds.max_width - 1, 1), ds.r.vocab_size, device=ds.device)
+
+    def q_of(self, b: Bucket, drafts: torch.Tensor) -> torch.Tensor | None:
+        """The dense q [R, W - 1, V] of a sampled step's drafts: the head's where it drafted the
+        row, one-hot at the drafts elsewhere; None where no sampled draft of the head is kept."""
+        if self.q is None:
+            return None
+        r, w = b.rows, b.width
+        mine = (self.ds.field("hdraft", r) > 0).view(r, 1, 1)
+        return torch.where(mine, self.q[:r, :w - 1], F.one_hot(drafts, self.q.shape[2]).float())
+
     def _input(self, tokens: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """fc([embed(tokens); inputs]): the head's layer input [n, H]."""
         return F.linear(torch.cat([self.ds.r.w.embed.index_select(0, tokens), inputs], -1), self.fc)
@@ -142,7 +174,7 @@ class DeviceHead:
         max_len = self.keys.shape[2]
         h = self.hlast.shape[2]
         x = self.hlast.view(-1, h).index_select(0, rslot * self.m + (start - 1).remainder(self.m))
-        tok = self._pick(x)
+        tok = self._draft(x, r, 0, start)
         self.drafts[:r, 0].copy_(tok)
         scratch = torch.full_like(rslot, ds.scratch)
         for s in range(1, min(k, w - 1)):
@@ -150,7 +182,7 @@ class DeviceHead:
             live = (hdraft > s) & (p < max_len)
             wslot = torch.where(live, rslot, scratch).view(r, 1)
             x = self._layer(self._input(tok, x), p.view(r, 1), wslot, rslot, b.span)
-            tok = self._pick(x)
+            tok = self._draft(x, r, s, start)
             self.drafts[:r, s].copy_(tok)
         ids = ds.field("ids", b.tokens).view(r, w)
         take = self.lanes[1:w].view(1, w - 1) <= hdraft.view(r, 1)
@@ -253,7 +285,8 @@ class DeviceHead:
         """`run_round` (or `run_chained`) of the prepared bucket, k the most drafts a row asks
         for and w its widest tree, replayed from its graph where graphs are on (one per bucket,
         k, w and variant)."""
+        sampled = (self.ds.sampled.key(),) if self.ds.sampled.any else ()  # (a graph per what it samples)
         if chained:
-            self.ds.step_graphs.launch_variant(("chained", k, w), b, lambda: self.run_chained(b, k, w))
+            self.ds.step_graphs.launch_variant(("chained", k, w, *sampled), b, lambda: self.run_chained(b, k, w))
         else:
-            self.ds.step_graphs.launch_variant(("round", k, w), b, lambda: self.run_round(b, k, w))
+            self.ds.step_graphs.launch_variant(("round", k, w, *sampled), b, lambda: self.run_round(b, k, w))

@@ -30,6 +30,7 @@ from specserve.device import to_device
 from specserve.errors import InvalidRequest
 from specserve.models.kv_slots import KVLayout, KVSlots
 from specserve.models.row_attention import attend_row, attend_short_rows, row_mask
+from specserve.params import SamplingParams
 
 if TYPE_CHECKING:
     from specserve.models.device_step import DeviceStep
@@ -214,6 +215,9 @@ class Row:
     # there) and, where the row is judged, is fed its committed positions; None: not such a row
     head: int | None = None
     head_width: int = 1  # a head row's tree: this many first candidates, each with its chain of `head` (1: a chain)
+    # a row the device step judges at T > 0 (models/step_judge.py): its sampling and seed; None: greedy
+    sampling: SamplingParams | None = None
+    seed: int = 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
