@@ -69,24 +69,26 @@ def _target(demo_pair, head: EagleHead, lookahead: bool) -> BatchedTarget:
     return t
 
 
-def _head_row(slot, ids: list[int], k: int, width: int = 1) -> StepRow:
-    row = StepRow.verify(slot, ids, [], None, GREEDY, 0)
+def _head_row(slot, ids: list[int], k: int, width: int = 1, sampling: SamplingParams = GREEDY,
+              seed: int = 0) -> StepRow:
+    row = StepRow.verify(slot, ids, [], None, sampling, seed)
     row.head, row.k = True, k
     if width > 1:
         row.parents = head_tree(width, k)
     return row
 
 
-def _rounds(t: BatchedTarget, prompts: list[list[int]], n: int | list[int], k: int = 4,
-            width: int = 1) -> tuple[list[list[int]], list]:
+def _rounds(t: BatchedTarget, prompts: list[list[int]], n: int | list[int], k: int | list[int] = 4,
+            width: int = 1, sampling: SamplingParams = GREEDY) -> tuple[list[list[int]], list]:
     """Every session's next n tokens (or n[i] for session i), each round drafted on the
-    target's head (a tree of `width` first candidates where > 1); and each round's (drafted,
-    accepted)."""
+    target's head (K = k, or k[i]; a tree of `width` first candidates where > 1; session i
+    sampled with seed 100 + i where `sampling` is); and each round's (drafted, accepted)."""
     ns = n if isinstance(n, list) else [n] * len(prompts)
-    seqs = [[t.open(str(i)), list(p)] for i, p in enumerate(prompts)]
+    ks = k if isinstance(k, list) else [k] * len(prompts)
+    seqs = [[t.open(str(i)), list(p), i] for i, p in enumerate(prompts)]
     rounds = []
     while live := [s for s, p, m in zip(seqs, prompts, ns, strict=True) if len(s[1]) - len(p) < m]:
-        step = Step([_head_row(s[0], s[1], k, width) for s in live])
+        step = Step([_head_row(s[0], s[1], ks[s[2]], width, sampling, 100 + s[2]) for s in live])
         for s, res in zip(live, t.step(step).rows, strict=True):
             assert res.error is None, res.error
             if not res.again:
@@ -162,6 +164,45 @@ def test_rounds_drafted_on_the_device_give_the_targets_greedy_tokens(demo_pair, 
     assert sum(1 for d, _ in rounds if d) >= 20 and accepted >= 20  # the head's drafts are accepted
     counts = chained_target.rounds.counts
     assert counts["taken"] >= 6 and counts["thrown"] <= 2, counts  # (sessions that end leave the round)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupled"])
+def test_sampled_rounds_chained_on_the_device_equal_host_driven_ones(demo_pair, head, seeded, one_thread):
+    """Sessions at T > 0 drafting on the head inside the round (its draws from its q with the
+    positions' noise), judged inside it (rejection sampling, or the coupled verdict of a seeded
+    row, ADR 0027), mixed K: chained rounds give the host-driven rounds' drafts, verdicts and
+    tokens, round for round. A seeded session's tokens are plain decoding's with its seed."""
+    prompts = [demo_pair.tokenizer.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, coupled=seeded)
+    sync, rounds = _rounds(_target(demo_pair, head, lookahead=False), prompts, 20, [4, 2, 3], sampling=sampling)
+    chained_target = _target(demo_pair, head, lookahead=True)
+    chained, rounds_chained = _rounds(chained_target, prompts, 20, [4, 2, 3], sampling=sampling)
+    assert chained == sync and rounds_chained == rounds
+    assert sum(a for d, a in rounds if d) >= 8  # the head's sampled drafts are accepted
+    counts = chained_target.rounds.counts
+    assert counts["taken"] >= 6, (counts, chained_target.rounds.thrown_by)
+    if seeded:  # the drafts decide only how many positions a pass settles
+        plain, _ = _rounds(_target(demo_pair, head, lookahead=False), prompts, 20, 0, sampling=sampling)
+        assert sync == plain
+
+
+def test_the_head_on_the_device_draws_what_the_hosts_head_draws(demo_pair, head, one_thread):
+    """At T > 0 the head's drafts are draws from its q with the positions' noise (ADR 0027):
+    on the device, inside the round, the same tokens as the host's head for the same prefix."""
+    t = _target(demo_pair, head, lookahead=False)
+    parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
+    sampling = SamplingParams(temperature=0.9, top_k=40)
+    ids, compared = demo_pair.tokenizer.encode(PROMPTS[1]), 0
+    slot = t.open("s")
+    for _ in range(8):
+        res = t.step(Step([_head_row(slot, ids, 4, sampling=sampling, seed=7)])).rows[0]
+        if res.drafted:
+            host = EagleSession(head, parts)
+            host.add_features(0, parts.features(torch.tensor([ids]))[0][0])
+            assert host.draft(ids, 4, sampling, 7)[0] == res.drafted
+            compared += 1
+        ids = ids + res.verdict.tokens
+    assert compared == 7
 
 
 def test_sessions_that_end_leave_a_part_of_the_chained_round(demo_pair, head, one_thread):
