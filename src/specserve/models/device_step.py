@@ -32,7 +32,7 @@ device, and the exactness checks against the eager forward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from specserve.models.step_judge import NO_SAMPLING, SampledFlags, flags_of, jud
 
 if TYPE_CHECKING:
     from specserve.drafters.eagle import EagleHead
-    from specserve.models.head_step import DeviceHead
+    from specserve.models.round_drafter import RoundDrafter
     from specserve.models.runner import ModelRunner, Row
 
 # a projection: F.linear, or the oneDNN-packed one (models/runner.py: onednn_linear)
@@ -177,19 +177,27 @@ class DeviceStep:
         if runner.feature_layers:
             self.keep_features()
         self.last: Bucket | None = None
-        # the target's own EAGLE head, run inside the step's rounds (ADR 0025; `enable_head`)
-        self.head: DeviceHead | None = None
+        # the drafter run inside the step's rounds: the target's own EAGLE head or a draft model
+        # (ADR 0025; `enable_head`)
+        self.head: RoundDrafter | None = None
         # the prepared step: (the most drafts a row asks of the head, any row feeds it, its widest tree)
         self._head_rows = (0, False, 1)
         self.sampled: SampledFlags = NO_SAMPLING  # what its rows at T > 0 need (models/step_judge.py)
 
-    def enable_head(self, head: EagleHead) -> DeviceHead:
-        """Run `head` inside this step's rounds (models/head_step.py); the runner keeps the
-        head's feature layers. Graphs captured before are dropped (the features change them)."""
-        from specserve.models.head_step import DeviceHead
+    def enable_head(self, drafter: EagleHead | Any) -> RoundDrafter:
+        """Run a drafter inside this step's rounds (ADR 0025): the target's own EAGLE head
+        (models/head_step.py; the runner keeps the head's feature layers, and graphs captured
+        before are dropped: the features change them), or a draft model with the target's
+        vocabulary (an HF model the runner supports: models/draft_step.py)."""
+        if hasattr(drafter, "cfg") and hasattr(drafter.cfg, "feature_layers"):  # an EagleHead
+            from specserve.models.head_step import DeviceHead
 
-        self.r.keep_features(head.cfg.feature_layers)
-        self.head = DeviceHead(self, head)
+            self.r.keep_features(drafter.cfg.feature_layers)
+            self.head = DeviceHead(self, drafter)
+        else:
+            from specserve.models.draft_step import DeviceDraft
+
+            self.head = DeviceDraft(self, drafter)
         return self.head
 
     def _compile(self, how: bool | str) -> None:
@@ -378,7 +386,7 @@ class DeviceStep:
     def launch(self, b: Bucket) -> None:
         """Run the prepared bucket: its graph's replay where graphs are on (captured now if
         this is the bucket's first step), else `run` eagerly. A step with rows of sessions
-        that draft on the target's own head runs as its round (`DeviceHead.launch`)."""
+        that draft on the target's own head runs as its round (`RoundDrafter.launch`)."""
         if self.head is not None and self._head_rows[1]:
             self.head.launch(b, self._head_rows[0], self._head_rows[2])
             return

@@ -71,7 +71,7 @@ class HeadRows:
         from specserve.worker.model_step import _tree_row
 
         k = self.drafts_now(job, start, last)
-        w = tree_width(job) if k else 1
+        w = tree_width(job) if k and self.device.trees else 1
         if w > 1:
             return replace(_tree_row(job.slot, feed, [0] * (w * k), Tree(tuple(head_tree(w, k)))), head=k, head_width=w)
         sampling = None if job.sampling.greedy else job.sampling  # (judged on the device: models/step_judge.py)
@@ -104,8 +104,9 @@ class HeadRows:
             self.through[slot] = -(1 << 30)
             return
         if not in_round and end >= start:
-            assert feats is not None
-            self.device.feed_eager(slot, start, feats[:end - start + 1], full[start + 1:end + 2])
+            assert feats is not None or not self.device.uses_features
+            self.device.feed_eager(slot, start, feats[:end - start + 1] if feats is not None else None,
+                                   full[start:end + 2])
         self.through[slot] = end
 
 

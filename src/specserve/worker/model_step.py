@@ -289,7 +289,7 @@ class BatchedTarget(_RunnerSessions):
             if not last:
                 results[i] = RowResult.later(results[i].fed)
                 if job.head and self.heads is not None:  # a prompt chunk: the head fed its positions
-                    self.heads.fed(job, start, results[i].fed, None, False, feats[r])
+                    self.heads.fed(job, start, results[i].fed, None, False, feats[r] if feats else None)
                 if job.features and keeping:  # a chunk of the prompt: every token fed is committed
                     results[i].features, results[i].features_start = feats[r].clone(), start
             else:
