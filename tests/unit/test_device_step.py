@@ -555,3 +555,52 @@ def test_the_audit_names_the_ops_that_synchronise_on_cuda():
             x.index_select(0, idx)
             x[idx]
         assert audit_runs([t], set(storages(x, m, idx))) == []
+
+
+def test_the_fused_layers_compute_what_the_layers_do(one_thread, monkeypatch):
+    """issue 51 item 7 (models/step_fusion.py): each layer's program ending with the next
+    layer's norm gives, uncompiled, bitwise the logits of the layers as they are (the same ops
+    in the same order) and the same KV (the next steps read it); compiled whole ("layer"),
+    within float32 rounding of them."""
+    monkeypatch.setenv("SPECSERVE_ONEDNN_LINEAR", "0")  # (oneDNN's packed GEMM does not compile)
+    model = RANDOM_MODELS["qwen3"]()
+    runs = []
+    for compile, fuse in ((False, False), (False, True), ("layer", True)):
+        runner = ModelRunner.from_hf(model, max_sessions=4, max_len=64, tile=None, fuse_upto=0)
+        runner.enable_device_step(max_rows=4, compile=compile, fuse=fuse)
+        for s in "ab":
+            runner.allocate(s)
+        got = [runner.forward([Row("a", [5, 6, 7]), Row("b", [8, 9])]),
+               runner.forward([Row("a", [10, 11, 12, 13]), Row("b", [14])]),
+               runner.forward([Row("b", [15, 16]), Row("a", [17])])]
+        runs.append([lg.clone() for step in got for lg in step])
+    for plain, fused, compiled in zip(*runs, strict=True):
+        assert torch.equal(plain, fused)
+        assert torch.allclose(plain, compiled, atol=1e-5), (plain - compiled).abs().max()
+
+
+def test_the_fused_layers_keep_the_targets_greedy_tokens_and_are_graph_safe(demo_pair, monkeypatch, one_thread):
+    """The demo target's greedy tokens through the fused step equal the step's as it is (and
+    HF's); on the fake CUDA device the fused run is graph-safe over three steps of a bucket."""
+    ids = demo_pair.tokenizer.encode("def parse(self, text):\n")
+    out = {}
+    for fuse in (False, True):
+        t = BatchedTarget(TargetModel(demo_pair.target), Batching(max_sessions=4, max_len=128, tile=None, fuse_upto=0,
+                                                                  fixed_step=True, fuse_step=fuse))
+        assert (t.runner.device_step._fused is not None) == fuse
+        h, seq = t.open("s"), list(ids)
+        for _ in range(16):
+            seq += t.step(Step([StepRow.verify(h, seq, [], None, SamplingParams(), 0)])).rows[0].verdict.tokens
+        out[fuse] = seq[len(ids):]
+    with torch.inference_mode():
+        want = demo_pair.target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+    assert out[True] == out[False] == want.tolist()
+    with fake_cuda():
+        runner = _fake_runner("qwen3", monkeypatch)
+        ds = runner.enable_device_step(max_rows=4, graphs=False, fuse=True)
+        traces = _record_runs(ds)
+        steps = _three_steps(runner)
+        traces.clear()
+        for rows in steps:
+            runner.forward(rows)
+        assert audit_runs(traces, _step_buffers(ds)) == []

@@ -41,6 +41,7 @@ from specserve.algorithm.rejection import greedy_judge
 from specserve.algorithm.sampling import draft_heads
 from specserve.device import to_device
 from specserve.models.step_buckets import Bucket, bucket_ladders, round_up
+from specserve.models.step_fusion import fused_layer, fused_layers
 from specserve.models.step_graphs import StepCounts, StepGraphs
 from specserve.models.step_inputs import StepInputs
 from specserve.models.step_judge import NO_SAMPLING, SampledFlags, flags_of, judge_sampled
@@ -57,15 +58,16 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # a tensor-parallel group's all
 SCRATCH = "\0device-step-scratch"
 
 
-def attention_in(h: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
+def attention_in(h: torch.Tensor, norm: torch.Tensor | None, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float, hq: int, hkv: int, d: int, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer up to attention: h [T, H] -> q and k stacked, RoPE applied [T, Hq + Hkv, D],
     and v [T, Hkv, D]. The same ops as the eager forward's `_qkv` (q and k rotated in one
-    pass: elementwise, the same values as apart)."""
+    pass: elementwise, the same values as apart). `norm` None: h is normed already (the
+    layer before normed it, models/step_fusion.py)."""
     from specserve.models.runner import rms_norm, rotate
 
-    x = rms_norm(h, norm, eps)
+    x = h if norm is None else rms_norm(h, norm, eps)
     qkv = linear(x, wqkv, bqkv).view(h.shape[0], hq + 2 * hkv, d)
     if q_norm is not None and k_norm is not None:
         qk = torch.cat([rms_norm(qkv[:, :hq], q_norm, eps), rms_norm(qkv[:, hq:hq + hkv], k_norm, eps)], 1)
@@ -132,11 +134,12 @@ class DeviceStep:
     graphs (`StepGraphs`)."""
 
     def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
-                 max_graphs: int = 512, compile: bool | str = False, heads: bool = False) -> None:
+                 max_graphs: int = 512, compile: bool | str = False, heads: bool = False, fuse: bool = False) -> None:
         """`compile`: False; True or "whole" (torch.compile the whole run, dynamic shapes);
         "pieces" (compile a layer's two pieces around attention, `attention_in` and
         `attention_out`: one program serves every layer and bucket); or "layer" (compile
-        `layer_forward`, a whole layer with its KV scatter and attention: one program too)."""
+        `layer_forward`, a whole layer with its KV scatter and attention: one program too).
+        `fuse`: each layer's program ends with the next layer's norm (models/step_fusion.py)."""
         self.r = runner
         self.device = runner.device
         # compiled (torch.compile, dynamic shapes): no bucket of 1 row or 1 token, so one compiled
@@ -172,6 +175,7 @@ class DeviceStep:
         self._run = self.run
         self._pre, self._post = attention_in, attention_out
         self._layer: Callable[..., torch.Tensor] | None = None
+        self._fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = fused_layer if fuse else None
         if compile:
             self._compile(compile)
         if runner.feature_layers:
@@ -211,6 +215,8 @@ class DeviceStep:
             self._post = torch.compile(attention_out, dynamic=True)
         elif how == "layer":  # a whole layer, KV scatter and attention in: one program for every layer
             self._layer = torch.compile(layer_forward, dynamic=True)
+            if self._fused is not None:  # (and the next layer's norm)
+                self._fused = torch.compile(fused_layer, dynamic=True)
         else:
             self._run = torch.compile(self.run, dynamic=True)
 
@@ -305,23 +311,28 @@ class DeviceStep:
         width = w.embed.shape[1]
         rslot = self.field("rslot", b.rows)
         tp = None if self.r.tp.size == 1 else self.r.tp.reduce  # (ADR 0030: a rank's all-reduce)
-        for li, layer in enumerate(w.layers):
-            if self._layer is not None:
-                h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
-                                layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
-                                self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear, tp)
-            else:
-                qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
-                                  w.eps, hq, hkv, d, linear)
-                self.r.kv.write(li, wslot, at, qk[:, hq:], v)
-                o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
-                h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
-                               linear, tp)
-            if li in kept:
-                j = kept.index(li)
-                self.features[:t, j * width:(j + 1) * width].copy_(h)
+        if self._fused is not None:  # each layer ends with the next one's norm (models/step_fusion.py)
+            x = fused_layers(self, self._fused, h, wslot, at, rslot, mask, cos, sin, tp)
+        else:
+            for li, layer in enumerate(w.layers):
+                if self._layer is not None:
+                    h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
+                                    layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
+                                    self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear,
+                                    tp)
+                else:
+                    qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos,
+                                      sin, w.eps, hq, hkv, d, linear)
+                    self.r.kv.write(li, wslot, at, qk[:, hq:], v)
+                    o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
+                    h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
+                                   linear, tp)
+                if li in kept:
+                    j = kept.index(li)
+                    self.features[:t, j * width:(j + 1) * width].copy_(h)
+            x = rms_norm(h, w.norm, w.eps)
         logits = self.logits[:t]
-        logits.copy_(self.r.tp.gather(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None)))
+        logits.copy_(self.r.tp.gather(linear(x, w.lm_head, None)))
         jpos = self.field("jpos", t).view(b.rows, b.width)
         top = logits.argmax(-1)  # the first index on ties, as greedy_tokens
         judged_drafts = ids.index_select(0, jpos[:, 1:].reshape(-1)).view(b.rows, b.width - 1)

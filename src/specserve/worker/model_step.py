@@ -93,6 +93,9 @@ class Batching:
     # two pieces around attention), "layer" (a whole layer, attention in), or "auto" (the
     # settings' cuda_compile: layer with the CUDA graphs on where torch finds Triton, else none)
     compile_step: bool | str = False
+    # issue 51 item 7: each layer's program ends with the next layer's norm (models/step_fusion.py);
+    # off until a GPU run has compared it with the layers as they were
+    fuse_step: bool = False
     # ADR 0019, async steps: a target step of greedy plain rows only launches the next step of
     # the same rows (fed its own picks, on the device) before it returns, so the engine's
     # bookkeeping runs while the device computes. None: on where the CUDA graphs are
@@ -152,7 +155,8 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
                                  max_len=b.max_len or None, device=device, dtype=dtype,
                                  tile=eager_tile(b, graphs and fixed), fuse_upto=b.fuse_upto)
     if fixed:
-        step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs))
+        step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs),
+                                         fuse=b.fuse_step)
         step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
     return runner
 
