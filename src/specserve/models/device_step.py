@@ -93,6 +93,14 @@ def attention_out(h: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, bo: torch.
     return out
 
 
+def startup_widths(max_k: int, tree_width: int, max_width: int) -> list[int]:
+    """The row widths start-up captures (issue 51 item 6): plain rows, verify rows of each
+    K <= max_k, trees of w first candidates with chains of K (1 + w K), within `max_width`."""
+    chains = [1 + k for k in range(max_k + 1)]
+    trees = [1 + w * k for w in range(2, tree_width + 1) for k in range(1, max_k + 1)]
+    return sorted({x for x in chains + trees if x <= max_width})
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rslot: torch.Tensor,
            mask: torch.Tensor) -> torch.Tensor:
     """q [R W, Hq, D] -> [R W, Hq D]: each row over the first S positions of its slot
@@ -134,7 +142,7 @@ class DeviceStep:
     graphs (`StepGraphs`)."""
 
     def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
-                 max_graphs: int = 512, compile: bool | str = False, heads: bool = False, fuse: bool = False) -> None:
+                 max_graphs: int = 2048, compile: bool | str = False, heads: bool = False, fuse: bool = False) -> None:
         """`compile`: False; True or "whole" (torch.compile the whole run, dynamic shapes);
         "pieces" (compile a layer's two pieces around attention, `attention_in` and
         `attention_out`: one program serves every layer and bucket); or "layer" (compile
@@ -422,10 +430,11 @@ class DeviceStep:
         The rest are captured when a step first needs them."""
         return self.step_graphs.capture(buckets, budget_s, self.dummy, lambda b: self._run(b))
 
-    def startup_buckets(self) -> list[Bucket]:
-        """What start-up captures: every row count, plain and verify rows of K <= 4 (the
-        policies' default K), spans up to 1024 positions."""
-        return self.buckets(range(1, 6), 1024)
+    def startup_buckets(self, max_k: int = 4, tree_width: int = 1) -> list[Bucket]:
+        """What start-up captures: every row count, plain and verify rows of K <= max_k (the
+        engine's K range: a K chosen per step then meets a graph captured already), token
+        trees of up to `tree_width` first candidates (1 + w K tokens), spans up to 1024."""
+        return self.buckets(startup_widths(max_k, tree_width, self.max_width), 1024)
 
     def buckets(self, widths: Sequence[int], max_span: int | None = None) -> list[Bucket]:
         """Every (rows, width, span) bucket for these widths, spans up to `max_span`."""

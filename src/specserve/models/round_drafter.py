@@ -186,13 +186,25 @@ class RoundDrafter:
         self.advance(b)
         self.run_round(b, k, w)
 
-    def capture(self, k: int, budget_s: float) -> int:
-        """Capture up front, within `budget_s` (logged), the rounds serving meets most: every
-        row count, rows of K <= k drafts, spans up to 1024; a round with k drafts, chained and
-        not, and a round that only feeds the drafter. The rest are captured when first met."""
-        keys: list[tuple[tuple[object, ...], Bucket]] = []
-        for b in self.ds.buckets([1 + k], 1024):
-            keys += [(("round", k, 1), b), (("chained", k, 1), b), (("round", 0, 1), b)]
+    def capture(self, max_k: int, budget_s: float, tree_width: int = 1) -> int:
+        """Capture up front, within `budget_s` (logged), the rounds the engine's K choice meets
+        (issue 51 item 6): every row count and span up to 1024, for each width a chain of K
+        <= max_k needs, the round of its drafts and the round that only feeds the drafter,
+        chained and not (K is data: one round a width, `launch`); the head's trees of up to
+        `tree_width` first candidates, each shape in its own width. A K, a tree or speculation
+        off chosen per step then replays a graph captured already; the rest (a tree beside
+        wider rows) are captured when first met."""
+        ds = self.ds
+        # (a round that only feeds: every width, a prompt's chunk in the step included)
+        keys: list[tuple[tuple[object, ...], Bucket]] = [(("round", 0, 1), b)
+                                                          for b in ds.buckets(range(1, ds.max_width + 1), 1024)]
+        for b in ds.buckets(range(1, max_k + 2), 1024):
+            for kind in ("round", "chained"):
+                keys += [((kind, b.width - 1, 1), b), ((kind, 0, 1), b)]
+        for w in range(2, (tree_width if self.trees else 1) + 1):
+            for k in range(1, max_k + 1):
+                if 1 + w * k <= ds.max_width:
+                    keys += [((kind, k, w), b) for b in ds.buckets([1 + w * k], 1024) for kind in ("round", "chained")]
 
         def run(variant: tuple[object, ...], b: Bucket) -> None:
             kind, kk, ww = variant
@@ -201,12 +213,16 @@ class RoundDrafter:
             else:
                 self.run_round(b, int(kk), int(ww))  # type: ignore[call-overload]
 
-        return self.ds.step_graphs.capture_variants(keys, budget_s, self.ds.dummy, run)
+        return ds.step_graphs.capture_variants(keys, budget_s, ds.dummy, run)
 
     def launch(self, b: Bucket, k: int, w: int = 1, chained: bool = False) -> None:
         """`run_round` (or `run_chained`) of the prepared bucket, k the most drafts a row asks
         for and w its widest tree, replayed from its graph where graphs are on (one per bucket,
-        k, w, variant and what its sampled rows need)."""
+        k, w, variant and what its sampled rows need). A round of chains drafts as many as its
+        bucket's width holds (K is data: each row's `hdraft` says how many it takes, the
+        others go to the scratch slot), so a K chosen per step meets the width's one graph."""
+        if w == 1 and k:
+            k = b.width - 1
         sampled = (self.ds.sampled.key(),) if self.ds.sampled.any else ()
         if chained:
             self.ds.step_graphs.launch_variant(("chained", k, w, *sampled), b, lambda: self.run_chained(b, k, w))

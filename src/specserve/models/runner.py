@@ -404,7 +404,7 @@ class ModelRunner:
         return n if self.tile is None else -(-n // self.tile) * self.tile
 
     def enable_device_step(self, max_rows: int, max_width: int = SHORT_ROW, graphs: bool = False,
-                           max_graphs: int = 512, compile: bool | str = False, fuse: bool = False) -> DeviceStep:
+                           max_graphs: int = 2048, compile: bool | str = False, fuse: bool = False) -> DeviceStep:
         """Run short rows (at most `max_width` tokens) as the fixed-shape device step (ADR
         0019), replayed from CUDA graphs where `graphs` is set and the runner is on CUDA. It
         keeps one KV slot of the budget as its scratch slot. `fuse`: models/step_fusion.py."""

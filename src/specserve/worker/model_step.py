@@ -89,6 +89,11 @@ class Batching:
     cuda_graphs: str = "auto"
     fixed_step: bool | None = None
     capture_budget_s: float = 60.0  # start-up capture of the common buckets stops after this long
+    # start-up capture covers rounds of K <= capture_k (the policies' adaptive range, 1..8) and
+    # trees of up to capture_tree_width first candidates (the target's tree_width), so a K, a
+    # tree or speculation off chosen per step replays a graph captured already (issue 51 item 6)
+    capture_k: int = 8
+    capture_tree_width: int = 1
     # torch.compile in the device step (ADR 0019): False, "whole" (the run), "pieces" (a layer's
     # two pieces around attention), "layer" (a whole layer, attention in), or "auto" (the
     # settings' cuda_compile: layer with the CUDA graphs on where torch finds Triton, else none)
@@ -109,7 +114,8 @@ class Batching:
                    gpu_memory_utilization=s.gpu_memory_utilization, max_batch=s.max_batch,
                    tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs,
                    compile_step="auto" if s.cuda_compile == "auto" else False,
-                   lookahead=False if getattr(s, "async_steps", "auto") == "off" else None)
+                   lookahead=False if getattr(s, "async_steps", "auto") == "off" else None,
+                   capture_tree_width=getattr(s, "tree_width", 1))
 
 
 _handles = itertools.count()
@@ -157,7 +163,7 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
     if fixed:
         step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs),
                                          fuse=b.fuse_step)
-        step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
+        step.capture(step.startup_buckets(b.capture_k, b.capture_tree_width), b.capture_budget_s)  # logged
     return runner
 
 
@@ -209,6 +215,7 @@ class BatchedTarget(_RunnerSessions):
         """`load`: see `make_runner` (a tensor-parallel rank's shard, ADR 0030)."""
         self.target = target
         self.capture_budget_s = b.capture_budget_s
+        self.capture_k, self.capture_trees = b.capture_k, b.capture_tree_width  # (start-up capture)
         super().__init__(target.model, target.max_positions, b, load)
         ds = self.runner.device_step
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
@@ -226,7 +233,7 @@ class BatchedTarget(_RunnerSessions):
         self.heads = HeadRows(self.runner, head)
         self.rounds = ChainedRounds(self) if self.lookahead else None
         self._recapture()
-        self.heads.device.capture(4, self.capture_budget_s)  # (the policies' default K; logged)
+        self.heads.device.capture(self.capture_k, self.capture_budget_s, self.capture_trees)  # (logged)
 
     def open(self, session_id: str) -> Any:
         handle = super().open(session_id)
@@ -331,7 +338,7 @@ class BatchedTarget(_RunnerSessions):
         """The start-up graphs again (keeping features drops the ones captured without them)."""
         ds = self.runner.device_step
         if ds is not None and ds.graphs_on and not ds.graphs:
-            ds.capture(ds.startup_buckets(), self.capture_budget_s)
+            ds.capture(ds.startup_buckets(self.capture_k, self.capture_trees), self.capture_budget_s)
 
     def _judge(self, judged: list) -> tuple[list[Verdict], dict[int, list[int]]]:
         """The judged rows' verdicts in one copy to the host, and each tree row's accepted
