@@ -231,7 +231,25 @@ class _LateEveryOther(LocalDrafts):
             super()._propose(session_id, local, k, width)
 
 
-def _engine_run(demo_pair, head, lookahead: bool, stop: str) -> tuple[dict, BatchedTarget]:
+def _grammar(demo_pair, demo_pair_dir):
+    """The engine's `constrain` for the demo pair (ADR 0017), and a JSON schema's constraint."""
+    pytest.importorskip("xgrammar")
+    from specserve.structured.constraint import Constraint
+    from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
+
+    vocab = demo_pair.target.config.vocab_size
+    eos = [demo_pair.tokenizer.eos_token_id] if demo_pair.tokenizer.eos_token_id is not None else []
+    cache = GrammarCache(tokenizer_info(str(demo_pair_dir / "target" / "tokenizer.json"), vocab, eos))
+
+    def constrain(c):
+        return ConstrainedRow(cache.compile(c), cache.vocab_size, vocab,
+                              encode=lambda text: demo_pair.tokenizer.encode(text, add_special_tokens=False))
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    return constrain, Constraint.json_schema(schema)
+
+
+def _engine_run(demo_pair, head, lookahead: bool, stop: str, grammar=None) -> tuple[dict, BatchedTarget]:
     t = _target(demo_pair, head, lookahead)
     tok = demo_pair.tokenizer
     eos = frozenset({tok.eos_token_id} if tok.eos_token_id is not None else ())
@@ -239,7 +257,8 @@ def _engine_run(demo_pair, head, lookahead: bool, stop: str) -> tuple[dict, Batc
     loop = EngineLoop(t, lambda p: StopChecker(eos, p.stop, tok.decode),
                       {"eagle": DeviceHeadDrafts(head, TargetParts(demo_pair.target, head.cfg.feature_layers)),
                        "late": _LateEveryOther(t.runner.vocab_size)},
-                      speculation=SpeculationSettings(block_wait_max_s=0.0, gather=False), on_step=steps.append)
+                      speculation=SpeculationSettings(block_wait_max_s=0.0, gather=False), on_step=steps.append,
+                      constrain=grammar[0] if grammar else None)
 
     def plan(n: int, k: int = 4, **kw) -> EnginePlan:
         pool = kw.pop("pool", "eagle")
@@ -257,20 +276,27 @@ def _engine_run(demo_pair, head, lookahead: bool, stop: str) -> tuple[dict, Batc
             loop.cancel("cancel")
         if len(steps) == 14:  # its block late every other round
             loop.add("late", p[0], plan(24, pool="late"))
-        if len(steps) == 22:  # a sampled session joins: it drafts on the host's head
+        if len(steps) == 22:  # a sampled session joins: it drafts on the device's head too
             loop.add("sampled", p[2], plan(8, sampling=SamplingParams(temperature=0.8)))
+        if len(steps) == 30 and grammar:  # a session whose grammar forces its tokens joins (host-judged rows)
+            loop.add("json", p[1], EnginePlan(GenerationParams(max_tokens=12, num_draft_tokens=4, seed=3),
+                                              pool="eagle", constraint=grammar[1]))
     ended = loop.ended
     return {sid: (ended[sid].generated, ended[sid].finish_reason) for sid in ended}, t
 
 
-def test_chained_rounds_through_the_engine_equal_host_driven_rounds(demo_pair, head, one_thread):
-    """Every way a round launched ahead is thrown away happens here, and the tokens are
-    the host-driven rounds' (and the target's own greedy tokens)."""
+def test_chained_rounds_through_the_engine_equal_host_driven_rounds(demo_pair, demo_pair_dir, head, one_thread):
+    """Every way a round launched ahead is thrown away happens here (a session's budget and
+    a stop string inside a round, a cancel, a late block, sampled sessions and a session under
+    a grammar joining), and the tokens are the host-driven rounds' (and the target's own
+    greedy tokens)."""
     tok = demo_pair.tokenizer
     plain = _plain(demo_pair, [tok.encode(PROMPTS[1])], 40)[0]
     stop = tok.decode(plain[14:17])  # inside the 4th or 5th round of 4 drafts
-    sync, _ = _engine_run(demo_pair, head, False, stop)
-    chained, t = _engine_run(demo_pair, head, True, stop)
+    grammar = _grammar(demo_pair, demo_pair_dir)
+    sync, _ = _engine_run(demo_pair, head, False, stop, grammar)
+    chained, t = _engine_run(demo_pair, head, True, stop, grammar)
+    assert chained["json"] == sync["json"] and tok.decode(sync["json"][0]).lstrip().startswith("{")
     assert chained["budget"] == sync["budget"] and len(sync["budget"][0]) == 21
     assert chained["stop"] == sync["stop"] and sync["stop"][1] == "stop"
     assert chained["late"] == sync["late"] and chained["plain"] == sync["plain"]
