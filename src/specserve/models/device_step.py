@@ -201,15 +201,9 @@ class DeviceStep:
         (models/head_step.py; the runner keeps the head's feature layers, and graphs captured
         before are dropped: the features change them), or a draft model with the target's
         vocabulary (an HF model the runner supports: models/draft_step.py)."""
-        if hasattr(drafter, "cfg") and hasattr(drafter.cfg, "feature_layers"):  # an EagleHead
-            from specserve.models.head_step import DeviceHead
+        from specserve.models.round_drafter import drafter_for
 
-            self.r.keep_features(drafter.cfg.feature_layers)
-            self.head = DeviceHead(self, drafter)
-        else:
-            from specserve.models.draft_step import DeviceDraft
-
-            self.head = DeviceDraft(self, drafter)
+        self.head = drafter_for(self, drafter)
         return self.head
 
     def _compile(self, how: bool | str) -> None:

@@ -228,3 +228,16 @@ class RoundDrafter:
             self.ds.step_graphs.launch_variant(("chained", k, w, *sampled), b, lambda: self.run_chained(b, k, w))
         else:
             self.ds.step_graphs.launch_variant(("round", k, w, *sampled), b, lambda: self.run_round(b, k, w))
+
+
+def drafter_for(ds: DeviceStep, drafter: Any) -> RoundDrafter:
+    """The round's drafter on `ds`'s device: an EagleHead's (models/head_step.py; the runner
+    keeps its feature layers) or a draft model's (an HF causal LM: models/draft_step.py)."""
+    if hasattr(drafter, "cfg") and hasattr(drafter.cfg, "feature_layers"):  # an EagleHead
+        from specserve.models.head_step import DeviceHead
+
+        ds.r.keep_features(drafter.cfg.feature_layers)
+        return DeviceHead(ds, drafter)
+    from specserve.models.draft_step import DeviceDraft
+
+    return DeviceDraft(ds, drafter)

@@ -40,6 +40,14 @@ def row_sampling(job: StepRow) -> SamplingParams | None:
     return None if job.sampling.greedy or not device_judged(job) else job.sampling
 
 
+def judged_in_step(job: StepRow, row: Row) -> bool:
+    """Whether the device step computed the verdict of a row it ran (`row`: its forward's row):
+    no banned tokens or constraint; greedy, or sampled where the row carried its sampling
+    (models/step_judge.py); a host tree is judged on the host, a tree the device drafted there."""
+    return (row.head is not None or device_judged(job)) and (job.sampling.greedy or row.sampling is not None) \
+        and not job.sampling.banned_token_ids and job.allowed is None
+
+
 def plain_only(step: Step) -> bool:
     """Every row a plain row whose verdict the device step computes (no drafts, banned
     tokens, constraint, tree or features; greedy or sampled): what a lookahead can run."""

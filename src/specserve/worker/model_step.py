@@ -65,7 +65,7 @@ from specserve.models.verifier import (
 from specserve.step import Kind, RowResult, Step, StepResult, StepRow
 from specserve.structured.grammar import propose_constrained
 from specserve.worker.head_rounds import ChainedRounds, HeadRows, head_verdict, verdict_rows
-from specserve.worker.lookahead import PlainLookahead, device_judged, row_sampling
+from specserve.worker.lookahead import PlainLookahead, judged_in_step, row_sampling
 
 
 @dataclass
@@ -161,10 +161,15 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
                                  max_len=b.max_len or None, device=device, dtype=dtype,
                                  tile=eager_tile(b, graphs and fixed), fuse_upto=b.fuse_upto)
     if fixed:
-        step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs),
-                                         fuse=b.fuse_step)
-        step.capture(step.startup_buckets(b.capture_k, b.capture_tree_width), b.capture_budget_s)  # logged
+        capture_startup(runner.enable_device_step(max_rows=b.max_batch, graphs=graphs,
+                                                  compile=step_compile(b, graphs), fuse=b.fuse_step), b)
     return runner
+
+
+def capture_startup(step: Any, b: Batching) -> None:
+    """The device step's start-up capture (logged; the rest when a step first needs them): the
+    widths of every K up to `capture_k` and trees of `capture_tree_width` (issue 51 item 6)."""
+    step.capture(step.startup_buckets(b.capture_k, b.capture_tree_width), b.capture_budget_s)
 
 
 class _RunnerSessions:
@@ -214,8 +219,7 @@ class BatchedTarget(_RunnerSessions):
     def __init__(self, target: TargetModel, b: Batching, load: Callable[..., ModelRunner] | None = None) -> None:
         """`load`: see `make_runner` (a tensor-parallel rank's shard, ADR 0030)."""
         self.target = target
-        self.capture_budget_s = b.capture_budget_s
-        self.capture_k, self.capture_trees = b.capture_k, b.capture_tree_width  # (start-up capture)
+        self.settings = b
         super().__init__(target.model, target.max_positions, b, load)
         ds = self.runner.device_step
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
@@ -233,7 +237,8 @@ class BatchedTarget(_RunnerSessions):
         self.heads = HeadRows(self.runner, head)
         self.rounds = ChainedRounds(self) if self.lookahead else None
         self._recapture()
-        self.heads.device.capture(self.capture_k, self.capture_budget_s, self.capture_trees)  # (logged)
+        b = self.settings
+        self.heads.device.capture(b.capture_k, b.capture_budget_s, b.capture_tree_width)  # (logged)
 
     def open(self, session_id: str) -> Any:
         handle = super().open(session_id)
@@ -338,7 +343,7 @@ class BatchedTarget(_RunnerSessions):
         """The start-up graphs again (keeping features drops the ones captured without them)."""
         ds = self.runner.device_step
         if ds is not None and ds.graphs_on and not ds.graphs:
-            ds.capture(ds.startup_buckets(self.capture_k, self.capture_trees), self.capture_budget_s)
+            capture_startup(ds, self.settings)
 
     def _judge(self, judged: list) -> tuple[list[Verdict], dict[int, list[int]]]:
         """The judged rows' verdicts in one copy to the host, and each tree row's accepted
@@ -350,10 +355,7 @@ class BatchedTarget(_RunnerSessions):
         # (a tree the target's own head drafted is judged in its round, on the device: ADR 0025)
         trees = [k for k, (_, job, _, _, r) in enumerate(judged)
                  if job.parents is not None and self._rows[r].head is None]
-        # (a sampled row too, where its forward's row carried its sampling: models/step_judge.py)
-        fast = [k for k, (_, job, _, _, r) in enumerate(judged) if r in fixed and (
-            self._rows[r].head is not None or device_judged(job)) and (job.sampling.greedy or self._rows[r].sampling)
-            and not job.sampling.banned_token_ids and job.allowed is None]
+        fast = [k for k, (_, job, _, _, r) in enumerate(judged) if r in fixed and judged_in_step(job, self._rows[r])]
         if ds is None:
             fast = []
         taken = set(fast) | set(trees)
