@@ -103,19 +103,27 @@ def _plain(demo_pair, prompts: list[list[int]], n: int) -> list[list[int]]:
                 for p in prompts]
 
 
-def test_the_head_on_the_device_drafts_what_the_hosts_head_drafts(demo_pair, head, one_thread):
-    t = _target(demo_pair, head, lookahead=False)
-    parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
-    ids, slot, compared = demo_pair.tokenizer.encode(PROMPTS[0]), None, 0
-    slot = t.open("s")
-    for _ in range(9):
-        res = t.step(Step([_head_row(slot, ids, 4)])).rows[0]
+def _drafts_as_on_the_host(t: BatchedTarget, head: EagleHead, parts: TargetParts, slot, ids: list[int], rounds: int,
+                           sampling: SamplingParams = GREEDY, seed: int = 0) -> tuple[list[int], int]:
+    """`rounds` rounds of K 4 on the device's head, each one's drafts checked against the host
+    head's for the same committed prefix; the ids after them and the rounds compared."""
+    compared = 0
+    for _ in range(rounds):
+        res = t.step(Step([_head_row(slot, ids, 4, sampling=sampling, seed=seed)])).rows[0]
         if res.drafted:
             host = EagleSession(head, parts)
             host.add_features(0, parts.features(torch.tensor([ids]))[0][0])
-            assert host.draft(ids, 4, GREEDY, 0)[0] == res.drafted
+            assert host.draft(ids, 4, sampling, seed)[0] == res.drafted
             compared += 1
         ids = ids + res.verdict.tokens
+    return ids, compared
+
+
+def test_the_head_on_the_device_drafts_what_the_hosts_head_drafts(demo_pair, head, one_thread):
+    t = _target(demo_pair, head, lookahead=False)
+    parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
+    slot = t.open("s")
+    ids, compared = _drafts_as_on_the_host(t, head, parts, slot, demo_pair.tokenizer.encode(PROMPTS[0]), 9)
     assert compared == 8  # every round after the prompt's (the head is current from then on)
     trees = 0
     for _ in range(6):  # trees of two first candidates: the host's head's, where it drafts a tree
@@ -191,17 +199,8 @@ def test_the_head_on_the_device_draws_what_the_hosts_head_draws(demo_pair, head,
     on the device, inside the round, the same tokens as the host's head for the same prefix."""
     t = _target(demo_pair, head, lookahead=False)
     parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
-    sampling = SamplingParams(temperature=0.9, top_k=40)
-    ids, compared = demo_pair.tokenizer.encode(PROMPTS[1]), 0
-    slot = t.open("s")
-    for _ in range(8):
-        res = t.step(Step([_head_row(slot, ids, 4, sampling=sampling, seed=7)])).rows[0]
-        if res.drafted:
-            host = EagleSession(head, parts)
-            host.add_features(0, parts.features(torch.tensor([ids]))[0][0])
-            assert host.draft(ids, 4, sampling, 7)[0] == res.drafted
-            compared += 1
-        ids = ids + res.verdict.tokens
+    _, compared = _drafts_as_on_the_host(t, head, parts, t.open("s"), demo_pair.tokenizer.encode(PROMPTS[1]), 8,
+                                         SamplingParams(temperature=0.9, top_k=40), seed=7)
     assert compared == 7
 
 
@@ -345,6 +344,25 @@ def _fake_head_runner(arch: str, monkeypatch) -> tuple[ModelRunner, EagleHead]:
     return runner, head
 
 
+def audited_rounds(runner: ModelRunner, drafter, b: Bucket, k: int, host_copies, w: int = 1) -> list[OpTrace]:
+    """Three chained rounds of the prepared bucket, each from the verdicts the round before left
+    on the device, recorded: they pass the graph-safety audit (the weights, the KV and the step's
+    and drafter's buffers read, nothing else) and copy nothing from or to the host."""
+    ds = runner.device_step
+    host_copies.copies.clear()
+    host_copies.blocking_in.clear()
+    traces = []
+    for _ in range(3):
+        with OpTrace() as t:
+            drafter.run_chained(b, k, w)
+        traces.append(t)
+    allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
+                       ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, drafter.__dict__)
+    assert audit_runs(traces, allowed) == []
+    assert host_copies.copies == [] and host_copies.blocking_in == []
+    return traces
+
+
 def _head_rows(runner: ModelRunner) -> list[Row]:
     """A prepared round of three head rows (K 4, 2, 3) over sessions of different lengths."""
     for s, n in (("a", 5), ("b", 11), ("c", 17)):
@@ -365,17 +383,7 @@ def test_a_chained_round_is_graph_safe_on_a_fake_cuda_device(arch, monkeypatch):
         b = ds.bucket_for(rows, starts)
         ds.prepare(rows, [runner.kv.slot(r.session) for r in rows], starts, b)
         assert b == Bucket(4, 5, 64)
-        host_copies.copies.clear()
-        host_copies.blocking_in.clear()
-        traces = []
-        for _ in range(3):  # three rounds, each from the verdicts the round before left on the device
-            with OpTrace() as t:
-                head.run_chained(b, 4)
-            traces.append(t)
-        allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
-                           ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, head.__dict__)
-        assert audit_runs(traces, allowed) == []
-        assert host_copies.copies == [] and host_copies.blocking_in == []
+        traces = audited_rounds(runner, head, b, 4, host_copies)
         n = len(traces[0].ops)
         with OpTrace() as plain:
             ds.run(b)
@@ -399,16 +407,7 @@ def test_a_chained_round_of_trees_is_graph_safe_on_a_fake_cuda_device(arch, monk
         b = ds.bucket_for(rows, starts)
         ds.prepare(rows, [runner.kv.slot(r.session) for r in rows], starts, b, masks=[tree.mask, None],
                    depths=[tree.depths, None])
-        host_copies.copies.clear()
-        traces = []
-        for _ in range(3):
-            with OpTrace() as t:
-                head.run_chained(b, 2, 2)
-            traces.append(t)
-        allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
-                           ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, head.__dict__)
-        assert audit_runs(traces, allowed) == []
-        assert host_copies.copies == []
+        audited_rounds(runner, head, b, 2, host_copies, w=2)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

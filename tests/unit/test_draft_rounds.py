@@ -16,14 +16,15 @@ its K positions in the same run as the verify and the verdict, rounds chained on
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from fakedevice import OpTrace, audit_runs, fake_cuda, storages
-from test_chained_rounds import PROMPTS, _LateEveryOther, _plain, _rounds
+from fakedevice import OpTrace, fake_cuda
+from test_chained_rounds import PROMPTS, _fake_head_runner, _head_rows, _LateEveryOther, _plain, _rounds, audited_rounds
 from test_device_audit import ARCHITECTURES, SHAPE
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import specserve.device as device_module
 from specserve.algorithm.stops import StopChecker
 from specserve.drafters.hf import HFDrafter
 from specserve.engine.device_drafts import DeviceDraftModelDrafts
@@ -31,7 +32,6 @@ from specserve.engine.loop import EngineLoop
 from specserve.engine.session import EnginePlan
 from specserve.engine.speculation import SpeculationSettings
 from specserve.models.draft_step import DeviceDraft
-from specserve.models.runner import ModelRunner, Row
 from specserve.models.verifier import TargetModel
 from specserve.params import GenerationParams, SamplingParams
 from specserve.step import Step, StepRow
@@ -145,35 +145,19 @@ def test_chained_draft_model_rounds_through_the_engine_equal_host_driven_rounds(
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_a_chained_round_of_the_draft_model_is_graph_safe_on_a_fake_cuda_device(arch, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
-    monkeypatch.setattr(device_module, "_can_pin", lambda: True)
+    """Three rows of the draft model in the round (K 4, 2 and 3; the third sampled)."""
     with fake_cuda() as (_, host_copies):
-        target = ARCHITECTURES[arch]().eval()
-        runner = ModelRunner.from_hf(target, max_sessions=8, max_len=64, device="cuda", dtype=torch.bfloat16,
-                                     tile=None, fuse_upto=0)
-        ds = runner.enable_device_step(max_rows=4, graphs=False)
+        runner, _ = _fake_head_runner(arch, monkeypatch)
+        ds = runner.device_step
         draft = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 32, "intermediate_size": 48,
                                                 "num_attention_heads": 2, "num_key_value_heads": 1})).eval()
         device = ds.enable_head(draft)
-        for s, n in (("a", 5), ("b", 11), ("c", 17)):
-            runner.allocate(s)
-            runner.forward([Row(s, [(7 * n + i) % 200 for i in range(n)], num_logits=0)])
-        rows = [Row("a", [1, 0, 0, 0, 0], num_logits=5, head=4), Row("b", [2, 0, 0], num_logits=3, head=2),
-                Row("c", [3, 0, 0, 0], num_logits=4, head=3, sampling=SamplingParams(temperature=0.9), seed=4)]
+        rows = _head_rows(runner)
+        rows[2] = replace(rows[2], sampling=SamplingParams(temperature=0.9), seed=4)
         starts = [runner.length(r.session) for r in rows]
         b = ds.bucket_for(rows, starts)
         ds.prepare(rows, [runner.kv.slot(r.session) for r in rows], starts, b)
-        host_copies.copies.clear()
-        host_copies.blocking_in.clear()
-        traces = []
-        for _ in range(3):
-            with OpTrace() as t:
-                device.run_chained(b, 4)
-            traces.append(t)
-        allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
-                           ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, device.__dict__)
-        assert audit_runs(traces, allowed) == []
-        assert host_copies.copies == [] and host_copies.blocking_in == []
+        traces = audited_rounds(runner, device, b, 4, host_copies)
         with OpTrace() as verify:
             ds.run(b)
         # the draft's K positions (its 2 layers each) and its feed are inside the round

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 from fakedevice import OpTrace, audit_runs, fake_cuda, storages
-from test_chained_rounds import _fake_head_runner, _head_rows
+from test_chained_rounds import _fake_head_runner, _head_rows, audited_rounds
 from test_device_audit import ARCHITECTURES
+from test_device_step import pooled_chi2
 from test_runner_exactness import RANDOM_MODELS
 
-import specserve.device as device_module
 import specserve.models.step_judge as step_judge
 from specserve.algorithm.rejection import rejection_judge
 from specserve.algorithm.sampling import draw
@@ -111,24 +111,6 @@ def _first_tokens(runner: ModelRunner, ids: list[int], drafts: list[int], sp: Sa
     return counts
 
 
-def _chi2(counts: np.ndarray, p: np.ndarray) -> tuple[float, float]:
-    """The statistic over bins of expected count >= 5 (the tail pooled), and its 0.999 quantile."""
-    from scipy.stats import chi2
-
-    exp, obs = [], []
-    acc_e = acc_o = 0.0
-    for t in np.argsort(-p):
-        acc_e += p[t] * counts.sum()
-        acc_o += counts[t]
-        if acc_e >= 5:
-            exp.append(acc_e)
-            obs.append(acc_o)
-            acc_e = acc_o = 0.0
-    exp[-1] += acc_e
-    obs[-1] += acc_o
-    return float(sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))), float(chi2.ppf(0.999, len(exp) - 1))
-
-
 def _no_residual(p, draft, num, q, u):
     """The control: rejection sampling whose rejected position is drawn from p itself, not
     from the residual max(0, p - q) (a judge that over-weights the draft)."""
@@ -155,10 +137,10 @@ def test_the_device_judges_first_sampled_token_follows_the_targets_distribution(
     assert 0.05 < p[second] < 0.5, p[second]
     runner.free("probe")
     drafts = [second, 4, 9]
-    stat, limit = _chi2(_first_tokens(runner, ids, drafts, sp, 2400), p)
+    stat, limit = pooled_chi2(_first_tokens(runner, ids, drafts, sp, 2400), p)
     assert stat < limit, (stat, limit)
     monkeypatch.setattr(step_judge, "rejection_judge", _no_residual)
-    control, control_limit = _chi2(_first_tokens(runner, ids, drafts, sp, 2400), p)
+    control, control_limit = pooled_chi2(_first_tokens(runner, ids, drafts, sp, 2400), p)
     assert control > control_limit, (control, control_limit)
 
 
@@ -175,16 +157,10 @@ def _sampled_rows(step: int) -> list[Row]:
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_a_sampled_step_is_graph_safe_on_a_fake_cuda_device(arch, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30 - 2**20, 2**30))
-    monkeypatch.setattr(device_module, "_can_pin", lambda: True)
     with fake_cuda() as (_, host_copies):
-        model = ARCHITECTURES[arch]().eval()
-        runner = ModelRunner.from_hf(model, max_sessions=8, max_len=64, device="cuda", dtype=torch.bfloat16,
-                                     tile=None, fuse_upto=0)
-        ds = runner.enable_device_step(max_rows=4, graphs=False)
-        for s, n in (("a", 5), ("b", 11), ("c", 17)):
-            runner.allocate(s)
-            runner.forward([Row(s, [(7 * n + i) % 200 for i in range(n)], num_logits=0)])
+        runner, _ = _fake_head_runner(arch, monkeypatch)
+        ds = runner.device_step
+        _head_rows(runner)  # (its sessions, prefilled)
         traces = []
         for step in range(3):
             rows = _sampled_rows(step)
@@ -224,14 +200,4 @@ def test_chained_rounds_of_sampled_rows_are_graph_safe_on_a_fake_cuda_device(arc
         b = ds.bucket_for(rows, starts)
         ds.prepare(rows, [runner.kv.slot(r.session) for r in rows], starts, b)
         assert head.q is not None
-        host_copies.copies.clear()
-        host_copies.blocking_in.clear()
-        traces = []
-        for _ in range(3):
-            with OpTrace() as t:
-                head.run_chained(b, 4)
-            traces.append(t)
-        allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
-                           ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, head.__dict__)
-        assert audit_runs(traces, allowed) == []
-        assert host_copies.copies == [] and host_copies.blocking_in == []
+        audited_rounds(runner, head, b, 4, host_copies)

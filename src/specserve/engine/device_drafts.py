@@ -13,23 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from specserve.engine.drafting import LocalDrafts
-from specserve.engine.eagle_local import _OnDevice
-from specserve.engine.session import DraftBlock, EngineSession
+from specserve.engine.eagle_local import OnDeviceSessions, _OnDevice
+from specserve.engine.session import DraftBlock
 
 
-class DeviceDraftModelDrafts(LocalDrafts):
-    @staticmethod
-    def on_device(session: EngineSession) -> bool:
-        sampling = session.plan.params.sampling
-        return not sampling.banned_token_ids and session.plan.constraint is None
-
-    def open(self, session: EngineSession) -> None:
-        if not self.on_device(session):
-            super().open(session)
-            return
-        local = self.sessions[session.id] = _OnDevice(session)  # type: ignore[assignment]
-        self._propose(session.id, local, session.k_next)  # type: ignore[arg-type]
-
+class DeviceDraftModelDrafts(OnDeviceSessions, LocalDrafts):
     def close(self, session_id: str) -> None:
         local = self.sessions.pop(session_id, None)
         if local is not None and not isinstance(local, _OnDevice):

@@ -82,7 +82,27 @@ class _OnDevice:
         self.greedy = session.plan.params.sampling.greedy  # (a sampled session's drafts there are chains)
 
 
-class DeviceHeadDrafts(EagleLocalDrafts):
+class OnDeviceSessions:
+    """A source whose sessions draft inside the target's device step where it judges their rows
+    (ADR 0025: no banned tokens, no constraint; greedy or sampled): such a session's block is
+    placeholders the round fills (`_propose`); the others open as the source's base class does."""
+
+    sessions: dict[str, Any]
+
+    @staticmethod
+    def on_device(session: EngineSession) -> bool:
+        sampling = session.plan.params.sampling
+        return not sampling.banned_token_ids and session.plan.constraint is None
+
+    def open(self, session: EngineSession) -> None:
+        if not self.on_device(session):
+            super().open(session)  # type: ignore[misc]
+            return
+        local = self.sessions[session.id] = _OnDevice(session)
+        self._propose(session.id, local, session.k_next)  # type: ignore[attr-defined]
+
+
+class DeviceHeadDrafts(OnDeviceSessions, EagleLocalDrafts):
     """`eagle-local` where the target runs the head inside its device step (ADR 0025,
     `BatchedTarget.enable_head`): a session whose rows the device step judges (greedy, no
     banned tokens, no constraint) drafts there, inside the round that verifies the drafts;
@@ -90,21 +110,8 @@ class DeviceHeadDrafts(EagleLocalDrafts):
     sessions draft on the host's head as `EagleLocalDrafts` does, from the features. A sampled
     session's rounds there are chains (trees on the device are greedy)."""
 
-    @staticmethod
-    def on_device(session: EngineSession) -> bool:
-        """Greedy or sampled (judged on the device, ADR 0025), without banned tokens or a constraint."""
-        sampling = session.plan.params.sampling
-        return not sampling.banned_token_ids and session.plan.constraint is None
-
     def features_for(self, session: EngineSession) -> bool:
         return not self.on_device(session)
-
-    def open(self, session: EngineSession) -> None:
-        if not self.on_device(session):
-            super().open(session)
-            return
-        local = self.sessions[session.id] = _OnDevice(session)  # type: ignore[assignment]
-        self._propose(session.id, local, session.k_next)  # type: ignore[arg-type]
 
     def _propose(self, session_id: str, s: Any, k: int, width: int = 1) -> None:
         if not isinstance(s, _OnDevice):
