@@ -80,8 +80,9 @@ test-faults: setup
 # 1B-class random-init pair against transformers' generate; exit 2 where torch sees no GPU.
 # Then the engine loop with that target on the device (ADR 0016: the engine on an H100).
 # bench/gpu_check.sh is the same two steps with the node's own python3 (a GPU node without a
-# package index cannot run setup): the workers' default (graphs, each layer compiled, lookahead steps) beside the
-# same without the lookahead (ADR 0019); about 250 s of an H200's time with the engine loop.
+# package index cannot run setup): the workers' default (graphs, each layer compiled, lookahead steps) in full
+# (plain, the draft model, rounds drafted inside the target's step: ADR 0025) beside the fused layers'
+# plain decoding (issue 51 item 7), then the engine loop; at most 8 minutes of an H200's time.
 gpu-check: setup
 	PYTHON=$(abspath $(PY)) OUT=bench/results/gpu bash bench/gpu_check.sh
 

@@ -216,10 +216,12 @@ def _loop(target: TargetModel, sources, profile: Profile | None, streams: int, b
     cheapest on the CPU (bench_runner: runner-plain below runner-t4 at every batch). `head`:
     (references by session, alpha): the pool `eagle` drafts on the target's own head inside
     its device step (ADR 0025), its acceptance synthetic (gpu_head.synthetic_acceptance)."""
+    # (a cell's own target: its start-up capture short, the warm wave captures what the cell meets)
     model = make_target_step(target, Batching(kv_budget_mb=64 if device == "cpu" else 4096,
                                            max_sessions=max(streams, 4),
                                            prefill_chunk=128, tile=tile, device=device, max_len=512,
-                                           max_batch=max(streams, 4), fixed_step=True if head else None))
+                                           max_batch=max(streams, 4), fixed_step=True if head else None,
+                                           capture_budget_s=2.0))
     if head is not None:
         sources = {**sources, "eagle": _own_head(model, target, *head)}
     if tile is None and device == "cpu":  # the stand-in's rows in one attention call: the least CPU per step (ADR 0014)
@@ -376,6 +378,7 @@ def main() -> None:
                 r = {"profile": pname, **cell(target, prompts, refs, prof, arm,
                                               a.tokens, a.alpha, tile, a.gather == "on", a.device, real, a.beta)}
                 rows.append(r)
+                _write(a, rows)
                 print(f"{pname:5} {n:3} streams {arm:9} {r['tok_s']:8.1f} tok/s  TPOT {r['tpot_ms_p50']:6.1f} ms  "
                       f"busy {r['device_busy']:.0%} (metric {r['busy_metric']:.0%})  "
                       f"book p50 {r['bookkeeping_ms_p50']:.2f} p99 "
@@ -388,15 +391,51 @@ def main() -> None:
                       flush=True)
             if not real:
                 _bounds([r for r in rows if r["profile"] == pname and r["streams"] == n], PROFILES[pname], a)
+    _write(a, rows, issue51(rows))
+    _plot(rows, Path(a.out) / "engine_loop.png")
+
+
+def _write(a, rows: list[dict], goals: list[dict] | None = None) -> None:
+    """The results so far (after every cell: a run cut short by its time limit keeps them)."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens,
+    (out / "engine_loop.json").write_text(json.dumps({"alpha": a.alpha, "tokens": a.tokens, "targets": goals,
                                                    "exact_batching": a.exact_batching,
                                                    "gather": a.gather, "device": a.device, "model": a.model,
                                                    "device_name": torch.cuda.get_device_name()
                                                    if a.device.startswith("cuda")
                                                    else "cpu", "rows": rows}, indent=1))
-    _plot(rows, out / "engine_loop.png")
+
+
+# issue 51's engine-loop figures: (arm, streams, goal over plain at that load)
+GOALS = [("eagle:K=4", 1, 1.8), ("eagle:K=4", 16, 1.3), ("eagle:adaptive", 64, 1.0), ("K=4", 1, 1.3)]
+
+
+def issue51(rows: list[dict]) -> list[dict]:
+    """Each arm's tok/s over plain's at the same profile and load, beside issue 51's goal
+    (the own head in the round, remote blocks with pre-drafting, the controller never below
+    plain at any load), and the device busy of the head's rounds at one stream; printed."""
+    out = []
+    for r in rows:
+        plain = next((p for p in rows if p["arm"] == "plain" and p["profile"] == r["profile"]
+                      and p["streams"] == r["streams"]), None)
+        if plain is None or r["arm"] == "plain":
+            continue
+        ratio = r["tok_s"] / plain["tok_s"]
+        goal = next((g for arm, n, g in GOALS if arm == r["arm"] and n == r["streams"]), None)
+        if goal is None and r["arm"].endswith("adaptive"):
+            goal = 1.0  # the controller: never below plain
+        if goal is not None:
+            out.append({"profile": r["profile"], "arm": r["arm"], "streams": r["streams"], "vs_plain": ratio,
+                        "goal": goal, "met": ratio >= goal})
+        if r["arm"] == "eagle:K=4" and r["streams"] == 1:
+            out.append({"profile": r["profile"], "arm": r["arm"], "streams": 1, "device_busy": r["device_busy"],
+                        "goal": 0.9, "met": r["device_busy"] >= 0.9})
+    for g in out:
+        value = f"{g['vs_plain']:.2f}x plain" if "vs_plain" in g else f"device busy {g['device_busy']:.0%}"
+        print(f"  {'met   ' if g['met'] else 'MISSED'} {g['profile']} {g['arm']} at {g['streams']} streams: {value} "
+              f"(goal >= {g['goal']})", flush=True)
+    return out
 
 
 def _bounds(cells: list[dict], profile: Profile, a) -> None:

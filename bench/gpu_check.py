@@ -84,12 +84,18 @@ def parse_args(argv=None):
                    help="the arms to measure, side by side (ADR 0019): auto replays the device step's graphs "
                         "uncompiled, pieces with a layer's two pieces compiled, layer with a whole layer compiled "
                         "(its KV scatter and attention in: the workers' default on CUDA, cuda_compile auto), a "
-                        "-sync suffix without the target's lookahead steps, "
+                        "-sync suffix without the target's lookahead steps, a +fused suffix with each layer's "
+                        "program ending with the next layer's norm (issue 51 item 7), "
                         "compile with the whole run compiled, off is the eager forward of "
-                        "before; the first is the one judged")
+                        "before; the first is the one judged and measured in full, the others plain decoding")
     p.add_argument("--off-decode", type=int, default=32, help="tokens a session in the off (eager) arm: it is slow")
     p.add_argument("--no-head", action="store_true",
-                   help="skip the arm of rounds drafted on the target's own EAGLE head (ADR 0025: bench/gpu_head.py)")
+                   help="skip the arms of rounds drafted inside the target's round (ADR 0025: bench/gpu_head.py)")
+    p.add_argument("--beta", type=float, default=0.6,
+                   help="the head's tree: its second first candidate right with this probability where the first is "
+                        "wrong (synthetic, as alpha)")
+    p.add_argument("--capture-budget-s", type=float, default=5.0,
+                   help="each worker's start-up capture (logged); what it leaves is captured when first met")
     a = p.parse_args(argv)
     a.streams = [int(x) for x in a.streams.split(",")]
     a.alphas = [float(x) for x in a.alphas.split(",")]
@@ -103,8 +109,9 @@ def sync(device: torch.device) -> None:
 
 
 def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: int, new_tokens: int,
-             graphs: list[str]) -> dict:
-    """Part 1: the runner's greedy tokens against HF's on the same device and dtype."""
+             graphs: list[str], k: int = 0, dtype_setting: str = "auto", round_prompts: int = 0) -> dict:
+    """Part 1: the runner's greedy tokens against HF's on the same device and dtype; and, with
+    `k`, rounds of K drafted on the pair's own EAGLE head inside the target's round."""
     pair = next((d for d in (models, models / "specserve-demo-v1") if (d / "target" / "config.json").exists()), None)
     if pair is None:
         raise SystemExit(f"no demo pair under {models}")
@@ -114,15 +121,23 @@ def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: 
     out = {}
     for mode in graphs:  # the eager forward, and the device step replayed from graphs (ADR 0019)
         runner = ModelRunner.from_hf(model, max_sessions=3, max_len=1024, device=device, dtype=dtype, fuse_upto=0)
-        if mode.removesuffix("-sync") != "off":
-            how = {"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(mode.removesuffix("-sync"), False)
-            runner.enable_device_step(max_rows=4, graphs=True, compile=how)
+        base = mode.removesuffix("-sync").removesuffix("+fused")
+        if base != "off":
+            how = {"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(base, False)
+            runner.enable_device_step(max_rows=4, graphs=True, compile=how, fuse="+fused" in mode)
         out[mode] = greedy_agreement(model, runner, prompts, new_tokens, TOLERANCE[dtype])
         if runner.device_step is not None:
             out[mode]["steps"] = {"replayed": runner.device_step.counts.replayed,
                                   "eager": runner.device_step.counts.eager}
     first = out[graphs[0]]
-    return {**first, "ok": all(o["ok"] for o in out.values()), "by_mode": out}
+    res = {**first, "ok": all(o["ok"] for o in out.values()), "by_mode": out}
+    if k:  # rounds drafted on the pair's own head inside the target's round, chains and trees (ADR 0025)
+        from gpu_head import rounds_identity
+
+        res["rounds"] = rounds_identity(pair, model, device, dtype_setting, prompts[:round_prompts or None],
+                                        new_tokens, k, TOLERANCE[dtype])
+        res["ok"] = res["ok"] and res["rounds"]["ok"]
+    return res
 
 
 def random_pair(shape: dict, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -426,57 +441,64 @@ def hf_generate(target, draft, prompt: list[int], decode: int, k: int, device: t
     return out
 
 
+def batching(args, shape: dict, device: torch.device, mode: str, most: int) -> Batching:
+    """The workers' settings of one arm: `mode` is a cuda_graphs setting (auto, pieces, layer,
+    compile, off), "-sync" without the target's lookahead steps, "+fused" with each layer's
+    program ending with the next one's norm (issue 51 item 7: models/step_fusion.py)."""
+    base = mode.removesuffix("-sync").removesuffix("+fused")
+    return Batching(device=str(device), dtype=args.dtype, max_sessions=most + 2,
+                    max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
+                    kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4),
+                    cuda_graphs="off" if base == "off" else "auto",
+                    fixed_step=True if (args.smoke and base != "off") else None,
+                    compile_step={"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(base, False),
+                    tile=Batching.tile if args.exact_batching == "invariant" else None,
+                    lookahead=False if "-sync" in mode else None, fuse_step="+fused" in mode,
+                    # start-up capture of the rounds these arms run (K = args.k); the rest when first met
+                    capture_k=args.k, capture_budget_s=args.capture_budget_s)
+
+
 def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_model, draft_model, mode: str,
             most: int) -> dict:
-    """One cuda_graphs setting: the workers built with it, every shape warmed up (graphs
-    captured) unmeasured, then plain and speculative at each load, the phases at one stream,
-    and how the decode and verify steps ran (replayed / eager)."""
-    base = mode.removesuffix("-sync")  # "-sync": without the target's lookahead steps
-    b = Batching(device=str(device), dtype=args.dtype, max_sessions=most + 2,
-                 max_len=min(1024, shape["target"]["max_position_embeddings"]), prefill_chunk=256,
-                 kv_budget_mb=4096, fuse_upto=0, max_batch=max(most, 4), cuda_graphs="off" if base == "off" else "auto",
-                 fixed_step=True if (args.smoke and base != "off") else None,
-                 compile_step={"compile": "whole", "pieces": "pieces", "layer": "layer"}.get(base, False),
-                 tile=Batching.tile if args.exact_batching == "invariant" else None,
-                 lookahead=False if mode.endswith("-sync") else None)
+    """One arm: the workers built with it, every shape warmed up (graphs captured) unmeasured,
+    then plain decoding at each load. The first arm (`--graphs`' first) also measures: the
+    host-driven draft model's rounds, the rounds drafted inside the target's step (its own
+    EAGLE head with its trees, the draft model), the phases at one stream and how the decode
+    and verify steps ran (replayed / eager); the others plain decoding only, side by side."""
+    full = mode == args.graphs[0]
+    b = batching(args, shape, device, mode, most)
     target = BatchedTarget(TargetModel(target_model), b)
-    draft = BatchedDraft(HFDrafter(draft_model), b)
-    decode = shape["decode"] if mode == args.graphs[0] else min(shape["decode"], args.off_decode)
+    draft = BatchedDraft(HFDrafter(draft_model), b) if full else None
+    decode = shape["decode"] if full or mode.removesuffix("-sync") != "off" else min(shape["decode"], args.off_decode)
     t0 = time.perf_counter()
     for n in args.streams:  # warm-up, unmeasured: kernels loaded, GEMMs chosen, each bucket's graph captured
         warm = _prompts(n, shape["prompt_len"], shape["target"]["vocab_size"], seed=2)
         ref = plain(target, warm, 8, device)["continuations"]
-        for alpha in (1.0, 0.5):
+        for alpha in (1.0, 0.5) if draft is not None else ():
             speculative(target, draft, warm, ref, 8, args.k, alpha, device)
-    warm_s = time.perf_counter() - t0
-    before = step_counts(target, draft)
-    out: dict = {"mode": mode, "decode": decode, "warm_up_s": warm_s, "speed": []}
+    out: dict = {"mode": mode, "decode": decode, "warm_up_s": time.perf_counter() - t0, "speed": []}
+    before = step_counts(target, *([draft] if draft else []))
     plain_runs = {}
     for n in args.streams:
         prompts = _prompts(n, shape["prompt_len"], shape["target"]["vocab_size"])
         base = plain(target, prompts, decode, device)
         plain_runs[n] = {**base, "prompts": prompts}
         row = {"streams": n, "plain": {k: v for k, v in base.items() if k != "continuations"}, "speculative": []}
-        for a in args.alphas:
-            s = speculative(target, draft, prompts, base["continuations"], decode, args.k, a, device)
-            s.update(alpha=a, speedup=s["tok_s"] / base["tok_s"])
-            row["speculative"].append(s)
+        for a in args.alphas if draft is not None else ():
+            sp = speculative(target, draft, prompts, base["continuations"], decode, args.k, a, device)
+            sp.update(alpha=a, speedup=sp["tok_s"] / base["tok_s"])
+            row["speculative"].append(sp)
         out["speed"].append(row)
-        print(f"[gpu-check] cuda_graphs {mode}, {n} streams: plain {base['tok_s']:.1f} tok/s "
-              f"(TPOT {base['tpot_ms']:.2f} ms; prefill of {n} x {shape['prompt_len']} tokens "
-              f"{base['prefill_ms']:.1f} ms); " + ", ".join(
-                  f"alpha {s['alpha']}: {s['tok_s']:.1f} ({s['speedup']:.2f}x)" for s in row["speculative"]),
-              flush=True)
-    if not args.no_head and mode.removesuffix("-sync") != "off":  # rounds drafted on the target's own head (ADR 0025)
-        from gpu_head import head_arm
-
-        def warm(n: int):
-            warm_prompts = _prompts(n, shape["prompt_len"], shape["target"]["vocab_size"], seed=2)
-            return warm_prompts, plain(target, warm_prompts, 16, device)["continuations"]
-
-        out["head"] = head_arm(target_model, b, args.streams, plain_runs, args.alphas, args.k, decode, device,
-                               lambda: sync(device), warm)
+        print(f"[gpu-check] {mode}, {n} streams: plain {base['tok_s']:.1f} tok/s (TPOT {base['tpot_ms']:.2f} ms; "
+              f"prefill of {n} x {shape['prompt_len']} tokens {base['prefill_ms']:.1f} ms)" + "".join(
+                  f"; draft model, host-driven, alpha {x['alpha']}: {x['tok_s']:.1f} ({x['speedup']:.2f}x)"
+                  for x in row["speculative"]), flush=True)
     out["lookahead"] = {"on": target.lookahead, **target.ahead_counts}
+    if draft is None:
+        out["counts"] = diff_counts(step_counts(target), before)
+        return out
+    if not args.no_head and mode.removesuffix("-sync") != "off":
+        out.update(round_arms(args, shape, b, device, target, target_model, draft_model, plain_runs, decode))
     out["counts"] = diff_counts(step_counts(target, draft), before)
     out["counts_total"] = step_counts(target, draft)
     prompt = _prompts(1, shape["prompt_len"], shape["target"]["vocab_size"], seed=5)
@@ -487,42 +509,89 @@ def measure(args, shape: dict, device: torch.device, dtype: torch.dtype, target_
     return out
 
 
+def round_arms(args, shape: dict, b: Batching, device: torch.device, target: BatchedTarget, target_model,
+               draft_model, plain_runs: dict, decode: int) -> dict:
+    """The rounds drafted inside the target's step (ADR 0025, bench/gpu_head.py): on its own
+    EAGLE head at each load (trees of two first candidates beside its chains at one stream),
+    and on the draft model at one stream."""
+    from gpu_head import drafter_arm
+
+    def warm(n: int):
+        warm_prompts = _prompts(n, shape["prompt_len"], shape["target"]["vocab_size"], seed=2)
+        return warm_prompts, plain(target, warm_prompts, 16, device)["continuations"]
+
+    head = drafter_arm(target_model, b, args.streams, plain_runs, args.alphas, args.k, decode, device,
+                       lambda: sync(device), warm, "head", beta=args.beta)
+    ones = [n for n in args.streams if n == 1] or args.streams[:1]
+    draft = drafter_arm(target_model, b, ones, plain_runs, args.alphas, args.k, decode, device,
+                        lambda: sync(device), warm, draft_model)
+    return {"head": head, "draft_in_round": draft}
+
+
 def fmt(d: dict) -> str:
     return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in d.items())
 
 
+def _goal(value: float | None, goal: str) -> tuple[float | None, str, bool]:
+    """(value, goal, met) of a figure against a goal written ">= x" or "<= x"."""
+    if value is None:
+        return None, goal, False
+    op, x = goal.split()
+    return round(value, 3), goal, value >= float(x) if op == ">=" else value <= float(x)
+
+
 def targets(res: dict, args) -> dict:
-    """Issue 39's figures for the first cuda_graphs mode: (value, goal, met)."""
+    """Issue 51's figures of the first arm, each beside its goal: (value, goal, met). The engine
+    loop's (eagle-local, remote blocks, the controller) are bench_engine_loop's summary."""
     m = res["modes"][args.graphs[0]]
     speed = {r["streams"]: r for r in m["speed"]}
+    alpha = 0.8 if 0.8 in args.alphas else args.alphas[-1]
+    j = args.alphas.index(alpha)
     out: dict = {}
     if 1 in speed:
         tpot = speed[1]["plain"]["tpot_ms"]
-        out["plain TPOT at 1 stream, ms"] = (round(tpot, 3), "<= 1.5", tpot <= 1.5)
-        out["share of the bandwidth bound at 1 stream"] = (round(res["bound"]["plain_step_ms"] / tpot, 3), ">= 0.5",
-                                                           res["bound"]["plain_step_ms"] / tpot >= 0.5)
-    if 1 in speed and 16 in speed:
-        r = speed[16]["plain"]["tok_s"] / speed[1]["plain"]["tok_s"]
-        out["plain tok/s at 16 / at 1"] = (round(r, 2), ">= 8", r >= 8)
-    alpha = 0.8 if 0.8 in args.alphas else args.alphas[-1]
-    j = args.alphas.index(alpha)
-    for n, goal in ((1, 2.0), (16, 1.5)):
-        if n in speed:
-            x = speed[n]["speculative"][j]["speedup"]
-            out[f"speculative / plain at {n} stream(s), alpha {alpha}"] = (round(x, 2), f">= {goal}", x >= goal)
-    head = {r["streams"]: r for r in m.get("head", {}).get("speed", [])}
-    for n, goal in ((1, 2.0), (16, 1.5)):  # issue 51: the EAGLE head drafting inside the target's step
+        out["plain TPOT at 1 stream, ms"] = _goal(tpot, "<= 1.0")
+        out["plain: share of the bandwidth bound at 1 stream"] = _goal(res["bound"]["plain_step_ms"] / tpot, ">= 0.5")
+    head = {r["streams"]: r["rounds"][j] for r in m.get("head", {}).get("speed", [])}
+    for n, goal in ((1, ">= 2.0"), (16, ">= 1.5")):  # the EAGLE head drafting inside the target's round
         if n in head:
-            x = head[n]["rounds"][j]["speedup"]
-            out[f"own head (eagle-local) / plain at {n} stream(s), alpha {alpha}"] = (round(x, 2), f">= {goal}",
-                                                                                     x >= goal)
-    if 1 in speed and "spec_bound" in m:
-        x = speed[1]["speculative"][j]["speedup"] / m["spec_bound"]
-        out["speculative at 1 stream / its bound"] = (round(x, 2), ">= 0.85", x >= 0.85)
-    c = m["counts"]
-    done = c["replayed"] + c["eager"] + c["unbucketed"]
-    share = c["replayed"] / done if done else 0.0
-    out["decode and verify steps replayed from a graph"] = (round(share, 3), ">= 0.95", share >= 0.95)
+            out[f"EAGLE head in the round / plain at {n} stream(s), alpha {alpha}, K {args.k}"] = \
+                _goal(head[n]["speedup"], goal)
+    h1 = head.get(1)
+    if h1 is not None and h1.get("round_graph_ms") and m.get("phases", {}).get("plain_graph_ms"):
+        from gpu_head import expected_tokens
+
+        # the most these rounds can give: tokens a round over the round's graph in plain graphs
+        bound = expected_tokens(alpha, args.k) * m["phases"]["plain_graph_ms"] / h1["round_graph_ms"]
+        out[f"EAGLE head at 1 stream / its bound from the run's phases ({bound:.2f}x)"] = \
+            _goal(h1["speedup"] / bound, ">= 0.85")
+    if h1 is not None:
+        out["EAGLE head's cost a position, ms"] = _goal(h1.get("position_ms"), "<= 0.1")
+        tree = h1.get("tree")
+        if tree:
+            out[f"tree (2 first candidates, beta {tree['beta']}) / chain, tokens a pass at 1 stream "
+                f"(its bound {tree['bound']:.2f})"] = _goal(tree["vs_chain"], ">= 1.2")
+    dr = {r["streams"]: r["rounds"][j] for r in m.get("draft_in_round", {}).get("speed", [])}
+    if 1 in dr:
+        out[f"draft model in the round / plain at 1 stream, alpha {alpha}, K {args.k}"] = _goal(dr[1]["speedup"],
+                                                                                               ">= 1.5")
+    for n in (1, 16):
+        if n in speed and speed[n]["speculative"]:
+            out[f"draft model host-driven / plain at {n} stream(s) (before)"] = \
+                (round(speed[n]["speculative"][j]["speedup"], 2), "(issue 39's arm)", True)
+    rounds = m.get("head", {}).get("counts", {})
+    done = rounds.get("replayed", 0) + rounds.get("eager", 0)
+    out["speculative rounds replayed from graphs (the head's target)"] = _goal(
+        rounds["replayed"] / done if done else None, ">= 0.95")
+    ident = res["identity"].get("rounds")
+    if ident is not None:
+        out["greedy identity, eagle-local rounds (chains, trees) on the demo pair"] = \
+            (sum(len(v["failures"]) for v in ident.values() if isinstance(v, dict)), "0 failures", ident["ok"])
+    for mode, other in res["modes"].items():  # the other arms side by side (the fusions: issue 51 item 7)
+        if mode != args.graphs[0]:
+            for row, first in zip(other["speed"], m["speed"], strict=True):
+                out[f"{mode} / {args.graphs[0]} plain tok/s at {row['streams']} stream(s)"] = \
+                    (round(row["plain"]["tok_s"] / first["plain"]["tok_s"], 3), "(side by side)", True)
     return out
 
 
@@ -548,14 +617,26 @@ def plot(res: dict, path: Path) -> None:
         style = "-" if mode == "auto" else "--"
         streams = [r["streams"] for r in m["speed"]]
         ax.plot(streams, [r["plain"]["tok_s"] for r in m["speed"]], style, marker="o", label=f"plain (graphs {mode})")
-        for j, a in enumerate(res["alphas"]):
+        for j, a in enumerate(res["alphas"] if all(r["speculative"] for r in m["speed"]) else ()):
             ax.plot(streams, [r["speculative"][j]["tok_s"] for r in m["speed"]], style, marker="o",
                     label=f"K={res['k']}, alpha={a} (graphs {mode})")
+        for arm in ("head", "draft_in_round"):  # rounds drafted inside the target's round (ADR 0025)
+            rows = m.get(arm, {}).get("speed", [])
+            if rows:
+                ax.plot([r["streams"] for r in rows], [r["rounds"][0]["tok_s"] for r in rows], ":", marker="s",
+                        label=f"{arm}, alpha={rows[0]['rounds'][0]['alpha']} (graphs {mode})")
     ax.set(xscale="log", xlabel="concurrent sessions", ylabel="tokens/s",
            title=f"gpu-check on {res['device_name']} ({res['dtype']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _save(res: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    modes = {m: {k: v for k, v in r.items() if k != "engines"} for m, r in res.get("modes", {}).items()}
+    done = {**res, "modes": modes}
+    (out / "gpu_check.json").write_text(json.dumps(done, indent=2, default=str))
 
 
 def main(argv=None) -> int:
@@ -577,12 +658,18 @@ def main(argv=None) -> int:
                  or "cpu", "smoke": args.smoke, "k": args.k, "alphas": args.alphas,
                  "exact_batching": args.exact_batching}
     print(f"[gpu-check] {res['device_name']}, {res['dtype']}: greedy identity against transformers", flush=True)
-    res["identity"] = identity(Path(args.models), device, dtype, shape["prompts"], shape["new_tokens"], args.graphs)
+    # (the smoke mode checks the script: the first arm's identity, and rounds on one prompt)
+    res["identity"] = identity(Path(args.models), device, dtype, shape["prompts"], shape["new_tokens"],
+                               args.graphs[:1] if args.smoke else args.graphs, 0 if args.no_head else args.k,
+                               args.dtype, shape["prompts"] // 2 if args.smoke else shape["prompts"])
     print(f"[gpu-check] identity: {res['identity']['tokens_compared']} tokens, largest logit difference "
           f"{res['identity']['largest_logit_difference']:.3f}, near-ties {len(res['identity']['near_ties'])}, "
           f"failures {len(res['identity']['failures'])}; by mode: " + "; ".join(
               f"{m}: {len(o['failures'])} failures of {o['tokens_compared']}, {o.get('steps', '')}"
-              for m, o in res["identity"]["by_mode"].items()), flush=True)
+              for m, o in res["identity"]["by_mode"].items()) + "".join(
+              f"; rounds on the head ({name}): {o['tokens_compared']} tokens, near-ties {len(o['near_ties'])}, "
+              f"failures {len(o['failures'])}" for name, o in res["identity"].get("rounds", {}).items()
+              if isinstance(o, dict)), flush=True)
 
     target_model, draft_model = random_pair(shape, device, dtype)
     res["pair"] = {"target_params": params(target_model), "draft_params": params(draft_model),
@@ -597,6 +684,7 @@ def main(argv=None) -> int:
     res["modes"] = {}
     for mode in args.graphs:
         res["modes"][mode] = measure(args, shape, device, dtype, target_model, draft_model, mode, most)
+        _save(res, Path(args.out))  # (after each arm: a run cut short by its time limit keeps what it measured)
     first = res["modes"][args.graphs[0]]
     res["speed"] = first["speed"]
     if args.profile:
@@ -614,6 +702,9 @@ def main(argv=None) -> int:
     plot(res, out / "gpu_check.png")
     for mode, m in res["modes"].items():
         print(f"## cuda_graphs: {mode}\n" + table(m, args.alphas))
+        if "phases" not in m:  # (an arm measured plain decoding only)
+            print(f"steps: {m['counts']}; lookahead steps: {m['lookahead']}")
+            continue
         tops = {k: m["phases"].pop(k) for k in [k for k in m["phases"] if k.endswith("_top_kernels")]}
         for k, top in tops.items():  # kernel, launches in one replay, device microseconds in all
             print(f"{k} (name, launches, us): " + "; ".join(f"{n} x{c} {us}" for n, c, us in top))
@@ -623,7 +714,7 @@ def main(argv=None) -> int:
               f"{m.get('spec_bound', float('nan')):.2f}x; steps: {m['counts']}; lookahead steps: {m['lookahead']}")
     print(f"transformers at 1 stream: plain {res['hf']['plain_tok_s']:.1f} tok/s, assisted (K={args.k}) "
           f"{res['hf']['assisted_tok_s']:.1f} tok/s")
-    print("targets (issue 39):")
+    print("targets (issue 51):")
     for name, (value, goal, ok) in res["targets"].items():
         print(f"  {'met   ' if ok else 'MISSED'} {name}: {value} (goal {goal})")
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.png'}")

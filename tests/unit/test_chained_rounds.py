@@ -69,24 +69,26 @@ def _target(demo_pair, head: EagleHead, lookahead: bool) -> BatchedTarget:
     return t
 
 
-def _head_row(slot, ids: list[int], k: int, width: int = 1) -> StepRow:
-    row = StepRow.verify(slot, ids, [], None, GREEDY, 0)
+def _head_row(slot, ids: list[int], k: int, width: int = 1, sampling: SamplingParams = GREEDY,
+              seed: int = 0) -> StepRow:
+    row = StepRow.verify(slot, ids, [], None, sampling, seed)
     row.head, row.k = True, k
     if width > 1:
         row.parents = head_tree(width, k)
     return row
 
 
-def _rounds(t: BatchedTarget, prompts: list[list[int]], n: int | list[int], k: int = 4,
-            width: int = 1) -> tuple[list[list[int]], list]:
+def _rounds(t: BatchedTarget, prompts: list[list[int]], n: int | list[int], k: int | list[int] = 4,
+            width: int = 1, sampling: SamplingParams = GREEDY) -> tuple[list[list[int]], list]:
     """Every session's next n tokens (or n[i] for session i), each round drafted on the
-    target's head (a tree of `width` first candidates where > 1); and each round's (drafted,
-    accepted)."""
+    target's head (K = k, or k[i]; a tree of `width` first candidates where > 1; session i
+    sampled with seed 100 + i where `sampling` is); and each round's (drafted, accepted)."""
     ns = n if isinstance(n, list) else [n] * len(prompts)
-    seqs = [[t.open(str(i)), list(p)] for i, p in enumerate(prompts)]
+    ks = k if isinstance(k, list) else [k] * len(prompts)
+    seqs = [[t.open(str(i)), list(p), i] for i, p in enumerate(prompts)]
     rounds = []
     while live := [s for s, p, m in zip(seqs, prompts, ns, strict=True) if len(s[1]) - len(p) < m]:
-        step = Step([_head_row(s[0], s[1], k, width) for s in live])
+        step = Step([_head_row(s[0], s[1], ks[s[2]], width, sampling, 100 + s[2]) for s in live])
         for s, res in zip(live, t.step(step).rows, strict=True):
             assert res.error is None, res.error
             if not res.again:
@@ -101,19 +103,27 @@ def _plain(demo_pair, prompts: list[list[int]], n: int) -> list[list[int]]:
                 for p in prompts]
 
 
-def test_the_head_on_the_device_drafts_what_the_hosts_head_drafts(demo_pair, head, one_thread):
-    t = _target(demo_pair, head, lookahead=False)
-    parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
-    ids, slot, compared = demo_pair.tokenizer.encode(PROMPTS[0]), None, 0
-    slot = t.open("s")
-    for _ in range(9):
-        res = t.step(Step([_head_row(slot, ids, 4)])).rows[0]
+def _drafts_as_on_the_host(t: BatchedTarget, head: EagleHead, parts: TargetParts, slot, ids: list[int], rounds: int,
+                           sampling: SamplingParams = GREEDY, seed: int = 0) -> tuple[list[int], int]:
+    """`rounds` rounds of K 4 on the device's head, each one's drafts checked against the host
+    head's for the same committed prefix; the ids after them and the rounds compared."""
+    compared = 0
+    for _ in range(rounds):
+        res = t.step(Step([_head_row(slot, ids, 4, sampling=sampling, seed=seed)])).rows[0]
         if res.drafted:
             host = EagleSession(head, parts)
             host.add_features(0, parts.features(torch.tensor([ids]))[0][0])
-            assert host.draft(ids, 4, GREEDY, 0)[0] == res.drafted
+            assert host.draft(ids, 4, sampling, seed)[0] == res.drafted
             compared += 1
         ids = ids + res.verdict.tokens
+    return ids, compared
+
+
+def test_the_head_on_the_device_drafts_what_the_hosts_head_drafts(demo_pair, head, one_thread):
+    t = _target(demo_pair, head, lookahead=False)
+    parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
+    slot = t.open("s")
+    ids, compared = _drafts_as_on_the_host(t, head, parts, slot, demo_pair.tokenizer.encode(PROMPTS[0]), 9)
     assert compared == 8  # every round after the prompt's (the head is current from then on)
     trees = 0
     for _ in range(6):  # trees of two first candidates: the host's head's, where it drafts a tree
@@ -164,6 +174,36 @@ def test_rounds_drafted_on_the_device_give_the_targets_greedy_tokens(demo_pair, 
     assert counts["taken"] >= 6 and counts["thrown"] <= 2, counts  # (sessions that end leave the round)
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "coupled"])
+def test_sampled_rounds_chained_on_the_device_equal_host_driven_ones(demo_pair, head, seeded, one_thread):
+    """Sessions at T > 0 drafting on the head inside the round (its draws from its q with the
+    positions' noise), judged inside it (rejection sampling, or the coupled verdict of a seeded
+    row, ADR 0027), mixed K: chained rounds give the host-driven rounds' drafts, verdicts and
+    tokens, round for round. A seeded session's tokens are plain decoding's with its seed."""
+    prompts = [demo_pair.tokenizer.encode(p) for p in PROMPTS]
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, coupled=seeded)
+    sync, rounds = _rounds(_target(demo_pair, head, lookahead=False), prompts, 20, [4, 2, 3], sampling=sampling)
+    chained_target = _target(demo_pair, head, lookahead=True)
+    chained, rounds_chained = _rounds(chained_target, prompts, 20, [4, 2, 3], sampling=sampling)
+    assert chained == sync and rounds_chained == rounds
+    assert sum(a for d, a in rounds if d) >= 8  # the head's sampled drafts are accepted
+    counts = chained_target.rounds.counts
+    assert counts["taken"] >= 6, (counts, chained_target.rounds.thrown_by)
+    if seeded:  # the drafts decide only how many positions a pass settles
+        plain, _ = _rounds(_target(demo_pair, head, lookahead=False), prompts, 20, 0, sampling=sampling)
+        assert sync == plain
+
+
+def test_the_head_on_the_device_draws_what_the_hosts_head_draws(demo_pair, head, one_thread):
+    """At T > 0 the head's drafts are draws from its q with the positions' noise (ADR 0027):
+    on the device, inside the round, the same tokens as the host's head for the same prefix."""
+    t = _target(demo_pair, head, lookahead=False)
+    parts = TargetParts(demo_pair.target, head.cfg.feature_layers)
+    _, compared = _drafts_as_on_the_host(t, head, parts, t.open("s"), demo_pair.tokenizer.encode(PROMPTS[1]), 8,
+                                         SamplingParams(temperature=0.9, top_k=40), seed=7)
+    assert compared == 7
+
+
 def test_sessions_that_end_leave_a_part_of_the_chained_round(demo_pair, head, one_thread):
     """Four sessions (a bucket of 4 rows) ending one after another: while the rest still fill
     the bucket the round launched ahead is taken for them (its ended row runs on, unread),
@@ -190,7 +230,25 @@ class _LateEveryOther(LocalDrafts):
             super()._propose(session_id, local, k, width)
 
 
-def _engine_run(demo_pair, head, lookahead: bool, stop: str) -> tuple[dict, BatchedTarget]:
+def _grammar(demo_pair, demo_pair_dir):
+    """The engine's `constrain` for the demo pair (ADR 0017), and a JSON schema's constraint."""
+    pytest.importorskip("xgrammar")
+    from specserve.structured.constraint import Constraint
+    from specserve.structured.grammar import ConstrainedRow, GrammarCache, tokenizer_info
+
+    vocab = demo_pair.target.config.vocab_size
+    eos = [demo_pair.tokenizer.eos_token_id] if demo_pair.tokenizer.eos_token_id is not None else []
+    cache = GrammarCache(tokenizer_info(str(demo_pair_dir / "target" / "tokenizer.json"), vocab, eos))
+
+    def constrain(c):
+        return ConstrainedRow(cache.compile(c), cache.vocab_size, vocab,
+                              encode=lambda text: demo_pair.tokenizer.encode(text, add_special_tokens=False))
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    return constrain, Constraint.json_schema(schema)
+
+
+def _engine_run(demo_pair, head, lookahead: bool, stop: str, grammar=None) -> tuple[dict, BatchedTarget]:
     t = _target(demo_pair, head, lookahead)
     tok = demo_pair.tokenizer
     eos = frozenset({tok.eos_token_id} if tok.eos_token_id is not None else ())
@@ -198,7 +256,8 @@ def _engine_run(demo_pair, head, lookahead: bool, stop: str) -> tuple[dict, Batc
     loop = EngineLoop(t, lambda p: StopChecker(eos, p.stop, tok.decode),
                       {"eagle": DeviceHeadDrafts(head, TargetParts(demo_pair.target, head.cfg.feature_layers)),
                        "late": _LateEveryOther(t.runner.vocab_size)},
-                      speculation=SpeculationSettings(block_wait_max_s=0.0, gather=False), on_step=steps.append)
+                      speculation=SpeculationSettings(block_wait_max_s=0.0, gather=False), on_step=steps.append,
+                      constrain=grammar[0] if grammar else None)
 
     def plan(n: int, k: int = 4, **kw) -> EnginePlan:
         pool = kw.pop("pool", "eagle")
@@ -216,20 +275,27 @@ def _engine_run(demo_pair, head, lookahead: bool, stop: str) -> tuple[dict, Batc
             loop.cancel("cancel")
         if len(steps) == 14:  # its block late every other round
             loop.add("late", p[0], plan(24, pool="late"))
-        if len(steps) == 22:  # a sampled session joins: it drafts on the host's head
+        if len(steps) == 22:  # a sampled session joins: it drafts on the device's head too
             loop.add("sampled", p[2], plan(8, sampling=SamplingParams(temperature=0.8)))
+        if len(steps) == 30 and grammar:  # a session whose grammar forces its tokens joins (host-judged rows)
+            loop.add("json", p[1], EnginePlan(GenerationParams(max_tokens=12, num_draft_tokens=4, seed=3),
+                                              pool="eagle", constraint=grammar[1]))
     ended = loop.ended
     return {sid: (ended[sid].generated, ended[sid].finish_reason) for sid in ended}, t
 
 
-def test_chained_rounds_through_the_engine_equal_host_driven_rounds(demo_pair, head, one_thread):
-    """Every way a round launched ahead is thrown away happens here, and the tokens are
-    the host-driven rounds' (and the target's own greedy tokens)."""
+def test_chained_rounds_through_the_engine_equal_host_driven_rounds(demo_pair, demo_pair_dir, head, one_thread):
+    """Every way a round launched ahead is thrown away happens here (a session's budget and
+    a stop string inside a round, a cancel, a late block, sampled sessions and a session under
+    a grammar joining), and the tokens are the host-driven rounds' (and the target's own
+    greedy tokens)."""
     tok = demo_pair.tokenizer
     plain = _plain(demo_pair, [tok.encode(PROMPTS[1])], 40)[0]
     stop = tok.decode(plain[14:17])  # inside the 4th or 5th round of 4 drafts
-    sync, _ = _engine_run(demo_pair, head, False, stop)
-    chained, t = _engine_run(demo_pair, head, True, stop)
+    grammar = _grammar(demo_pair, demo_pair_dir)
+    sync, _ = _engine_run(demo_pair, head, False, stop, grammar)
+    chained, t = _engine_run(demo_pair, head, True, stop, grammar)
+    assert chained["json"] == sync["json"] and tok.decode(sync["json"][0]).lstrip().startswith("{")
     assert chained["budget"] == sync["budget"] and len(sync["budget"][0]) == 21
     assert chained["stop"] == sync["stop"] and sync["stop"][1] == "stop"
     assert chained["late"] == sync["late"] and chained["plain"] == sync["plain"]
@@ -278,6 +344,25 @@ def _fake_head_runner(arch: str, monkeypatch) -> tuple[ModelRunner, EagleHead]:
     return runner, head
 
 
+def audited_rounds(runner: ModelRunner, drafter, b: Bucket, k: int, host_copies, w: int = 1) -> list[OpTrace]:
+    """Three chained rounds of the prepared bucket, each from the verdicts the round before left
+    on the device, recorded: they pass the graph-safety audit (the weights, the KV and the step's
+    and drafter's buffers read, nothing else) and copy nothing from or to the host."""
+    ds = runner.device_step
+    host_copies.copies.clear()
+    host_copies.blocking_in.clear()
+    traces = []
+    for _ in range(3):
+        with OpTrace() as t:
+            drafter.run_chained(b, k, w)
+        traces.append(t)
+    allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
+                       ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, drafter.__dict__)
+    assert audit_runs(traces, allowed) == []
+    assert host_copies.copies == [] and host_copies.blocking_in == []
+    return traces
+
+
 def _head_rows(runner: ModelRunner) -> list[Row]:
     """A prepared round of three head rows (K 4, 2, 3) over sessions of different lengths."""
     for s, n in (("a", 5), ("b", 11), ("c", 17)):
@@ -298,17 +383,7 @@ def test_a_chained_round_is_graph_safe_on_a_fake_cuda_device(arch, monkeypatch):
         b = ds.bucket_for(rows, starts)
         ds.prepare(rows, [runner.kv.slot(r.session) for r in rows], starts, b)
         assert b == Bucket(4, 5, 64)
-        host_copies.copies.clear()
-        host_copies.blocking_in.clear()
-        traces = []
-        for _ in range(3):  # three rounds, each from the verdicts the round before left on the device
-            with OpTrace() as t:
-                head.run_chained(b, 4)
-            traces.append(t)
-        allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
-                           ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, head.__dict__)
-        assert audit_runs(traces, allowed) == []
-        assert host_copies.copies == [] and host_copies.blocking_in == []
+        traces = audited_rounds(runner, head, b, 4, host_copies)
         n = len(traces[0].ops)
         with OpTrace() as plain:
             ds.run(b)
@@ -332,16 +407,7 @@ def test_a_chained_round_of_trees_is_graph_safe_on_a_fake_cuda_device(arch, monk
         b = ds.bucket_for(rows, starts)
         ds.prepare(rows, [runner.kv.slot(r.session) for r in rows], starts, b, masks=[tree.mask, None],
                    depths=[tree.depths, None])
-        host_copies.copies.clear()
-        traces = []
-        for _ in range(3):
-            with OpTrace() as t:
-                head.run_chained(b, 2, 2)
-            traces.append(t)
-        allowed = storages(runner.w, runner.kv.keys, runner.kv.values, ds.ints, ds.keys_at, ds.causal, ds.within,
-                           ds.logits, ds.verdicts, ds.picks, ds.heads, ds.features, head.__dict__)
-        assert audit_runs(traces, allowed) == []
-        assert host_copies.copies == []
+        audited_rounds(runner, head, b, 2, host_copies, w=2)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

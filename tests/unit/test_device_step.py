@@ -330,13 +330,31 @@ def _first_token_counts(engine: BatchedTarget, ids: list[int], sampling: Samplin
     return counts
 
 
+def pooled_chi2(counts: np.ndarray, p: np.ndarray) -> tuple[float, float]:
+    """Chi-squared of draws `counts` against p, the tail pooled into bins of expected count
+    >= 5 (likeliest first), and its 0.999 quantile."""
+    from scipy.stats import chi2
+
+    exp, obs = [], []
+    acc_e = acc_o = 0.0
+    for t in np.argsort(-p):
+        acc_e += p[t] * counts.sum()
+        acc_o += counts[t]
+        if acc_e >= 5:
+            exp.append(acc_e)
+            obs.append(acc_o)
+            acc_e = acc_o = 0.0
+    exp[-1] += acc_e
+    obs[-1] += acc_o
+    return float(sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))), float(chi2.ppf(0.999, len(exp) - 1))
+
+
 def test_sampled_rows_through_the_device_step_follow_the_targets_distribution(demo_pair, one_thread):
     """Chi-squared at the first position, 2000 draws (4 rows a step): the device step's
     sampled rows against the target's own softmax(logits / T) from HF, pooled to bins of
     expected count >= 5. Threshold: the 0.999 quantile of chi-squared (p < 0.001 fails),
     with the seeds fixed. The control, the same draws against the distribution at another
     temperature, must fail."""
-    from scipy.stats import chi2
 
     sampling = SamplingParams(temperature=1.3)
     ids = demo_pair.tokenizer.encode("def add(a, b):\n    return")
@@ -348,21 +366,7 @@ def test_sampled_rows_through_the_device_step_follow_the_targets_distribution(de
         logits = demo_pair.target(input_ids=torch.tensor([ids])).logits[0, -1].double()
 
     def statistic(temperature: float) -> tuple[float, float]:
-        p = torch.softmax(logits / temperature, -1).numpy()
-        order = np.argsort(-p)
-        exp, obs = [], []
-        acc_e = acc_o = 0.0
-        for t in order:  # pool the tail into bins of expected count >= 5
-            acc_e += p[t] * counts.sum()
-            acc_o += counts[t]
-            if acc_e >= 5:
-                exp.append(acc_e)
-                obs.append(acc_o)
-                acc_e = acc_o = 0.0
-        exp[-1] += acc_e
-        obs[-1] += acc_o
-        stat = float(sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True)))
-        return stat, float(chi2.ppf(0.999, len(exp) - 1))
+        return pooled_chi2(counts, torch.softmax(logits / temperature, -1).numpy())
 
     stat, limit = statistic(1.3)
     assert stat < limit, (stat, limit)
@@ -508,6 +512,19 @@ def test_the_workers_count_how_their_device_steps_ran():
     assert m.registry.get_sample_value("specserve_target_cuda_graphs") == 0.0
 
 
+def _three_forwards(model, compile: bool | str, fuse: bool = False) -> list[torch.Tensor]:
+    """The logits of three steps of two sessions (each step reads the KV the one before wrote)
+    through a device step compiled so (and fused so)."""
+    runner = ModelRunner.from_hf(model, max_sessions=4, max_len=64, tile=None, fuse_upto=0)
+    runner.enable_device_step(max_rows=4, compile=compile, fuse=fuse)
+    for s in "ab":
+        runner.allocate(s)
+    got = [runner.forward([Row("a", [5, 6, 7]), Row("b", [8, 9])]),
+           runner.forward([Row("a", [10, 11, 12, 13]), Row("b", [14])]),
+           runner.forward([Row("b", [15, 16]), Row("a", [17])])]
+    return [lg.clone() for step in got for lg in step]
+
+
 def test_the_compiled_pieces_compute_what_the_plain_ones_do(one_thread, monkeypatch):
     """compile_step "pieces" and "layer" (ADR 0019: off on the CPU, measured on a GPU): a
     layer's two pieces around attention, or the whole layer with its KV scatter and attention,
@@ -516,16 +533,7 @@ def test_the_compiled_pieces_compute_what_the_plain_ones_do(one_thread, monkeypa
     KV (the next steps read it)."""
     monkeypatch.setenv("SPECSERVE_ONEDNN_LINEAR", "0")  # (oneDNN's packed GEMM does not compile)
     model = RANDOM_MODELS["qwen3"]()
-    runs = []
-    for compile in (False, "pieces", "layer"):
-        runner = ModelRunner.from_hf(model, max_sessions=4, max_len=64, tile=None, fuse_upto=0)
-        runner.enable_device_step(max_rows=4, compile=compile)
-        for s in "ab":
-            runner.allocate(s)
-        got = [runner.forward([Row("a", [5, 6, 7]), Row("b", [8, 9])]),
-               runner.forward([Row("a", [10, 11, 12, 13]), Row("b", [14])]),
-               runner.forward([Row("b", [15, 16]), Row("a", [17])])]
-        runs.append([lg.clone() for step in got for lg in step])
+    runs = [_three_forwards(model, compile) for compile in (False, "pieces", "layer")]
     for plain, pieces, layer in zip(*runs, strict=True):
         for compiled in (pieces, layer):
             assert torch.allclose(plain, compiled, atol=1e-5), (plain - compiled).abs().max()
@@ -555,3 +563,43 @@ def test_the_audit_names_the_ops_that_synchronise_on_cuda():
             x.index_select(0, idx)
             x[idx]
         assert audit_runs([t], set(storages(x, m, idx))) == []
+
+
+def test_the_fused_layers_compute_what_the_layers_do(one_thread, monkeypatch):
+    """issue 51 item 7 (models/step_fusion.py): each layer's program ending with the next
+    layer's norm gives, uncompiled, bitwise the logits of the layers as they are (the same ops
+    in the same order) and the same KV (the next steps read it); compiled whole ("layer"),
+    within float32 rounding of them."""
+    monkeypatch.setenv("SPECSERVE_ONEDNN_LINEAR", "0")  # (oneDNN's packed GEMM does not compile)
+    model = RANDOM_MODELS["qwen3"]()
+    runs = [_three_forwards(model, compile, fuse) for compile, fuse in ((False, False), (False, True), ("layer", True))]
+    for plain, fused, compiled in zip(*runs, strict=True):
+        assert torch.equal(plain, fused)
+        assert torch.allclose(plain, compiled, atol=1e-5), (plain - compiled).abs().max()
+
+
+def test_the_fused_layers_keep_the_targets_greedy_tokens_and_are_graph_safe(demo_pair, monkeypatch, one_thread):
+    """The demo target's greedy tokens through the fused step equal the step's as it is (and
+    HF's); on the fake CUDA device the fused run is graph-safe over three steps of a bucket."""
+    ids = demo_pair.tokenizer.encode("def parse(self, text):\n")
+    out = {}
+    for fuse in (False, True):
+        t = BatchedTarget(TargetModel(demo_pair.target), Batching(max_sessions=4, max_len=128, tile=None, fuse_upto=0,
+                                                                  fixed_step=True, fuse_step=fuse))
+        assert (t.runner.device_step._fused is not None) == fuse
+        h, seq = t.open("s"), list(ids)
+        for _ in range(16):
+            seq += t.step(Step([StepRow.verify(h, seq, [], None, SamplingParams(), 0)])).rows[0].verdict.tokens
+        out[fuse] = seq[len(ids):]
+    with torch.inference_mode():
+        want = demo_pair.target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+    assert out[True] == out[False] == want.tolist()
+    with fake_cuda():
+        runner = _fake_runner("qwen3", monkeypatch)
+        ds = runner.enable_device_step(max_rows=4, graphs=False, fuse=True)
+        traces = _record_runs(ds)
+        steps = _three_steps(runner)
+        traces.clear()
+        for rows in steps:
+            runner.forward(rows)
+        assert audit_runs(traces, _step_buffers(ds)) == []

@@ -190,7 +190,7 @@ def test_with_cuda_graphs_on_the_prefill_is_one_batched_forward(monkeypatch):
     asked = []
 
     class NoCapture:  # (this build cannot capture a CUDA graph: the step's own tests audit it)
-        def startup_buckets(self):
+        def startup_buckets(self, *widths):
             return []
 
         def capture(self, buckets, budget_s):

@@ -79,29 +79,39 @@ class _OnDevice:
 
     def __init__(self, session: EngineSession) -> None:
         self.prefix = CommittedPrefix(session.committed.ids)
+        self.greedy = session.plan.params.sampling.greedy  # (a sampled session's drafts there are chains)
 
 
-class DeviceHeadDrafts(EagleLocalDrafts):
-    """`eagle-local` where the target runs the head inside its device step (ADR 0025,
-    `BatchedTarget.enable_head`): a session whose rows the device step judges (greedy, no
-    banned tokens, no constraint) drafts there, inside the round that verifies the drafts;
-    its block here is K placeholders (`DraftBlock.on_device`), delivered at once. Other
-    sessions draft on the host's head as `EagleLocalDrafts` does, from the features."""
+class OnDeviceSessions:
+    """A source whose sessions draft inside the target's device step where it judges their rows
+    (ADR 0025: no banned tokens, no constraint; greedy or sampled): such a session's block is
+    placeholders the round fills (`_propose`); the others open as the source's base class does."""
+
+    sessions: dict[str, Any]
 
     @staticmethod
     def on_device(session: EngineSession) -> bool:
         sampling = session.plan.params.sampling
-        return sampling.greedy and not sampling.banned_token_ids and session.plan.constraint is None
-
-    def features_for(self, session: EngineSession) -> bool:
-        return not self.on_device(session)
+        return not sampling.banned_token_ids and session.plan.constraint is None
 
     def open(self, session: EngineSession) -> None:
         if not self.on_device(session):
-            super().open(session)
+            super().open(session)  # type: ignore[misc]
             return
-        local = self.sessions[session.id] = _OnDevice(session)  # type: ignore[assignment]
-        self._propose(session.id, local, session.k_next)  # type: ignore[arg-type]
+        local = self.sessions[session.id] = _OnDevice(session)
+        self._propose(session.id, local, session.k_next)  # type: ignore[attr-defined]
+
+
+class DeviceHeadDrafts(OnDeviceSessions, EagleLocalDrafts):
+    """`eagle-local` where the target runs the head inside its device step (ADR 0025,
+    `BatchedTarget.enable_head`): a session whose rows the device step judges (greedy, no
+    banned tokens, no constraint) drafts there, inside the round that verifies the drafts;
+    its block here is K placeholders (`DraftBlock.on_device`), delivered at once. Other
+    sessions draft on the host's head as `EagleLocalDrafts` does, from the features. A sampled
+    session's rounds there are chains (trees on the device are greedy)."""
+
+    def features_for(self, session: EngineSession) -> bool:
+        return not self.on_device(session)
 
     def _propose(self, session_id: str, s: Any, k: int, width: int = 1) -> None:
         if not isinstance(s, _OnDevice):
@@ -110,6 +120,6 @@ class DeviceHeadDrafts(EagleLocalDrafts):
         if k <= 0 or self.deliver is None:
             return
         n = len(s.prefix)  # a tree where the engine offers one: the head's one shape (step.head_tree)
-        parents = tuple(head_tree(width, k)) if width > 1 else None
-        self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), (0,) * (k * width), parents=parents,
-                                on_device=True))
+        parents = tuple(head_tree(width, k)) if width > 1 and s.greedy else None
+        nodes = k * (width if parents else 1)
+        self.deliver(DraftBlock(session_id, n, s.prefix.hash_at(n), (0,) * nodes, parents=parents, on_device=True))

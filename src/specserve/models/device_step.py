@@ -32,7 +32,7 @@ device, and the exactness checks against the eager forward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +41,14 @@ from specserve.algorithm.rejection import greedy_judge
 from specserve.algorithm.sampling import draft_heads
 from specserve.device import to_device
 from specserve.models.step_buckets import Bucket, bucket_ladders, round_up
+from specserve.models.step_fusion import fused_layer, fused_layers
 from specserve.models.step_graphs import StepCounts, StepGraphs
 from specserve.models.step_inputs import StepInputs
+from specserve.models.step_judge import NO_SAMPLING, SampledFlags, flags_of, judge_sampled
 
 if TYPE_CHECKING:
     from specserve.drafters.eagle import EagleHead
-    from specserve.models.head_step import DeviceHead
+    from specserve.models.round_drafter import RoundDrafter
     from specserve.models.runner import ModelRunner, Row
 
 # a projection: F.linear, or the oneDNN-packed one (models/runner.py: onednn_linear)
@@ -56,15 +58,16 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]  # a tensor-parallel group's all
 SCRATCH = "\0device-step-scratch"
 
 
-def attention_in(h: torch.Tensor, norm: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
+def attention_in(h: torch.Tensor, norm: torch.Tensor | None, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  eps: float, hq: int, hkv: int, d: int, linear: Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer up to attention: h [T, H] -> q and k stacked, RoPE applied [T, Hq + Hkv, D],
     and v [T, Hkv, D]. The same ops as the eager forward's `_qkv` (q and k rotated in one
-    pass: elementwise, the same values as apart)."""
+    pass: elementwise, the same values as apart). `norm` None: h is normed already (the
+    layer before normed it, models/step_fusion.py)."""
     from specserve.models.runner import rms_norm, rotate
 
-    x = rms_norm(h, norm, eps)
+    x = h if norm is None else rms_norm(h, norm, eps)
     qkv = linear(x, wqkv, bqkv).view(h.shape[0], hq + 2 * hkv, d)
     if q_norm is not None and k_norm is not None:
         qk = torch.cat([rms_norm(qkv[:, :hq], q_norm, eps), rms_norm(qkv[:, hq:hq + hkv], k_norm, eps)], 1)
@@ -88,6 +91,14 @@ def attention_out(h: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, bo: torch.
     gate, up = linear(rms_norm(h, norm, eps), w_gate_up, None).chunk(2, dim=-1)
     out: torch.Tensor = h + summed(linear(F.silu(gate) * up, w_down, None))
     return out
+
+
+def startup_widths(max_k: int, tree_width: int, max_width: int) -> list[int]:
+    """The row widths start-up captures (issue 51 item 6): plain rows, verify rows of each
+    K <= max_k, trees of w first candidates with chains of K (1 + w K), within `max_width`."""
+    chains = [1 + k for k in range(max_k + 1)]
+    trees = [1 + w * k for w in range(2, tree_width + 1) for k in range(1, max_k + 1)]
+    return sorted({x for x in chains + trees if x <= max_width})
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rslot: torch.Tensor,
@@ -131,11 +142,12 @@ class DeviceStep:
     graphs (`StepGraphs`)."""
 
     def __init__(self, runner: ModelRunner, max_rows: int, max_width: int = 16, graphs: bool = False,
-                 max_graphs: int = 512, compile: bool | str = False, heads: bool = False) -> None:
+                 max_graphs: int = 2048, compile: bool | str = False, heads: bool = False, fuse: bool = False) -> None:
         """`compile`: False; True or "whole" (torch.compile the whole run, dynamic shapes);
         "pieces" (compile a layer's two pieces around attention, `attention_in` and
         `attention_out`: one program serves every layer and bucket); or "layer" (compile
-        `layer_forward`, a whole layer with its KV scatter and attention: one program too)."""
+        `layer_forward`, a whole layer with its KV scatter and attention: one program too).
+        `fuse`: each layer's program ends with the next layer's norm (models/step_fusion.py)."""
         self.r = runner
         self.device = runner.device
         # compiled (torch.compile, dynamic shapes): no bucket of 1 row or 1 token, so one compiled
@@ -171,23 +183,27 @@ class DeviceStep:
         self._run = self.run
         self._pre, self._post = attention_in, attention_out
         self._layer: Callable[..., torch.Tensor] | None = None
+        self._fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = fused_layer if fuse else None
         if compile:
             self._compile(compile)
         if runner.feature_layers:
             self.keep_features()
         self.last: Bucket | None = None
-        # the target's own EAGLE head, run inside the step's rounds (ADR 0025; `enable_head`)
-        self.head: DeviceHead | None = None
+        # the drafter run inside the step's rounds: the target's own EAGLE head or a draft model
+        # (ADR 0025; `enable_head`)
+        self.head: RoundDrafter | None = None
         # the prepared step: (the most drafts a row asks of the head, any row feeds it, its widest tree)
         self._head_rows = (0, False, 1)
+        self.sampled: SampledFlags = NO_SAMPLING  # what its rows at T > 0 need (models/step_judge.py)
 
-    def enable_head(self, head: EagleHead) -> DeviceHead:
-        """Run `head` inside this step's rounds (models/head_step.py); the runner keeps the
-        head's feature layers. Graphs captured before are dropped (the features change them)."""
-        from specserve.models.head_step import DeviceHead
+    def enable_head(self, drafter: EagleHead | Any) -> RoundDrafter:
+        """Run a drafter inside this step's rounds (ADR 0025): the target's own EAGLE head
+        (models/head_step.py; the runner keeps the head's feature layers, and graphs captured
+        before are dropped: the features change them), or a draft model with the target's
+        vocabulary (an HF model the runner supports: models/draft_step.py)."""
+        from specserve.models.round_drafter import drafter_for
 
-        self.r.keep_features(head.cfg.feature_layers)
-        self.head = DeviceHead(self, head)
+        self.head = drafter_for(self, drafter)
         return self.head
 
     def _compile(self, how: bool | str) -> None:
@@ -201,6 +217,8 @@ class DeviceStep:
             self._post = torch.compile(attention_out, dynamic=True)
         elif how == "layer":  # a whole layer, KV scatter and attention in: one program for every layer
             self._layer = torch.compile(layer_forward, dynamic=True)
+            if self._fused is not None:  # (and the next layer's norm)
+                self._fused = torch.compile(fused_layer, dynamic=True)
         else:
             self._run = torch.compile(self.run, dynamic=True)
 
@@ -258,6 +276,9 @@ class DeviceStep:
         self.inputs.write(rows, slots, starts, b, depths, chain)
         self._head_rows = (max((r.head or 0 for r in rows), default=0), any(r.head is not None for r in rows),
                            max((r.head_width for r in rows if r.head), default=1))
+        self.sampled = flags_of([r.sampling for r in rows], self.r.vocab_size)
+        if self.sampled.any and self.head is not None and self._head_rows[0]:
+            self.head.keep_q()  # (its sampled drafts' q, for the judge: allocated once)
         self._set_block_masks(masks)
         self.last = b
 
@@ -292,30 +313,39 @@ class DeviceStep:
         width = w.embed.shape[1]
         rslot = self.field("rslot", b.rows)
         tp = None if self.r.tp.size == 1 else self.r.tp.reduce  # (ADR 0030: a rank's all-reduce)
-        for li, layer in enumerate(w.layers):
-            if self._layer is not None:
-                h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
-                                layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
-                                self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear, tp)
-            else:
-                qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
-                                  w.eps, hq, hkv, d, linear)
-                self.r.kv.write(li, wslot, at, qk[:, hq:], v)
-                o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
-                h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
-                               linear, tp)
-            if li in kept:
-                j = kept.index(li)
-                self.features[:t, j * width:(j + 1) * width].copy_(h)
+        if self._fused is not None:  # each layer ends with the next one's norm (models/step_fusion.py)
+            x = fused_layers(self, self._fused, h, wslot, at, rslot, mask, cos, sin, tp)
+        else:
+            for li, layer in enumerate(w.layers):
+                if self._layer is not None:
+                    h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
+                                    layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
+                                    self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear,
+                                    tp)
+                else:
+                    qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos,
+                                      sin, w.eps, hq, hkv, d, linear)
+                    self.r.kv.write(li, wslot, at, qk[:, hq:], v)
+                    o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
+                    h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
+                                   linear, tp)
+                if li in kept:
+                    j = kept.index(li)
+                    self.features[:t, j * width:(j + 1) * width].copy_(h)
+            x = rms_norm(h, w.norm, w.eps)
         logits = self.logits[:t]
-        logits.copy_(self.r.tp.gather(linear(rms_norm(h, w.norm, w.eps), w.lm_head, None)))
+        logits.copy_(self.r.tp.gather(linear(x, w.lm_head, None)))
         jpos = self.field("jpos", t).view(b.rows, b.width)
         top = logits.argmax(-1)  # the first index on ties, as greedy_tokens
-        judged = greedy_judge(top.index_select(0, jpos.reshape(-1)).view(b.rows, b.width),
-                              ids.index_select(0, jpos[:, 1:].reshape(-1)).view(b.rows, b.width - 1),
+        judged_drafts = ids.index_select(0, jpos[:, 1:].reshape(-1)).view(b.rows, b.width - 1)
+        judged = greedy_judge(top.index_select(0, jpos.reshape(-1)).view(b.rows, b.width), judged_drafts,
                               self.field("ndraft", b.rows))
         self.verdicts[:b.rows].copy_(judged.packed())
         self.picks[:b.rows].copy_(judged.final)
+        if self.sampled.any:  # rows at T > 0, judged here too (models/step_judge.py)
+            q = self.head.q_of(b, judged_drafts) if self.head is not None and self._head_rows[0] else None
+            judge_sampled(self, b, logits.index_select(0, jpos.reshape(-1)).view(b.rows, b.width, -1), judged_drafts,
+                          self.field("ndraft", b.rows), q)
         if self.with_heads:
             last = logits.index_select(0, jpos[:, -1])  # [R, V]: a draft row's one logit position
             self.heads[:b.rows].copy_(draft_heads(last, judged.final, torch.softmax(last, -1)))
@@ -369,9 +399,12 @@ class DeviceStep:
     def launch(self, b: Bucket) -> None:
         """Run the prepared bucket: its graph's replay where graphs are on (captured now if
         this is the bucket's first step), else `run` eagerly. A step with rows of sessions
-        that draft on the target's own head runs as its round (`DeviceHead.launch`)."""
+        that draft on the target's own head runs as its round (`RoundDrafter.launch`)."""
         if self.head is not None and self._head_rows[1]:
             self.head.launch(b, self._head_rows[0], self._head_rows[2])
+            return
+        if self.sampled.any:  # (a graph per bucket and what its sampled rows need)
+            self.step_graphs.launch_variant(("sampled", *self.sampled.key()), b, lambda: self._run(b))
             return
         self.step_graphs.launch(b, lambda: self._run(b))
 
@@ -391,10 +424,11 @@ class DeviceStep:
         The rest are captured when a step first needs them."""
         return self.step_graphs.capture(buckets, budget_s, self.dummy, lambda b: self._run(b))
 
-    def startup_buckets(self) -> list[Bucket]:
-        """What start-up captures: every row count, plain and verify rows of K <= 4 (the
-        policies' default K), spans up to 1024 positions."""
-        return self.buckets(range(1, 6), 1024)
+    def startup_buckets(self, max_k: int = 4, tree_width: int = 1) -> list[Bucket]:
+        """What start-up captures: every row count, plain and verify rows of K <= max_k (the
+        engine's K range: a K chosen per step then meets a graph captured already), token
+        trees of up to `tree_width` first candidates (1 + w K tokens), spans up to 1024."""
+        return self.buckets(startup_widths(max_k, tree_width, self.max_width), 1024)
 
     def buckets(self, widths: Sequence[int], max_span: int | None = None) -> list[Bucket]:
         """Every (rows, width, span) bucket for these widths, spans up to `max_span`."""

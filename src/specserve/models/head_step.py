@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.device import to_device
+from specserve.models.round_drafter import RoundDrafter
 
 if TYPE_CHECKING:
     from specserve.drafters.eagle import EagleHead
@@ -40,9 +41,13 @@ if TYPE_CHECKING:
     from specserve.models.step_buckets import Bucket
 
 
-class DeviceHead:
+class DeviceHead(RoundDrafter):
     """An `EagleHead`'s weights and per-slot state on a device step's device (its dtype), and
-    its two parts of a round (`chain`, `feed`) as tensor functions of the step's buffers."""
+    its parts of a round (a chain position, `feed`) as tensor functions of the step's buffers
+    (the round's mechanics: `RoundDrafter`)."""
+
+    trees = True  # (models/head_trees.py)
+    uses_features = True
 
     def __init__(self, ds: DeviceStep, head: EagleHead) -> None:
         r = ds.r
@@ -53,7 +58,6 @@ class DeviceHead:
         if any(not 0 <= i < len(r.w.layers) for i in cfg.feature_layers):
             raise ValueError(f"the head's feature layers {cfg.feature_layers} are outside the target's "
                              f"{len(r.w.layers)} layers")
-        self.ds = ds
         dev, dt = ds.device, r.w.embed.dtype
         sd = {k: v.detach() for k, v in head.state_dict().items()}
 
@@ -65,7 +69,8 @@ class DeviceHead:
         self.attn_norm, self.mlp_norm = put(sd["attn_norm"]), put(sd["mlp_norm"])
         self.wqkv = put(torch.cat([sd["wq.weight"], sd["wk.weight"], sd["wv.weight"]]))
         self.wo, self.w_gate_up, self.w_down = put(sd["wo.weight"]), put(sd["gate_up.weight"]), put(sd["down.weight"])
-        self.hq, self.hkv, self.d, self.eps = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps
+        super().__init__(ds, cfg.hidden, cfg.heads, cfg.kv_heads, dt)
+        self.d, self.eps = cfg.head_dim, cfg.eps
         self.feature_layers = tuple(cfg.feature_layers)
         max_len, slots = r.kv.max_len, r.kv.num_slots
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=dev)
@@ -76,12 +81,6 @@ class DeviceHead:
         self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(dt)
         self.keys = torch.zeros(slots, self.hkv, max_len, self.d, dtype=dt, device=dev)
         self.values = torch.zeros_like(self.keys)
-        self.m = ds.max_width + 1
-        self.hlast = torch.zeros(slots, self.m, cfg.hidden, dtype=dt, device=dev)
-        self.drafts = torch.zeros(ds.max_rows, max(ds.max_width - 1, 1), dtype=torch.long, device=dev)
-        self.lanes = torch.arange(ds.max_width, dtype=torch.long, device=dev)
-        self.rows_at = torch.arange(ds.max_rows, dtype=torch.long, device=dev)
-        self.path = torch.zeros(ds.max_rows, ds.max_width, dtype=torch.long, device=dev)  # a tree's accepted lanes
 
     # ---- the head's layer over [R, W] queries -------------------------------------------------
 
@@ -91,22 +90,13 @@ class DeviceHead:
         query sees its slot's keys at positions <= its own (its row's earlier lanes included:
         their keys are written first). Keys and values go to (wslot, pos) ([R, W]; positions
         past the slot clamped, the caller routes them to the scratch slot)."""
-        from specserve.models.device_step import layer_forward
-
-        r, w = pos.shape
-        at = pos.clamp(max=self.keys.shape[2] - 1).reshape(-1)
+        at = pos.clamp(max=self.max_len - 1).reshape(-1)
         cos, sin = self.cos.index_select(0, at).unsqueeze(1), self.sin.index_select(0, at).unsqueeze(1)
-        return layer_forward(x, self.attn_norm, self.wqkv, None, None, None, self.wo, None, self.mlp_norm,
-                             self.w_gate_up, self.w_down, self.keys, self.values, wslot.reshape(-1), at, rslot,
-                             self._mask(pos, span), cos, sin, self.eps, self.hq, self.hkv, self.d, F.linear)
-
-    def _mask(self, pos: torch.Tensor, span: int) -> torch.Tensor:
-        """[R, 1, G W, S] additive: query (r, j) sees key positions <= pos[r, j]."""
-        r, w = pos.shape
-        g = self.hq // self.hkv
-        seen = self.ds.keys_at[:span].view(1, 1, span) <= pos.unsqueeze(2)  # [R, W, S]
-        add = torch.zeros(r, w, span, dtype=self.keys.dtype, device=pos.device).masked_fill_(~seen, float("-inf"))
-        return add.unsqueeze(1).expand(r, g, w, span).reshape(r, 1, g * w, span)
+        out: torch.Tensor = self.layer_fn(x, self.attn_norm, self.wqkv, None, None, None, self.wo, None,
+                                          self.mlp_norm, self.w_gate_up, self.w_down, self.keys, self.values,
+                                          wslot.reshape(-1), at, rslot, self._mask(pos, span), cos, sin, self.eps,
+                                          self.hq, self.hkv, self.d, F.linear)
+        return out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The target's logits from predicted features [R, H] (its final norm, its LM head)."""
@@ -116,9 +106,10 @@ class DeviceHead:
         out: torch.Tensor = r.tp.gather(r.linear(rms_norm(x, r.w.norm, r.w.eps), r.w.lm_head, None))
         return out
 
-    def _pick(self, x: torch.Tensor) -> torch.Tensor:
-        """The target's greedy token from predicted features [R, H]."""
-        return self.logits(x).argmax(-1)
+    def _position(self, tok: torch.Tensor, x: torch.Tensor, p: torch.Tensor, wslot: torch.Tensor,
+                  rslot: torch.Tensor, span: int) -> torch.Tensor:
+        """A chain position: the head over fc([embed(tok); x]) at p (its keys to wslot)."""
+        return self._layer(self._input(tok, x), p.view(-1, 1), wslot, rslot, span)
 
     def _input(self, tokens: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """fc([embed(tokens); inputs]): the head's layer input [n, H]."""
@@ -127,34 +118,6 @@ class DeviceHead:
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         """The target's features [n, F] -> the head's input width (fused layers reduced)."""
         return feats if self.reduce is None else F.linear(feats, self.reduce)
-
-    # ---- a round's two parts (tensor functions of the step's buffers) -------------------------
-
-    def chain(self, b: Bucket, k: int) -> None:
-        """The round's drafts, written into the step's token ids: row i's lanes 1..hdraft[i]
-        (the rest keep what the host put there), k the most a row asks for. The first draft
-        from `hlast` at position start - 1 (the committed length - 2), then one head position
-        a further draft, each fed its own prediction and pick."""
-        ds, r, w = self.ds, b.rows, b.width
-        if w < 2 or k < 1:
-            return
-        rslot, start, hdraft = ds.field("rslot", r), ds.field("start", r), ds.field("hdraft", r)
-        max_len = self.keys.shape[2]
-        h = self.hlast.shape[2]
-        x = self.hlast.view(-1, h).index_select(0, rslot * self.m + (start - 1).remainder(self.m))
-        tok = self._pick(x)
-        self.drafts[:r, 0].copy_(tok)
-        scratch = torch.full_like(rslot, ds.scratch)
-        for s in range(1, min(k, w - 1)):
-            p = start + (s - 1)  # the head position whose output gives draft s + 1
-            live = (hdraft > s) & (p < max_len)
-            wslot = torch.where(live, rslot, scratch).view(r, 1)
-            x = self._layer(self._input(tok, x), p.view(r, 1), wslot, rslot, b.span)
-            tok = self._pick(x)
-            self.drafts[:r, s].copy_(tok)
-        ids = ds.field("ids", b.tokens).view(r, w)
-        take = self.lanes[1:w].view(1, w - 1) <= hdraft.view(r, 1)
-        ids[:, 1:].copy_(torch.where(take, self.drafts[:r, :w - 1], ids[:, 1:]))
 
     def feed(self, b: Bucket, src: torch.Tensor | None = None) -> None:
         """The head over each feeding row's committed positions of this step ([start, start +
@@ -165,8 +128,7 @@ class DeviceHead:
         ds, r, w = self.ds, b.rows, b.width
         rslot, start, hfeed = ds.field("rslot", r), ds.field("start", r), ds.field("hfeed", r)
         ids = ds.field("ids", b.tokens).view(r, w)
-        jfirst = ds.field("jpos", b.tokens).view(r, w)[:, 0] - self.rows_at[:r] * w  # a row's first judged lane
-        lstar = (jfirst + ds.verdicts[:r, 0].long()).clamp(0, w - 1)  # the last committed lane
+        lstar = self.committed_lane(b)
         lanes = self.lanes[:w].view(1, w)
         feats = ds.features[:b.tokens]
         if src is None:
@@ -176,7 +138,7 @@ class DeviceHead:
             feats = feats.view(r, w, -1).gather(1, src.unsqueeze(2).expand(r, w, feats.shape[1])).view(r * w, -1)
         nxt = torch.where(lanes == lstar.view(r, 1), ds.picks[:r].view(r, 1), nxt)
         pos = start.view(r, 1) + lanes
-        keep = (hfeed.view(r, 1) > 0) & (lanes <= lstar.view(r, 1)) & (pos < self.keys.shape[2])
+        keep = (hfeed.view(r, 1) > 0) & (lanes <= lstar.view(r, 1)) & (pos < self.max_len)
         wslot = torch.where(keep, rslot.view(r, 1), torch.full_like(pos, ds.scratch))
         out = self._layer(self._input(nxt.reshape(-1), self.project(feats)), pos, wslot, rslot, b.span)
         last = out.view(r, w, -1).gather(1, lstar.view(r, 1, 1).expand(r, 1, out.shape[1])).squeeze(1)
@@ -184,12 +146,14 @@ class DeviceHead:
             (start + lstar).remainder(self.m)
         self.hlast.view(-1, out.shape[1]).index_copy_(0, dst, last)
 
-    def feed_eager(self, slot: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
+    def feed_eager(self, slot: int, start: int, feats: torch.Tensor | None, tokens: Sequence[int]) -> None:
         """One row fed outside the device step's shapes (a prefill chunk): positions start ..
-        start + n - 1, each with the target's feature there and the token after it (all
-        known to the host: the prompt's next token, or the verdict's final token)."""
+        start + n - 1 (`tokens`: those at start .. start + n, all known to the host: the prompt,
+        and its next token or the verdict's final token), each with the target's feature there
+        and the token after it."""
+        next_tokens = tokens[1:]
         n = len(next_tokens)
-        if n == 0:
+        if n == 0 or feats is None:
             return
         dev = self.keys.device
         pos = torch.arange(start, start + n, device=dev).view(1, n)
@@ -197,63 +161,3 @@ class DeviceHead:
         toks = to_device(list(next_tokens), dev, torch.long)
         out = self._layer(self._input(toks, self.project(feats[:n])), pos, slot_t.expand(1, n), slot_t, start + n)
         self.hlast[slot, (start + n - 1) % self.m].copy_(out[n - 1])
-
-    # ---- the round, launched (a graph per bucket and variant) ----------------------------------
-
-    def run_round(self, b: Bucket, k: int, w: int = 1) -> None:
-        """One round in one run: the head's drafts (k: the most a row asks for, 0: none; w: the
-        widest tree, 1: chains), the target's verify and verdicts, the head fed what the
-        verdict committed."""
-        if w > 1:
-            from specserve.models.head_trees import run_tree_round
-
-            run_tree_round(self, b, k, w)
-            return
-        self.chain(b, k)
-        self.ds._run(b)
-        self.feed(b)
-
-    def advance(self, b: Bucket) -> None:
-        """The step's buffers moved to the next round of the same rows, from the verdicts on
-        the device (the round chained on the device, ADR 0025): each row starts a + 1
-        positions further (a its accepted count), fed its final token first; its drafts come
-        from the chain. Rows keep their slots, widths, judged lanes and head counts."""
-        ds, r, w = self.ds, b.rows, b.width
-        last = self.keys.shape[2] - 1
-        start, shift = ds.field("start", r), ds.verdicts[:r, 0].long() + 1
-        start.add_(shift)
-        at = (start.view(r, 1) + self.lanes[:w].view(1, w)).clamp(max=last).reshape(-1)
-        ds.field("at", b.tokens).copy_(at)
-        pos = ds.field("pos", b.tokens)  # (rotary positions: a tree's by depth, kept)
-        pos.copy_((pos.view(r, w) + shift.view(r, 1)).clamp(max=last).reshape(-1))
-        ds.field("ids", b.tokens).view(r, w)[:, 0].copy_(ds.picks[:r])
-
-    def run_chained(self, b: Bucket, k: int, w: int = 1) -> None:
-        self.advance(b)
-        self.run_round(b, k, w)
-
-    def capture(self, k: int, budget_s: float) -> int:
-        """Capture up front, within `budget_s` (logged), the rounds serving meets most: every
-        row count, rows of K <= k drafts, spans up to 1024; a round with k drafts, chained and
-        not, and a round that only feeds the head. The rest are captured when first met."""
-        keys: list[tuple[tuple[object, ...], Bucket]] = []
-        for b in self.ds.buckets([1 + k], 1024):
-            keys += [(("round", k, 1), b), (("chained", k, 1), b), (("round", 0, 1), b)]
-
-        def run(variant: tuple[object, ...], b: Bucket) -> None:
-            kind, kk, ww = variant
-            if kind == "chained":
-                self.run_chained(b, int(kk), int(ww))  # type: ignore[call-overload]
-            else:
-                self.run_round(b, int(kk), int(ww))  # type: ignore[call-overload]
-
-        return self.ds.step_graphs.capture_variants(keys, budget_s, self.ds.dummy, run)
-
-    def launch(self, b: Bucket, k: int, w: int = 1, chained: bool = False) -> None:
-        """`run_round` (or `run_chained`) of the prepared bucket, k the most drafts a row asks
-        for and w its widest tree, replayed from its graph where graphs are on (one per bucket,
-        k, w and variant)."""
-        if chained:
-            self.ds.step_graphs.launch_variant(("chained", k, w), b, lambda: self.run_chained(b, k, w))
-        else:
-            self.ds.step_graphs.launch_variant(("round", k, w), b, lambda: self.run_round(b, k, w))

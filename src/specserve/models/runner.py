@@ -30,6 +30,7 @@ from specserve.device import to_device
 from specserve.errors import InvalidRequest
 from specserve.models.kv_slots import KVLayout, KVSlots
 from specserve.models.row_attention import attend_row, attend_short_rows, row_mask
+from specserve.params import SamplingParams
 
 if TYPE_CHECKING:
     from specserve.models.device_step import DeviceStep
@@ -214,6 +215,9 @@ class Row:
     # there) and, where the row is judged, is fed its committed positions; None: not such a row
     head: int | None = None
     head_width: int = 1  # a head row's tree: this many first candidates, each with its chain of `head` (1: a chain)
+    # a row the device step judges at T > 0 (models/step_judge.py): its sampling and seed; None: greedy
+    sampling: SamplingParams | None = None
+    seed: int = 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -400,13 +404,13 @@ class ModelRunner:
         return n if self.tile is None else -(-n // self.tile) * self.tile
 
     def enable_device_step(self, max_rows: int, max_width: int = SHORT_ROW, graphs: bool = False,
-                           max_graphs: int = 512, compile: bool | str = False) -> DeviceStep:
+                           max_graphs: int = 2048, compile: bool | str = False, fuse: bool = False) -> DeviceStep:
         """Run short rows (at most `max_width` tokens) as the fixed-shape device step (ADR
         0019), replayed from CUDA graphs where `graphs` is set and the runner is on CUDA. It
-        keeps one KV slot of the budget as its scratch slot."""
+        keeps one KV slot of the budget as its scratch slot. `fuse`: models/step_fusion.py."""
         from specserve.models.device_step import DeviceStep
 
-        self.device_step = DeviceStep(self, max_rows, max_width, graphs, max_graphs, compile)
+        self.device_step = DeviceStep(self, max_rows, max_width, graphs, max_graphs, compile, fuse=fuse)
         return self.device_step
 
     def keep_features(self, layers: Sequence[int]) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from specserve.device import copy_in
 from specserve.errors import InvalidRequest
+from specserve.models.step_judge import row_fields
 
 if TYPE_CHECKING:
     from specserve.models.runner import Row
@@ -37,8 +38,11 @@ class StepInputs:
         # pos: a token's rotary position; at: the slot position its KV goes to (start + i: they
         # differ in a token tree, whose tokens sit in order but rotate by depth)
         # hdraft, hfeed: a row's drafts by the target's own head and whether it feeds the head (ADR 0025)
+        # mode, seed, topk, temp, topp: a row's sampling, judged on the device (models/step_judge.py;
+        # temp and topp as float64 bit patterns)
         sizes = {"ids": t, "pos": t, "at": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t,
-                 "ndraft": r, "kleft": r, "hdraft": r, "hfeed": r, "hwidth": r}
+                 "ndraft": r, "kleft": r, "hdraft": r, "hfeed": r, "hwidth": r,
+                 "mode": r, "seed": r, "topk": r, "temp": r, "topp": r}
         self.offsets: dict[str, int] = {}
         at = 0
         for name, n in sizes.items():
@@ -87,6 +91,8 @@ class StepInputs:
         hdraft = np.zeros(b.rows, dtype=np.int64)
         hfeed = np.zeros(b.rows, dtype=np.int64)
         hwidth = np.ones(b.rows, dtype=np.int64)
+        sampled = np.zeros((5, b.rows), dtype=np.int64)  # mode, seed, topk, temp and topp's bits
+        sampled[3:] = np.ones(1, dtype=np.float64).view(np.int64)
         on_device: list[tuple[int, torch.Tensor]] = []
         for i, (row, slot, st) in enumerate(zip(rows, slots, starts, strict=True)):
             n, base = len(row.tokens), i * w
@@ -107,13 +113,18 @@ class StepInputs:
             if row.head is not None:  # the head's drafts fill the row's lanes after the first; judged rows feed it
                 hwidth[i] = max(row.head_width, 1)
                 hdraft[i], hfeed[i] = min(row.head, max(c - 1, 0) // hwidth[i]), int(c > 0)
+            if row.sampling is not None:
+                mode, seed, k, temp, top_p = row_fields(row.sampling, row.seed, self.vocab)
+                sampled[:3, i] = (mode, seed, k)
+                sampled[3:, i] = np.array([temp, top_p], dtype=np.float64).view(np.int64)
         pos = at.copy()
         for i, (row, st) in enumerate(zip(rows, starts, strict=True)):
             if depths is not None and depths[i] is not None:
                 pos[i * w:i * w + len(row.tokens)] = st + np.asarray(depths[i], dtype=np.int64)
         dst = np.asarray([base + j for base, t in on_device for j in range(t.shape[0])], dtype=np.int64)
         fields = {"ids": ids, "pos": pos, "at": at, "wslot": wslot, "dst": dst, "rslot": rslot, "start": start,
-                  "jpos": jpos, "ndraft": ndraft, "hdraft": hdraft, "hfeed": hfeed, "hwidth": hwidth}
+                  "jpos": jpos, "ndraft": ndraft, "hdraft": hdraft, "hfeed": hfeed, "hwidth": hwidth,
+                  **dict(zip(("mode", "seed", "topk", "temp", "topp"), sampled, strict=True))}
         if chain is not None:
             fields["kleft"] = np.asarray(list(chain), dtype=np.int64)
         return fields, [t for _, t in on_device]

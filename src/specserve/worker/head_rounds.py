@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,8 +59,8 @@ class HeadRows:
         through the position before it, and the drafts fit the device step's widest row), else 0."""
         ds = self.runner.device_step
         if not (last and job.k > 0 and ds is not None and start == len(job.ids) - 1
-                and 1 + job.k * tree_width(job) <= ds.max_width):
-            return 0
+                and 1 + job.k * tree_width(job) <= ds.max_width and (job.sampling.greedy or tree_width(job) == 1)):
+            return 0  # (a sampled row's drafts on the device are a chain: ADR 0025)
         return job.k if self.through.get(self.runner.kv.slot(job.slot), -1) == start - 1 else 0
 
     def row(self, job: StepRow, feed: list[int], last: bool, start: int) -> Row:
@@ -71,10 +71,11 @@ class HeadRows:
         from specserve.worker.model_step import _tree_row
 
         k = self.drafts_now(job, start, last)
-        w = tree_width(job) if k else 1
+        w = tree_width(job) if k and self.device.trees else 1
         if w > 1:
             return replace(_tree_row(job.slot, feed, [0] * (w * k), Tree(tuple(head_tree(w, k)))), head=k, head_width=w)
-        return Row(job.slot, feed + [0] * k, num_logits=k + 1 if last else 0, head=k)
+        sampling = None if job.sampling.greedy else job.sampling  # (judged on the device: models/step_judge.py)
+        return Row(job.slot, feed + [0] * k, num_logits=k + 1 if last else 0, head=k, sampling=sampling, seed=job.seed)
 
     def settled(self, job: StepRow, row: Row, result: RowResult, verdict: Verdict, start: int, tail: int,
                 drafted: list[int], ran_fixed: bool, feats: torch.Tensor | None) -> None:
@@ -103,8 +104,9 @@ class HeadRows:
             self.through[slot] = -(1 << 30)
             return
         if not in_round and end >= start:
-            assert feats is not None
-            self.device.feed_eager(slot, start, feats[:end - start + 1], full[start + 1:end + 2])
+            assert feats is not None or not self.device.uses_features
+            self.device.feed_eager(slot, start, feats[:end - start + 1] if feats is not None else None,
+                                   full[start:end + 2])
         self.through[slot] = end
 
 
@@ -158,6 +160,7 @@ class _Round:
     done: Any
     bucket: Bucket
     clock: Any = None
+    sampled: list[tuple[Any, int]] = field(default_factory=list)  # each row's (sampling, seed): judged on the device
 
 
 class ChainedRounds:
@@ -185,7 +188,7 @@ class ChainedRounds:
         host drafts, banned tokens, a constraint or a tree of its own, feeding one committed
         token (its drafts, or the head's tree, after it); `rows` the forward's."""
         return bool(step.rows) and len(rows) == len(step.rows) and all(
-            j.sampling.greedy and not j.sampling.banned_token_ids and j.allowed is None
+            (j.sampling.greedy or r.sampling is not None) and not j.sampling.banned_token_ids and j.allowed is None
             and (j.parents is None or bool(r.head)) and not j.drafts and not j.features
             and len(r.tokens) == 1 + (r.head or 0) * r.head_width for j, r in zip(step.rows, rows, strict=True))
 
@@ -212,11 +215,12 @@ class ChainedRounds:
             kv.append(j.slot, torch.empty(len(r.tokens)))  # UNKNOWN until read
         before = [list(res.verdict.tokens) for res in results]  # type: ignore[union-attr]
         self.ahead = self._launch(bucket, [j.slot for j in step.rows], [r.head or 0 for r in rows],
-                                  [r.head_width for r in rows], [len(j.ids) for j in step.rows], before)
+                                  [r.head_width for r in rows], [len(j.ids) for j in step.rows], before,
+                                  [(j.sampling, j.seed) for j in step.rows])
 
     def _launch(self, bucket: Bucket, slots: list[Any], ks: list[int], ws: list[int], base: list[int],
-                before: list[list[int]] | None) -> _Round:
-        from specserve.worker.model_step import StepClock, snapshot
+                before: list[list[int]] | None, sampled: list[tuple[Any, int]]) -> _Round:
+        from specserve.worker.lookahead import StepClock, snapshot
 
         ds = self.t.runner.device_step
         assert ds is not None and ds.head is not None
@@ -225,7 +229,7 @@ class ChainedRounds:
         clock.stop()
         ds.last = bucket
         host, done = snapshot(verdict_rows(ds, list(range(bucket.rows)), True))
-        return _Round(slots, ks, ws, base, before, host, done, bucket, clock)
+        return _Round(slots, ks, ws, base, before, host, done, bucket, clock, sampled)
 
     def take(self, step: Step) -> StepResult | None:
         """This step's results from the round launched ahead, where the step asks for exactly
@@ -253,7 +257,7 @@ class ChainedRounds:
         if nxt is not None:
             self.ahead = self._launch(nxt, ahead.slots, ahead.ks, ahead.ws,
                                       [len(by_row[i].ids) if i in by_row else -1 for i in range(len(ahead.slots))],
-                                      None)
+                                      None, ahead.sampled)
         packed = _read(ahead)
         results = [self._settled(j, ahead.ks[i], ahead.ws[i], packed[i], ahead.bucket.width)
                    for j, i in zip(step.rows, order, strict=True)]
@@ -303,7 +307,7 @@ class ChainedRounds:
 
     def _asks_for(self, j: StepRow, ahead: _Round, i: int) -> bool:
         """Whether step row `j` asks for exactly the device's row i of the round launched ahead."""
-        if not j.sampling.greedy or j.sampling.banned_token_ids or j.allowed is not None \
+        if (j.sampling, j.seed) != ahead.sampled[i] or j.sampling.banned_token_ids or j.allowed is not None \
                 or (j.parents is not None and not j.head) or j.drafts or j.features:
             return False
         k, before = ahead.ks[i], ahead.before[i]  # type: ignore[index]

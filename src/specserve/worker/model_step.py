@@ -21,8 +21,6 @@ a long prompt never stalls the running sessions.
 from __future__ import annotations
 
 import itertools
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +53,7 @@ from specserve.drafters.hf import (
     pick_on_device,
     q_entries,
 )
-from specserve.models.kv_slots import common_prefix, prefill_chunks
+from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
 from specserve.models.verifier import (
     JudgeRow,
@@ -67,6 +65,7 @@ from specserve.models.verifier import (
 from specserve.step import Kind, RowResult, Step, StepResult, StepRow
 from specserve.structured.grammar import propose_constrained
 from specserve.worker.head_rounds import ChainedRounds, HeadRows, head_verdict, verdict_rows
+from specserve.worker.lookahead import PlainLookahead, judged_in_step, row_sampling
 
 
 @dataclass
@@ -90,10 +89,18 @@ class Batching:
     cuda_graphs: str = "auto"
     fixed_step: bool | None = None
     capture_budget_s: float = 60.0  # start-up capture of the common buckets stops after this long
+    # start-up capture covers rounds of K <= capture_k (the policies' adaptive range, 1..8) and
+    # trees of up to capture_tree_width first candidates (the target's tree_width), so a K, a
+    # tree or speculation off chosen per step replays a graph captured already (issue 51 item 6)
+    capture_k: int = 8
+    capture_tree_width: int = 1
     # torch.compile in the device step (ADR 0019): False, "whole" (the run), "pieces" (a layer's
     # two pieces around attention), "layer" (a whole layer, attention in), or "auto" (the
     # settings' cuda_compile: layer with the CUDA graphs on where torch finds Triton, else none)
     compile_step: bool | str = False
+    # issue 51 item 7: each layer's program ends with the next layer's norm (models/step_fusion.py);
+    # off until a GPU run has compared it with the layers as they were
+    fuse_step: bool = False
     # ADR 0019, async steps: a target step of greedy plain rows only launches the next step of
     # the same rows (fed its own picks, on the device) before it returns, so the engine's
     # bookkeeping runs while the device computes. None: on where the CUDA graphs are
@@ -107,7 +114,8 @@ class Batching:
                    gpu_memory_utilization=s.gpu_memory_utilization, max_batch=s.max_batch,
                    tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs,
                    compile_step="auto" if s.cuda_compile == "auto" else False,
-                   lookahead=False if getattr(s, "async_steps", "auto") == "off" else None)
+                   lookahead=False if getattr(s, "async_steps", "auto") == "off" else None,
+                   capture_tree_width=getattr(s, "tree_width", 1))
 
 
 _handles = itertools.count()
@@ -153,9 +161,15 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
                                  max_len=b.max_len or None, device=device, dtype=dtype,
                                  tile=eager_tile(b, graphs and fixed), fuse_upto=b.fuse_upto)
     if fixed:
-        step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs))
-        step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
+        capture_startup(runner.enable_device_step(max_rows=b.max_batch, graphs=graphs,
+                                                  compile=step_compile(b, graphs), fuse=b.fuse_step), b)
     return runner
+
+
+def capture_startup(step: Any, b: Batching) -> None:
+    """The device step's start-up capture (logged; the rest when a step first needs them): the
+    widths of every K up to `capture_k` and trees of `capture_tree_width` (issue 51 item 6)."""
+    step.capture(step.startup_buckets(b.capture_k, b.capture_tree_width), b.capture_budget_s)
 
 
 class _RunnerSessions:
@@ -199,90 +213,18 @@ class _RunnerSessions:
         return dropped, first, True
 
 
-@dataclass
-class _Ahead:
-    """A lookahead step on the device (`BatchedTarget._launch_ahead`): its rows' sessions in
-    the device step's order, each one's cached length before it (the lookahead fed one token
-    there), the tokens fed (None until the step before is read), and its verdicts' copy."""
-
-    slots: list[Any]
-    lengths: list[int]
-    tokens: list[int] | None
-    host: torch.Tensor  # [R, 2] float64: accepted, final token (pinned on CUDA)
-    done: Any  # a CUDA event recorded after the copy, or None (the CPU: copied already)
-    bucket: Any = None  # the device step's bucket it ran in
-    clock: StepClock | None = None  # its own time on the device
-
-    def read(self) -> list[list[float]]:
-        if self.done is not None:
-            self.done.synchronize()  # this step's copy only: the lookahead after it runs on
-        out: list[list[float]] = self.host.tolist()
-        return out
-
-
-def snapshot(verdicts: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """The step's verdicts copied to the host once the device is done with them, without
-    waiting now (pinned memory and an event on CUDA); read with `_Ahead.read`."""
-    if verdicts.device.type != "cuda":
-        return verdicts.to("cpu", copy=True), None
-    host = torch.empty(verdicts.shape, dtype=verdicts.dtype, pin_memory=True)
-    host.copy_(verdicts, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(verdicts.device))  # (the verdicts' device: cuda:N, not the current one)
-    return host, done
-
-
-class StepClock:
-    """A launched step's own time on the device: CUDA events on the device's stream before
-    and after its launch (the stream runs in order, so the time between them is the step's,
-    not the host's or another step's); on the CPU, where a launch runs the step, the call's
-    wall time."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.t0 = time.perf_counter()
-        self.t1 = self.t0
-        self.events: tuple[Any, Any] | None = None
-        if device.type == "cuda":
-            stream = torch.cuda.current_stream(device)
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self.events[0].record(stream)
-            self.stream = stream
-
-    def stop(self) -> None:
-        self.t1 = time.perf_counter()
-        if self.events is not None:
-            self.events[1].record(self.stream)
-
-    def ms(self) -> float:
-        """Once the step is done (its verdicts read)."""
-        if self.events is not None:
-            return float(self.events[0].elapsed_time(self.events[1]))
-        return (self.t1 - self.t0) * 1e3
-
-    def gap_to(self, after: StepClock) -> float:
-        """ms from this step's end to the start of the step launched `after` it, both done: on
-        CUDA the device's idle time between them (an event runs when the stream reaches it, so
-        a step launched while this one ran starts as it ends: 0); on the CPU the host's."""
-        if self.events is not None and after.events is not None:
-            return max(float(self.events[1].elapsed_time(after.events[0])), 0.0)
-        return max((after.t0 - self.t1) * 1e3, 0.0)
-
-
 class BatchedTarget(_RunnerSessions):
     verifies_trees = True  # token trees: one row each, judged by algorithm/tree.py
 
     def __init__(self, target: TargetModel, b: Batching, load: Callable[..., ModelRunner] | None = None) -> None:
         """`load`: see `make_runner` (a tensor-parallel rank's shard, ADR 0030)."""
         self.target = target
-        self.capture_budget_s = b.capture_budget_s
+        self.settings = b
         super().__init__(target.model, target.max_positions, b, load)
         ds = self.runner.device_step
         self.lookahead = ds is not None and (ds.graphs_on if b.lookahead is None else b.lookahead)
-        self._ahead: _Ahead | None = None
-        self.ahead_counts = {"hit": 0, "missed": 0}  # lookahead steps taken / thrown away
-        # between consecutive taken lookahead steps: the device's idle ms (`StepClock.gap_to`)
-        self.gaps_ms: deque[float] = deque(maxlen=4096)
-        self._last_clock: StepClock | None = None
+        self.plain = PlainLookahead(self)  # its lookahead steps (worker/lookahead.py)
+        self.ahead_counts, self.gaps_ms = self.plain.counts, self.plain.gaps_ms
         self.heads: HeadRows | None = None  # the target's own EAGLE head (ADR 0025; `enable_head`)
         self._rows: list[Row] = []  # the last step's forward rows
         self._drafted: dict[int, list[int]] = {}  # the last step's head drafts, by forward row
@@ -295,7 +237,8 @@ class BatchedTarget(_RunnerSessions):
         self.heads = HeadRows(self.runner, head)
         self.rounds = ChainedRounds(self) if self.lookahead else None
         self._recapture()
-        self.heads.device.capture(4, self.capture_budget_s)  # (the policies' default K; logged)
+        b = self.settings
+        self.heads.device.capture(b.capture_k, b.capture_budget_s, b.capture_tree_width)  # (logged)
 
     def open(self, session_id: str) -> Any:
         handle = super().open(session_id)
@@ -311,117 +254,21 @@ class BatchedTarget(_RunnerSessions):
     def step(self, step: Step) -> StepResult:
         """Every VERIFY row (a prefill chunk, a plain row, a verify row) in one forward, then
         the verdicts in one copy to the host and the rejected drafts rolled back. A step of
-        greedy plain rows may already be on the device: the lookahead the step before launched
-        (`_from_ahead`); a step that is may launch the next (`_launch_ahead`)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            taken = self._from_ahead(ahead, step)
-            if taken is not None:
-                self.ahead_counts["hit"] += 1
-                return taken
-            self.ahead_counts["missed"] += 1  # (its KV position is UNKNOWN: reconciling drops it)
+        plain rows may already be on the device: the lookahead the step before launched
+        (`PlainLookahead.take`); a step that is may launch the next (`PlainLookahead.after`)."""
+        taken = self.plain.take(step)
+        if taken is not None:
+            return taken
         if self.rounds is not None and self.rounds.ahead is not None:
             chained = self.rounds.take(step)
             if chained is not None:
                 return chained
-        self._last_clock = None  # (the step below runs between: no gap to the next)
+        self.plain.last_clock = None  # (the step below runs between: no gap to the next)
         out = self._step(step)
-        if self.lookahead and self._plain_only(step) and all(r.verdict is not None for r in out.rows) \
-                and len(self.runner.fixed_rows) == len(step.rows):
-            self._launch_ahead([job.slot for job in step.rows], [len(job.ids) for job in step.rows],
-                               [r.verdict.tokens[-1] for r in out.rows if r.verdict is not None],
-                               list(range(len(step.rows))))
-        elif self.rounds is not None and any(job.head for job in step.rows):
+        if not (self.lookahead and self.plain.after(step, out)) and self.rounds is not None \
+                and any(job.head for job in step.rows):
             self.rounds.launch(step, self._rows, out.rows)
         return out
-
-    @staticmethod
-    def _plain_only(step: Step) -> bool:
-        """Every row a greedy plain row whose verdict the device step computes (no drafts,
-        banned tokens, constraint, tree or features): what a lookahead can run."""
-        return bool(step.rows) and all(
-            j.kind is Kind.VERIFY and not j.drafts and j.sampling.greedy and not j.sampling.banned_token_ids
-            and j.allowed is None and j.parents is None and not j.features and not j.head for j in step.rows)
-
-    def _launch_ahead(self, slots: list[Any], lengths: list[int], tokens: list[int] | None,
-                      picks_at: list[int]) -> None:
-        """Launch the next step of these plain rows, each fed the pick the last step left in
-        `picks[picks_at[i]]` (the device step's rows are the rows here, in this order), and copy
-        its verdicts to the host as soon as it is done, without waiting. `tokens`: the picks
-        fed, where known (else filled in by `_from_ahead` once read)."""
-        ds = self.runner.device_step
-        assert ds is not None
-        try:
-            for h, n in zip(slots, lengths, strict=True):
-                # the room the step it stands for asks (`_feed`): the token fed and the one it adds
-                self.runner.kv.check_room(h, 2)
-                if self.runner.length(h) != n:
-                    return  # (not where the step left it)
-        except Exception:
-            return  # a full slot: the next step finds out, synchronously
-        rows = [Row(h, ds.picks[j:j + 1], num_logits=1) for j, h in zip(picks_at, slots, strict=True)]
-        clock = StepClock(ds.device)
-        self.runner.forward(rows)
-        clock.stop()
-        if len(self.runner.fixed_rows) != len(rows):  # (not bucketed: it ran eagerly; nothing to gain)
-            for h, n in zip(slots, lengths, strict=True):
-                self.runner.rollback(h, n)
-            return
-        assert ds.last is not None
-        self._ahead = _Ahead(slots, lengths, tokens, *snapshot(ds.verdicts[:len(rows)]), bucket=ds.last,
-                             clock=clock)
-
-    def _from_ahead(self, ahead: _Ahead, step: Step) -> StepResult | None:
-        """This step's results from the lookahead, where it is the step that lookahead ran, or
-        a part of it: sessions it ran (in any order; a session it ran may have ended), each
-        asking for the next token after the one the lookahead fed (which the step before
-        judged), and in the bucket that step would run in. Else None (the caller runs the step).
-        The result's `device_ms`: the lookahead's own time on the device (`StepClock`)."""
-        if len(step.rows) > len(ahead.slots) or not self._plain_only(step):
-            return None
-        where = {h: j for j, h in enumerate(ahead.slots)}
-        if len(where) != len(ahead.slots) or len({job.slot for job in step.rows}) != len(step.rows):
-            return None
-        tokens = ahead.tokens
-        if tokens is None:
-            return None
-        ds = self.runner.device_step
-        assert ds is not None
-        order = []
-        for job in step.rows:
-            j, slot = where.get(job.slot), self.runner.kv.slot_of.get(job.slot)
-            if j is None or slot is None or len(job.ids) != ahead.lengths[j] + 1 or job.ids[-1] != tokens[j]:
-                return None
-            cached = self.runner.kv.ids[slot]
-            if len(cached) != ahead.lengths[j] + 1 or common_prefix(cached, job.ids) < ahead.lengths[j]:
-                return None
-            order.append(j)
-        # a row's bits follow its bucket: a part of the lookahead stands for the step only where
-        # that step would run in the same bucket (the same row count and key span buckets)
-        if len(order) != len(ahead.slots) and ds.bucket_for(
-                [Row(job.slot, [tokens[j]], num_logits=1) for job, j in zip(step.rows, order, strict=True)],
-                [ahead.lengths[j] for j in order]) != ahead.bucket:
-            return None
-        for job, j in zip(step.rows, order, strict=True):
-            self.runner.kv.settle(job.slot, ahead.lengths[j], [tokens[j]])
-        # the step after, launched before this one is read: the device is never left idle
-        if self.lookahead:
-            self._launch_ahead([job.slot for job in step.rows], [ahead.lengths[j] + 1 for j in order], None, order)
-        packed = ahead.read()
-        device_ms = ahead.clock.ms() if ahead.clock is not None else None
-        if self._last_clock is not None and ahead.clock is not None:
-            self.gaps_ms.append(self._last_clock.gap_to(ahead.clock))
-        self._last_clock = ahead.clock
-        following = self._ahead
-        if following is not None:
-            following.tokens = [int(packed[j][1]) for j in order]
-        verdicts = verdicts_from_host([packed[j][:2] for j in order], [[] for _ in order], False)
-        results = []
-        for job, v in zip(step.rows, verdicts, strict=True):
-            r = RowResult(fed=1)
-            r.verdict, r.cached_len, r.rolled_back = v, len(job.ids), 0
-            results.append(r)
-        return StepResult(results, device_ms=device_ms)
 
     def _row_of(self, job: StepRow, feed: list[int], last: bool, start: int) -> Row:
         """The forward's row: the tokens to feed, then (at the prompt's end) the drafts."""
@@ -429,7 +276,8 @@ class BatchedTarget(_RunnerSessions):
             return self.heads.row(job, feed, last, start)
         if last and job.parents is not None:  # a token tree: its block mask, positions by depth
             return _tree_row(job.slot, feed, job.drafts, Tree(tuple(job.parents)))
-        return Row(job.slot, feed + job.drafts if last else feed, num_logits=len(job.drafts) + 1 if last else 0)
+        return Row(job.slot, feed + job.drafts if last else feed, num_logits=len(job.drafts) + 1 if last else 0,
+                   sampling=row_sampling(job), seed=job.seed)  # (a sampled row judged on the device)
 
     def _step(self, step: Step) -> StepResult:
         results = [RowResult() for _ in step.rows]
@@ -457,7 +305,7 @@ class BatchedTarget(_RunnerSessions):
             if not last:
                 results[i] = RowResult.later(results[i].fed)
                 if job.head and self.heads is not None:  # a prompt chunk: the head fed its positions
-                    self.heads.fed(job, start, results[i].fed, None, False, feats[r])
+                    self.heads.fed(job, start, results[i].fed, None, False, feats[r] if feats else None)
                 if job.features and keeping:  # a chunk of the prompt: every token fed is committed
                     results[i].features, results[i].features_start = feats[r].clone(), start
             else:
@@ -495,7 +343,7 @@ class BatchedTarget(_RunnerSessions):
         """The start-up graphs again (keeping features drops the ones captured without them)."""
         ds = self.runner.device_step
         if ds is not None and ds.graphs_on and not ds.graphs:
-            ds.capture(ds.startup_buckets(), self.capture_budget_s)
+            capture_startup(ds, self.settings)
 
     def _judge(self, judged: list) -> tuple[list[Verdict], dict[int, list[int]]]:
         """The judged rows' verdicts in one copy to the host, and each tree row's accepted
@@ -507,9 +355,7 @@ class BatchedTarget(_RunnerSessions):
         # (a tree the target's own head drafted is judged in its round, on the device: ADR 0025)
         trees = [k for k, (_, job, _, _, r) in enumerate(judged)
                  if job.parents is not None and self._rows[r].head is None]
-        fast = [k for k, (_, job, _, _, r) in enumerate(judged) if r in fixed and job.sampling.greedy
-                and not job.sampling.banned_token_ids and job.allowed is None
-                and (job.parents is None or self._rows[r].head is not None)]
+        fast = [k for k, (_, job, _, _, r) in enumerate(judged) if r in fixed and judged_in_step(job, self._rows[r])]
         if ds is None:
             fast = []
         taken = set(fast) | set(trees)
