@@ -5,12 +5,14 @@ decoding over the OpenAI HTTP API (bench_peer's client), at 1, 4 and 16 streams.
 
 Configurations (`--configs`), each a stack of its own (the target's threads and its OpenMP
 environment are read when it starts):
-- `t1`: the target at 1 torch thread, libgomp's default wait (spin, then sleep): main's default
-  on 2 cores before this change;
-- `tN`: the target at every core (N = os.cpu_count()), libgomp's default wait;
+- `t1`: the target at 1 torch thread (no team, so no wait): main's default on 2 cores;
+- `tN`: the target at every core (N = os.cpu_count()), libgomp's default wait (spin 300,000
+  times, then sleep: `GOMP_SPINCOUNT=300000` named, so that the stack's own choice stays out);
 - `tN-passive`: every core, `OMP_WAIT_POLICY=passive` (a worker sleeps at once at the end of a
   parallel region: torch here ships GNU OpenMP, libgomp; Intel's `KMP_BLOCKTIME=0` is the same
   knob of libiomp5, which this torch does not load);
+- `tN-swX`: every Python process of the stack with a GIL switch interval of X ms (Python's
+  default is 5: a thread that waits for the GIL asks for it after that long);
 - `default`: what `StackSpec()` gives now (whatever `local_target_threads` and the stack's
   placement decide), the configuration a user gets.
 Placements (`--placements`), applied at run time to a running stack (every thread of every
@@ -58,11 +60,25 @@ def config_spec(name: str, models: Path, run_dir: Path) -> StackSpec:
     spec = _stack_spec(models, run_dir, http_port=0)
     if name == "default":
         return spec
-    threads, _, policy = name.removeprefix("t").partition("-")
+    threads, *opts = name.removeprefix("t").split("-")
     spec.target_threads = int(threads)
-    if policy:
-        spec.env = {**spec.env, "OMP_WAIT_POLICY": policy.upper()}
+    # libgomp's own default wait (spin 300,000 times, then sleep), unless the name says passive
+    spec.env = {**spec.env, "GOMP_SPINCOUNT": "300000"}
+    for opt in opts:
+        if opt == "passive":
+            spec.env = {k: v for k, v in spec.env.items() if k != "GOMP_SPINCOUNT"} | {"OMP_WAIT_POLICY": "PASSIVE"}
+        elif opt.startswith("sw"):  # every service's GIL switch interval, in ms (Python's default: 5)
+            spec.env = {**spec.env, "PYTHONPATH": str(_switch_dir(run_dir)), "BENCH_SWITCH_MS": opt[2:]}
     return spec
+
+
+def _switch_dir(run_dir: Path) -> Path:
+    """A sitecustomize that sets the GIL switch interval of every Python process started with it."""
+    d = run_dir.parent / "switch"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sitecustomize.py").write_text("import os, sys\n"
+                                        "sys.setswitchinterval(float(os.environ['BENCH_SWITCH_MS']) / 1e3)\n")
+    return d
 
 
 class Placement:

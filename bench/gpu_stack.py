@@ -63,7 +63,8 @@ def pool_k(arm: str, k: int) -> tuple[str, int]:
     return ("none", 0) if arm == "plain" else (arm, k)
 
 
-def measure_stack(pair: Path, a, prompts, tmp: str) -> list[dict]:
+def measure_stack(pair: Path, a, prompts, tmp: str) -> tuple[list[dict], int]:
+    """Every cell through the stack; and the torch threads its target ran with."""
     stack = Stack(stack_spec(pair, tmp, a.device, max(a.loads)))
     cells = []
     with stack.running():
@@ -78,7 +79,7 @@ def measure_stack(pair: Path, a, prompts, tmp: str) -> list[dict]:
                           f"router {cell['router_ms']:.3f} ms, Redis {cell['redis_ms']:.3f}, target host "
                           f"{cell['target_host_ms']:.3f} CPU a token", file=sys.stderr, flush=True)
                     cells.append(cell)
-    return cells
+    return cells, stack.spec.target_threads
 
 
 def _engine(pair: Path, device: str, max_batch: int):
@@ -92,9 +93,12 @@ def _engine(pair: Path, device: str, max_batch: int):
     return target, engine, {"eagle-local": eagle_local(s, engine, target)}
 
 
-def engine_alone(pair: Path, a, prompts) -> dict[str, dict]:
-    """The engine loop in this process on the same device, model and head, at each load and arm:
-    tok/s over the wall and TPOT p50 (a session's rounds after its first, a token each)."""
+def engine_alone(pair: Path, a, prompts, threads: int) -> dict[str, dict]:
+    """The engine loop in this process on the same device, model and head, with the stack's
+    target's torch threads, at each load and arm: tok/s over the wall and TPOT p50 (a session's
+    rounds after its first, a token each)."""
+    import torch
+
     from specserve.algorithm.stops import StopChecker
     from specserve.engine.loop import EngineLoop
     from specserve.engine.scheduler import Budget
@@ -102,6 +106,7 @@ def engine_alone(pair: Path, a, prompts) -> dict[str, dict]:
     from specserve.params import GenerationParams, SamplingParams
     from specserve.worker.threads import ModelThread
 
+    torch.set_num_threads(threads)
     model_thread = ModelThread("engine")
     target, model, sources = model_thread.submit(_engine, pair, a.device, max(a.loads)).result()
     ends: dict[str, tuple[threading.Event, list[tuple[float, int]]]] = {}
@@ -230,11 +235,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     load_before = warn_if_busy()
     with tempfile.TemporaryDirectory(prefix="specserve-gpu-stack-") as tmp:
-        cells = measure_stack(pair, a, prompts, tmp)
-    alone = engine_alone(pair, a, prompts)
+        cells, threads = measure_stack(pair, a, prompts, tmp)
+    alone = engine_alone(pair, a, prompts, threads)
     rows = summary(cells, alone)
     result = {"meta": {"args": {k: v for k, v in vars(a).items()}, "cpus": os.cpu_count(),
-                       "load_before": load_before, "load_after": os.getloadavg(), "target_launcher": "plain (no Ray)"},
+                       "load_before": load_before, "load_after": os.getloadavg(), "target_launcher": "plain (no Ray)",
+                       "target_threads": threads},
               "cells": cells, "engine_alone": alone, "summary": rows}
     (out / "gpu_stack.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "gpu_stack.png")

@@ -41,15 +41,32 @@ class PoolSpec:
 
 
 def local_target_threads(cores: int | None = None, reserved: int = 1) -> int:
-    """The target's torch threads when every service shares this machine: its cores but those the
-    other services need (`reserved`: one for the router, Redis and the clients, and one for each
-    thread of a draft model replica; `StackSpec.reserved_cores`), at least one. vLLM's CPU build
-    keeps the same rule (its OpenMP threads on every core but one, which it leaves to its
-    scheduler and API server). On 2 cores that is one thread: a 2-thread target measured no better
-    at 4 and 16 streams and spent a fifth more CPU a token (bench_cores.py; ADR 0028), and a
-    2-thread team stalled whenever the other services ran (ADR 0014)."""
+    """The target's torch threads when every service shares this machine. Where its cores but
+    those the other services need (`reserved`: one for the router, Redis and the clients, one for
+    each router more and each thread of a draft model replica; `StackSpec.reserved_cores`) leave
+    the target two or more, those (vLLM's CPU build keeps the same rule: its OpenMP threads on
+    every core but the one it leaves to its scheduler and API server). Where they would leave it
+    one, every core: a one-thread target leaves the other core mostly idle (issue 52: 2.01 ms of
+    CPU a token in 2.15 ms of wall at 16 streams), and a team that shares its cores with the
+    services waits passively (`target_omp_env`), which is what kept it from stalling when they
+    ran (ADR 0014 measured the stall with libgomp's spinning wait; ADR 0028 the passive one)."""
     cores = cores if cores is not None else (os.cpu_count() or 2)
-    return max(1, cores - reserved)
+    own = cores - reserved
+    return own if own >= 2 else max(1, cores)
+
+
+def target_omp_env(threads: int, reserved: int, cores: int | None = None,
+                   environ: dict[str, str] | None = None) -> dict[str, str]:
+    """OpenMP's environment for the target: a team that shares cores with the other services
+    (threads + reserved > cores) waits passively, its threads sleeping at the end of each
+    parallel region instead of spinning on cores the router and Redis need (torch here runs GNU
+    OpenMP, libgomp, whose knob this is; Intel's libiomp5 reads KMP_BLOCKTIME=0 for the same).
+    A wait policy or spin count already in `environ` (the launcher's, the spec's) stands."""
+    cores = cores if cores is not None else (os.cpu_count() or 2)
+    environ = os.environ if environ is None else environ
+    if threads < 2 or threads + reserved <= cores or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(environ):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass
@@ -276,6 +293,8 @@ class Stack:
             "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
             "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
             "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
+            **target_omp_env(spec.target_threads * spec.tensor_parallel, spec.reserved_cores(),
+                             environ={**os.environ, **spec.env}),
             "SPECSERVE_TARGET_TENSOR_PARALLEL": str(spec.tensor_parallel),
             "SPECSERVE_TARGET_METRICS_PORT": "0", "SPECSERVE_TARGET_DRAFT_POOLS": json.dumps(self.info.pools),
             # the remote pools of EAGLE heads: the target sends them its features on the Link
