@@ -56,7 +56,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import parser, warn_if_busy
+from common import engine_running, parser, warn_if_busy
 from profiles import H200_STEP
 
 from specserve.tooling.stack import Stack, StackSpec
@@ -466,11 +466,9 @@ def engine_alone(pair: Path, loads: list[int], tokens: int, seconds: float) -> d
     loop = EngineLoop(model, lambda p: StopChecker(frozenset(target.eos_token_ids), tuple(p.stop), str), {}, None,
                       observers=[Watch()], budget=Budget(max_batch=256),
                       simulated_step_ms=lambda step, out: H200_STEP.step_ms(len(step.rows)))
-    stop = threading.Event()
-    running = model_thread.submit(loop.run_forever, stop)
     params = GenerationParams(max_tokens=tokens, sampling=SamplingParams(banned_token_ids=(EOS,)), seed=0)
     out = {}
-    try:
+    with engine_running(loop, model_thread):
         for streams in loads:
             tpots: list[float] = []
             requests = max(2, min(20, int(seconds / (tokens * H200_STEP.step_ms(streams) / 1e3))))
@@ -493,11 +491,6 @@ def engine_alone(pair: Path, loads: list[int], tokens: int, seconds: float) -> d
             tpots.sort()
             out[streams] = {"tpot_ms_p50": _pct(tpots, 50), "tpot_ms_p90": _pct(tpots, 90),
                             "step_ms": H200_STEP.step_ms(streams), "requests": len(tpots)}
-    finally:
-        stop.set()
-        loop.wake()
-        running.result(10)
-        model_thread.shutdown()
     return out
 
 

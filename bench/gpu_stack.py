@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from bench_capacity import Roles, _pct, run_cell
-from common import parser, warn_if_busy
+from common import engine_running, parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
 from specserve.tooling.stack import PoolSpec, Stack, StackSpec
@@ -120,10 +120,8 @@ def engine_alone(pair: Path, a, prompts, threads: int) -> dict[str, dict]:
 
     loop = EngineLoop(model, lambda p: StopChecker(frozenset(target.eos_token_ids), tuple(p.stop), str), sources,
                       None, observers=[Watch()], budget=Budget(max_batch=max(a.loads)))
-    stop = threading.Event()
-    running = model_thread.submit(loop.run_forever, stop)
     out = {}
-    try:
+    with engine_running(loop, model_thread):
         for arm in a.arms.split(","):
             pool, k = pool_k(arm, a.k)
             params = GenerationParams(max_tokens=a.tokens, num_draft_tokens=k, seed=0,
@@ -131,11 +129,6 @@ def engine_alone(pair: Path, a, prompts, threads: int) -> dict[str, dict]:
             plan = EnginePlan(params, pool=None if pool == "none" else pool)
             for streams in a.loads:
                 out[f"{arm}/{streams}"] = _alone_cell(loop, ends, plan, prompts, streams, a.requests)
-    finally:
-        stop.set()
-        loop.wake()
-        running.result(10)
-        model_thread.shutdown()
     return out
 
 
@@ -154,13 +147,7 @@ def _alone_cell(loop, ends, plan, prompts, streams: int, requests: int) -> dict:
             if len(marks) > 1 and marks[-1][1] > marks[0][1]:  # after the prefill's round and its first token
                 tpots.append((marks[-1][0] - marks[0][0]) * 1e3 / (marks[-1][1] - marks[0][1]))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(streams)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(client, streams)
     tpots.sort()
     return {"streams": streams, "tok_s": tokens[0] / wall, "tpot_ms_p50": _pct(tpots, 50),
             "tpot_ms_p90": _pct(tpots, 90), "requests": streams * requests}
