@@ -40,6 +40,14 @@ torch), and starts `python -m vllm.entrypoints.openai.api_server` with `--dtype 
 the runs before session 21 (issue 39 found the default the faster one); the ratios are against
 the default. `--no-vllm` measures specserve alone (the ratios are then absent).
 
+`--target-configs` (issue 52 item 4, ADR 0028): specserve's stack once a round for each target
+configuration named, `NAME=THREADS[+passive]` (THREADS 0: the stack's own rule; e.g.
+`main=1,default=0`, main's default before this change beside this one's), in a rotated order;
+each configuration gets its own summary (`summary.by_config`), the last named on top. Every
+cell records the CPU a token of each of the server's processes (`cpu_ms_a_token`, by process:
+vLLM's API server and engine core; specserve's router, Redis, target, replicas, Ray) and the
+client's, and the load average: where a token's time goes in each system.
+
     python bench/bench_peer.py [--models models] [--streams 1,4,16] [--k 4]
 
 Results: bench/results/peer.json and peer.png.

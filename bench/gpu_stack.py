@@ -46,7 +46,9 @@ ARMS = ("plain", "eagle-local")
 def stack_spec(pair: Path, run_dir: str, device: str, max_batch: int) -> StackSpec:
     return StackSpec(
         pair_dir=str(pair), run_dir=run_dir, pools={"eagle-local": PoolSpec("eagle", local=True)},
-        target_ray=False,
+        # the forward runs on the device: torch's CPU threads serve the host's few ops, at the
+        # worker's own default (TargetSettings.torch_threads), what a deployment's target gets
+        target_ray=False, target_threads=2,
         env={"SPECSERVE_TARGET_DEVICE": device, "SPECSERVE_TARGET_MAX_BATCH": str(max_batch),
              "SPECSERVE_TARGET_MAX_SESSIONS": str(2 * max_batch)},
         router_env={"SPECSERVE_ROUTER_HTTP_MAX_IN_FLIGHT": "4096", "SPECSERVE_ROUTER_MAX_CONCURRENT_RPCS": "8192"})
