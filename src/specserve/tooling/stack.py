@@ -41,18 +41,16 @@ class PoolSpec:
 
 
 def local_target_threads(cores: int | None = None, reserved: int = 1) -> int:
-    """The target's torch threads when every service shares this machine. Where its cores but
-    those the other services need (`reserved`: one for the router, Redis and the clients, one for
-    each router more and each thread of a draft model replica; `StackSpec.reserved_cores`) leave
-    the target two or more, those (vLLM's CPU build keeps the same rule: its OpenMP threads on
-    every core but the one it leaves to its scheduler and API server). Where they would leave it
-    one, every core: a one-thread target leaves the other core mostly idle (issue 52: 2.01 ms of
-    CPU a token in 2.15 ms of wall at 16 streams), and a team that shares its cores with the
-    services waits passively (`target_omp_env`), which is what kept it from stalling when they
-    ran (ADR 0014 measured the stall with libgomp's spinning wait; ADR 0028 the passive one)."""
+    """The target's torch threads when every service shares this machine: its cores but those
+    the other services need (`reserved`: one for the router, Redis and the clients, one for each
+    router more and each thread of a draft model replica; `StackSpec.reserved_cores`), at least
+    one. vLLM's CPU build keeps the same rule (its OpenMP threads on every core but the one it
+    leaves to its scheduler and API server). On 2 cores that is one thread: a 2-thread target,
+    even waiting passively, served 0.75-0.86x of the 1-thread one's tok/s beside vLLM
+    (bench_peer, ADR 0028), and with libgomp's spinning wait its team stalled whenever the
+    other services ran (ADR 0014)."""
     cores = cores if cores is not None else (os.cpu_count() or 2)
-    own = cores - reserved
-    return own if own >= 2 else max(1, cores)
+    return max(1, cores - reserved)
 
 
 def target_omp_env(threads: int, reserved: int, cores: int | None = None,
