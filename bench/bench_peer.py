@@ -344,8 +344,8 @@ def main() -> None:
               "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "rounds": a.rounds, "order": a.order,
               "target_configs": threads_seen, "exact_batching": a.exact_batching,
               "vllm": None if a.no_vllm else VLLM_SPEC,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": cells, "each_cell": rows,
-              "summary": summary}
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": _textless(cells),
+              "each_cell": _textless(rows), "summary": summary}  # (the texts' agreement is in the summary)
     (out / "peer.json").write_text(json.dumps(result, indent=1))
     _plot(cells, loads, out / "peer.png")
     print(json.dumps(summary, indent=1))
@@ -373,6 +373,10 @@ def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> lis
         finally:
             server.stop()
     return rows
+
+
+def _textless(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]
 
 
 def target_configs(text: str) -> list[tuple[str, int, dict[str, str]]]:
