@@ -11,6 +11,7 @@ environment are read when it starts):
 - `tN-passive`: every core, `OMP_WAIT_POLICY=passive` (a worker sleeps at once at the end of a
   parallel region: torch here ships GNU OpenMP, libgomp; Intel's `KMP_BLOCKTIME=0` is the same
   knob of libiomp5, which this torch does not load);
+- `tN-spinX`: every core, libgomp spinning X times before it sleeps (`GOMP_SPINCOUNT`);
 - `tN-swX`: every Python process of the stack with a GIL switch interval of X ms (Python's
   default is 5: a thread that waits for the GIL asks for it after that long);
 - `default`: what `StackSpec()` gives now (whatever `local_target_threads` and the stack's
@@ -67,6 +68,8 @@ def config_spec(name: str, models: Path, run_dir: Path) -> StackSpec:
     for opt in opts:
         if opt == "passive":
             spec.env = {k: v for k, v in spec.env.items() if k != "GOMP_SPINCOUNT"} | {"OMP_WAIT_POLICY": "PASSIVE"}
+        elif opt.startswith("spin"):  # libgomp's spin count before a waiting thread sleeps
+            spec.env = {**spec.env, "GOMP_SPINCOUNT": opt[4:]}
         elif opt.startswith("sw"):  # every service's GIL switch interval, in ms (Python's default: 5)
             spec.env = {**spec.env, "PYTHONPATH": str(_switch_dir(run_dir)), "BENCH_SWITCH_MS": opt[2:]}
     return spec
