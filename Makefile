@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup prometheus-tools proto models test test-serial test-unit test-faults helm-lint bench gpu-check lint run down demo-local clean
+.PHONY: setup prometheus-tools proto models test test-serial test-unit test-faults helm-lint bench gpu-check gpu-stack gpu-stack-bundle lint run down demo-local clean
 
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := src/specserve/v1/__init__.py
@@ -85,6 +85,15 @@ test-faults: setup
 # plain decoding (issue 51 item 7), then the engine loop; at most 8 minutes of an H200's time.
 gpu-check: setup
 	PYTHON=$(abspath $(PY)) OUT=bench/results/gpu bash bench/gpu_check.sh
+
+# The whole stack on a GPU node (ADR 0028): router, Redis and the target with eagle-local, the
+# target in a plain process (no Ray there). `gpu-stack-bundle` packs what the node lacks (wheels,
+# redis-server, the stubs) into .cache/gpu-stack.tar.xz, which the device call carries.
+gpu-stack-bundle: setup
+	PYTHON=$(abspath $(PY)) bash bench/gpu_stack_bundle.sh
+
+gpu-stack: setup
+	PYTHON=$(abspath $(PY)) OUT=bench/results/gpu bash bench/gpu_stack.sh --device cuda
 
 bench: setup
 	$(PY) bench/bench_engine.py --models $(MODELS_DIR) --out bench/results

@@ -56,7 +56,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import parser, warn_if_busy
+from common import engine_running, parser, warn_if_busy
 from profiles import H200_STEP
 
 from specserve.tooling.stack import Stack, StackSpec
@@ -277,8 +277,11 @@ def prompt(i: int) -> list[int]:
 class Clients:
     """`streams` streams over one API, each sending requests one after another until `stop`."""
 
-    def __init__(self, api: str, routers: list[str], https: list[str], streams: int, tokens: int) -> None:
+    def __init__(self, api: str, routers: list[str], https: list[str], streams: int, tokens: int,
+                 pool: str = "none", k: int = 0, prompts: list[list[int]] | None = None) -> None:
         self.api, self.routers, self.https, self.streams, self.tokens = api, routers, https, streams, tokens
+        self.pool, self.k = pool, k  # the draft pool and K each request names (gpu_stack.py's arms)
+        self.prompt = (lambda i: prompts[i % len(prompts)]) if prompts else prompt
         self.done: list[Request] = []
         self.errors: list[str] = []
         self.stop = False
@@ -304,8 +307,9 @@ class Clients:
         from specserve.v1 import generation_pb2
 
         while not self.stop:
-            req = generation_pb2.GenerateRequest(max_tokens=self.tokens, draft_pool="none", banned_token_ids=[EOS])
-            req.prompt_ids.ids.extend(prompt(self.sent))
+            req = generation_pb2.GenerateRequest(max_tokens=self.tokens, draft_pool=self.pool, banned_token_ids=[EOS],
+                                                 **({"num_draft_tokens": self.k} if self.k else {}))
+            req.prompt_ids.ids.extend(self.prompt(self.sent))
             self.sent += 1
             r = Request(time.perf_counter())
             try:
@@ -323,9 +327,10 @@ class Clients:
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
             while not self.stop:
-                body = json.dumps({"model": "specserve", "prompt": prompt(self.sent), "max_tokens": self.tokens,
+                body = json.dumps({"model": "specserve", "prompt": self.prompt(self.sent), "max_tokens": self.tokens,
                                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                                   "draft_pool": "none"}).encode()
+                                   "draft_pool": self.pool, **({"num_draft_tokens": self.k} if self.k else {})}
+                                  ).encode()
                 self.sent += 1
                 r = Request(time.perf_counter())
                 writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
@@ -379,8 +384,9 @@ async def _sse(reader: asyncio.StreamReader, r: Request) -> None:
 
 # ---- one cell ----
 
-def run_cell(roles: Roles, stack: Stack, api: str, streams: int, a) -> dict:
-    clients = Clients(api, stack.info.routers, stack.info.https, streams, a.tokens)
+def run_cell(roles: Roles, stack: Stack, api: str, streams: int, a, pool: str = "none", k: int = 0,
+             prompts: list[list[int]] | None = None) -> dict:
+    clients = Clients(api, stack.info.routers, stack.info.https, streams, a.tokens, pool, k, prompts)
 
     async def measured() -> tuple[dict, dict]:
         task = asyncio.ensure_future(clients.run())
@@ -460,11 +466,9 @@ def engine_alone(pair: Path, loads: list[int], tokens: int, seconds: float) -> d
     loop = EngineLoop(model, lambda p: StopChecker(frozenset(target.eos_token_ids), tuple(p.stop), str), {}, None,
                       observers=[Watch()], budget=Budget(max_batch=256),
                       simulated_step_ms=lambda step, out: H200_STEP.step_ms(len(step.rows)))
-    stop = threading.Event()
-    running = model_thread.submit(loop.run_forever, stop)
     params = GenerationParams(max_tokens=tokens, sampling=SamplingParams(banned_token_ids=(EOS,)), seed=0)
     out = {}
-    try:
+    with engine_running(loop, model_thread):
         for streams in loads:
             tpots: list[float] = []
             requests = max(2, min(20, int(seconds / (tokens * H200_STEP.step_ms(streams) / 1e3))))
@@ -487,11 +491,6 @@ def engine_alone(pair: Path, loads: list[int], tokens: int, seconds: float) -> d
             tpots.sort()
             out[streams] = {"tpot_ms_p50": _pct(tpots, 50), "tpot_ms_p90": _pct(tpots, 90),
                             "step_ms": H200_STEP.step_ms(streams), "requests": len(tpots)}
-    finally:
-        stop.set()
-        loop.wake()
-        running.result(10)
-        model_thread.shutdown()
     return out
 
 

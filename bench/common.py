@@ -5,6 +5,7 @@ and the clients' threads. The scripts run from the repository root as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -30,6 +31,21 @@ def warn_if_busy(advice: str = "run on an idle machine for numbers to publish") 
         print(f"[bench] warning: load average {load[0]:.2f} before the run: timings will be noisy; {advice}",
               file=sys.stderr)
     return load
+
+
+@contextlib.contextmanager
+def engine_running(loop, model_thread):
+    """An in-process engine loop running on its model thread for the block; stopped, joined and
+    its thread shut down however the block ends."""
+    stop = threading.Event()
+    running = model_thread.submit(loop.run_forever, stop)
+    try:
+        yield
+    finally:
+        stop.set()
+        loop.wake()
+        running.result(10)
+        model_thread.shutdown()
 
 
 def run_threads(client: Callable[[int], None], n: int) -> float:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +40,31 @@ class PoolSpec:
     local: bool = False
 
 
-def local_target_threads() -> int:
-    """The target's torch threads when every service shares this machine: all cores but one,
-    at most 2. The router, Redis, the drafts and the clients need a core; on 2 cores a 2-thread
-    target's OpenMP team stalled whenever they ran (bench_peer: the stack kept 0.49-0.57 of the
-    engine in process with 2 threads, 0.72-1.07 with 1; ADR 0014, session 11)."""
-    return max(1, min(2, (os.cpu_count() or 2) - 1))
+def local_target_threads(cores: int | None = None, reserved: int = 1) -> int:
+    """The target's torch threads when every service shares this machine: its cores but those
+    the other services need (`reserved`: one for the router, Redis and the clients, one for each
+    router more and each thread of a draft model replica; `StackSpec.reserved_cores`), at least
+    one. vLLM's CPU build keeps the same rule (its OpenMP threads on every core but the one it
+    leaves to its scheduler and API server). On 2 cores that is one thread: a 2-thread target,
+    even waiting passively, served 0.75-0.86x of the 1-thread one's tok/s beside vLLM
+    (bench_peer, ADR 0028), and with libgomp's spinning wait its team stalled whenever the
+    other services ran (ADR 0014)."""
+    cores = cores if cores is not None else (os.cpu_count() or 2)
+    return max(1, cores - reserved)
+
+
+def target_omp_env(threads: int, reserved: int, cores: int | None = None,
+                   environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """OpenMP's environment for the target: a team that shares cores with the other services
+    (threads + reserved > cores) waits passively, its threads sleeping at the end of each
+    parallel region instead of spinning on cores the router and Redis need (torch here runs GNU
+    OpenMP, libgomp, whose knob this is; Intel's libiomp5 reads KMP_BLOCKTIME=0 for the same).
+    A wait policy or spin count already in `environ` (the launcher's, the spec's) stands."""
+    cores = cores if cores is not None else (os.cpu_count() or 2)
+    named = set(os.environ if environ is None else environ)
+    if threads < 2 or threads + reserved <= cores or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & named:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass
@@ -59,7 +78,7 @@ class StackSpec:
     redis_ha: bool = False
     redis_cluster: bool = False  # or a Redis Cluster: three masters, a replica each (ADR 0023)
     key_prefix: str = "specserve"
-    target_threads: int = field(default_factory=local_target_threads)
+    target_threads: int = 0  # 0: local_target_threads(reserved=reserved_cores()), this machine's cores but theirs
     routers: int = 1  # router replicas (same Redis, same pools)
     router_env: dict[str, str] = field(default_factory=dict)
     router_env_each: list[dict[str, str]] = field(default_factory=list)  # router i's own additions
@@ -67,6 +86,21 @@ class StackSpec:
     tls_dir: str = ""  # tls.crt/tls.key/ca.crt: TLS on every hop, mTLS to workers (ADR 0011)
     http_port: int = 0  # router 0's HTTP API port (0 = a free one; the others always take a free one)
     tensor_parallel: int = 1  # the target over this many ranks (ADR 0030), target_threads each
+    # False: the target in a plain process, without Ray (`services/target/plain.py`): for a node
+    # that has no Ray, such as the GPU check's (ADR 0028); nobody restarts it there
+    target_ray: bool = True
+
+    def __post_init__(self) -> None:
+        if self.target_threads <= 0:
+            self.target_threads = local_target_threads(reserved=self.reserved_cores())
+
+    def reserved_cores(self) -> int:
+        """The cores the services beside the target need: one for the router, Redis and the
+        clients, one for each router more, and a draft model replica's torch threads each (an
+        n-gram replica runs no model; a pool drafted inside the target runs on its engine thread)."""
+        replicas = sum(ps.replicas * int(ps.env.get("SPECSERVE_DRAFT_TORCH_THREADS", "1"))
+                       for ps in self.pools.values() if not ps.local and ps.model != "ngram")
+        return self.routers + replicas
 
 
 @dataclass
@@ -252,10 +286,13 @@ class Stack:
         spec, pair = self.spec, Path(self.spec.pair_dir)
         target_info = self.run_dir / "target.json"
         target_info.unlink(missing_ok=True)
-        proc, log = self._spawn("target", "specserve.services.target", {
+        module = "specserve.services.target" if spec.target_ray else "specserve.services.target.plain"
+        proc, log = self._spawn("target", module, {
             "SPECSERVE_TARGET_MODEL": str(pair / "target"), "SPECSERVE_TARGET_REDIS_URL": self.info.redis_url,
             "SPECSERVE_TARGET_KEY_PREFIX": spec.key_prefix, "SPECSERVE_TARGET_INFO_FILE": str(target_info),
             "SPECSERVE_TARGET_TORCH_THREADS": str(spec.target_threads), "RAY_USAGE_STATS_ENABLED": "0",
+            **target_omp_env(spec.target_threads * spec.tensor_parallel, spec.reserved_cores(),
+                             environ={**os.environ, **spec.env}),
             "SPECSERVE_TARGET_TENSOR_PARALLEL": str(spec.tensor_parallel),
             "SPECSERVE_TARGET_METRICS_PORT": "0", "SPECSERVE_TARGET_DRAFT_POOLS": json.dumps(self.info.pools),
             # the remote pools of EAGLE heads: the target sends them its features on the Link

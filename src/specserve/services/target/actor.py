@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 
 from specserve.config import TargetSettings
@@ -20,12 +21,14 @@ ENGINE_FAILED_EXIT = 70  # the process's status when its engine loop failed (EX_
 
 def _ray_gpu_ids() -> list:
     """The GPUs Ray gave this actor (it sets CUDA_VISIBLE_DEVICES to them: they are cuda:0
-    upwards here); empty outside Ray or without num_gpus."""
+    upwards here); empty outside Ray or without num_gpus. Outside a Ray worker (the plain
+    process of `plain.py`) Ray is not asked: `ray.get_gpu_ids()` would start a local cluster."""
+    ray = sys.modules.get("ray")  # a Ray worker has it imported
+    if ray is None or not ray.is_initialized():
+        return []
     try:
-        import ray
-
         return list(ray.get_gpu_ids())
-    except Exception:  # noqa: BLE001 - outside a Ray worker
+    except Exception:  # noqa: BLE001 - not a worker after all
         return []
 
 
