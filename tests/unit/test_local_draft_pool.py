@@ -226,3 +226,32 @@ def test_without_a_device_step_neither_local_pool_takes_one(demo_pair, demo_pair
     assert device_pool(pools, fixed) == "e"
     assert device_pool({"d": [LOCAL_DRAFT], "d2": [LOCAL_DRAFT]}, fixed) == "d"
     assert device_pool({"n": [LOCAL_NGRAM]}, fixed) is None
+
+
+def test_the_kv_budget_holds_the_draft_models_kv_beside_the_targets(demo_pair, demo_pair_dir):
+    """The draft model in the round keeps its KV over every slot of the target (ADR 0025): the
+    target's slots leave it room, so both fit the budget (on a GPU the budget is the memory the
+    weights leave: past it, an out-of-memory at start). A budget of 10.25 of the target's slots:
+    10 slots for the target alone and the draft's KV past the budget, before."""
+    from specserve.models.verifier import TargetModel
+    from specserve.services.target.actor import draft_sources
+    from specserve.services.target.local_draft import target_batching
+    from specserve.worker.model_step import make_target_step
+
+    slot_mb = 256 * 2 * 6 * 8 * 64 * 4 / 2**20  # 256 positions, K and V, 6 layers, 8 KV heads of 64, fp32
+    s = TargetSettings(model=str(demo_pair_dir / "target"), draft_pools={"draft-local": [LOCAL_DRAFT]},
+                       kv_budget_mb=10.25 * slot_mb, max_len=256, max_sessions=32, prefill_chunk=16, max_batch=4,
+                       device="cpu", dtype="fp32")
+    b = target_batching(s, fixed_step=True)
+    assert b.drafter_kv_share == pytest.approx((1 * 4 * 32) / (6 * 8 * 64))
+    assert b.drafter_params == sum(p.numel() for p in demo_pair.draft.parameters())  # (its weights, reserved)
+    engine = make_target_step(TargetModel(demo_pair.target), b)
+    draft_sources(s, engine, engine.target, None, None, None)
+    kv = engine.runner.kv
+    target_bytes = sum(k.numel() * k.element_size() * 2 for k in kv.keys)
+    assert target_bytes == kv.num_slots * slot_mb * 2**20
+    assert target_bytes + engine.heads.device.kv_bytes <= s.kv_budget_mb * 2**20
+    assert kv.num_slots == 9  # one slot less than the target alone, not more
+    alone = target_batching(s.model_copy(update={"draft_pools": {}}), fixed_step=True)
+    assert alone.drafter_kv_share == 0 and alone.drafter_params == 0
+    assert target_batching(s).drafter_kv_share == 0  # the CPU default drafts on the host: no KV beside the slots

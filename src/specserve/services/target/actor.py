@@ -164,7 +164,7 @@ class TargetWorker:
 def _build(s: TargetSettings):
     """(the target, its model step), warmed up; on the model thread. A tensor-parallel target:
     ranks 1..N-1 beside this one, each with its shard (ADR 0030)."""
-    from specserve.worker.model_step import Batching, make_target_step, warm_up
+    from specserve.worker.model_step import make_target_step, warm_up
 
     if s.tensor_parallel > 1:
         from specserve.services.target.tp_group import start_ranks
@@ -174,9 +174,10 @@ def _build(s: TargetSettings):
     else:
         from specserve.models.loading import load_model
         from specserve.models.verifier import TargetModel
+        from specserve.services.target.local_draft import target_batching
 
         target = TargetModel(load_model(s.model))
-        engine = make_target_step(target, Batching.from_settings(s))
+        engine = make_target_step(target, target_batching(s))  # (room for a draft model in its rounds)
     warm_up(engine)  # the batched step once, before the engine loop owns the model
     if s.tensor_parallel > 1:
         engine.check()  # every rank's pid and state, for the registry

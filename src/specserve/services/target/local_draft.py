@@ -28,16 +28,59 @@ def has_device_step(engine: Any) -> bool:
     return runner is not None and getattr(runner, "device_step", None) is not None and hasattr(engine, "enable_head")
 
 
-def device_pool(pools: dict[str, list[str]], engine: Any) -> str | None:
-    """The one pool whose drafter runs inside the device step's rounds: the first `local:eagle`
-    pool, else the first `local:draft` pool; None where the target has no device step."""
-    if not has_device_step(engine):
-        return None
+def device_local(pools: dict[str, list[str]]) -> str | None:
+    """The one pool whose drafter runs inside the device step's rounds where there is one: the
+    first `local:eagle` pool, else the first `local:draft` pool."""
     for local in (LOCAL_EAGLE, LOCAL_DRAFT):
         for name, addrs in pools.items():
             if addrs == [local]:
                 return name
     return None
+
+
+def device_pool(pools: dict[str, list[str]], engine: Any) -> str | None:
+    """`device_local`, where the target runs the device step; else None."""
+    return device_local(pools) if has_device_step(engine) else None
+
+
+def _kv_per_position(config: dict) -> int:
+    """Keys and values a position, every layer (elements; the same dtype on both sides)."""
+    heads = int(config.get("num_attention_heads", 1))
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // max(heads, 1))
+    return int(config.get("num_hidden_layers", 0)) * int(config.get("num_key_value_heads") or heads) * head_dim
+
+
+def target_batching(s: TargetSettings, fixed_step: bool | None = None) -> Any:
+    """The target's batching settings (`fixed_step`: forced, as tests do); where its `local:draft`
+    pool will draft inside the device step's rounds, the KV budget holds the draft's KV beside
+    the target's and the reserve the draft's weights (`Batching.drafter_kv_share`), so the draft
+    takes no memory the budget gave the target's slots (on a GPU: no out-of-memory at start)."""
+    import json
+    from dataclasses import replace
+
+    from safetensors import safe_open
+
+    from specserve.worker.model_step import Batching, runs_device_step
+
+    b = Batching.from_settings(s)
+    b = b if fixed_step is None else replace(b, fixed_step=fixed_step)
+    holder = device_local(s.draft_pools)
+    directory = local_draft_dir(s)
+    if holder is None or s.draft_pools[holder] != [LOCAL_DRAFT] or s.tensor_parallel > 1 or \
+            not runs_device_step(b) or not (directory / "config.json").is_file():
+        return b  # (a missing draft model is refused with its message when the pool is built)
+    draft = json.loads((directory / "config.json").read_text())
+    target = json.loads((Path(s.model) / "config.json").read_text())
+    params = 0
+    for f in directory.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 - safe_open is no mapping
+                n = 1
+                for d in weights.get_slice(name).get_shape():
+                    n *= d
+                params += n
+    return replace(b, drafter_kv_share=_kv_per_position(draft) / max(_kv_per_position(target), 1),
+                   drafter_params=params)
 
 
 def load_local_draft(s: TargetSettings, target_vocab: int) -> Any:
