@@ -255,3 +255,18 @@ def test_the_kv_budget_holds_the_draft_models_kv_beside_the_targets(demo_pair, d
     alone = target_batching(s.model_copy(update={"draft_pools": {}}), fixed_step=True)
     assert alone.drafter_kv_share == 0 and alone.drafter_params == 0
     assert target_batching(s).drafter_kv_share == 0  # the CPU default drafts on the host: no KV beside the slots
+
+
+def test_specserve_up_starts_draft_local_and_the_stack_names_its_model(demo_pair_dir, tmp_path):
+    from specserve.tooling.cli.stack import _stack_spec
+    from specserve.tooling.stack import PoolSpec, StackError, StackSpec, local_draft_env
+
+    spec = _stack_spec(demo_pair_dir, tmp_path / "run")
+    assert spec.pools["draft-local"] == PoolSpec("draft", local=True)
+    assert local_draft_env(spec) == {"SPECSERVE_TARGET_LOCAL_DRAFT_MODEL": str(demo_pair_dir / "draft")}
+    assert local_draft_env(StackSpec(str(demo_pair_dir), "run", pools={"n": PoolSpec("ngram", local=True)})) == {}
+    other = _copy_draft(demo_pair_dir, tmp_path / "other")
+    for pools, match in (({"a": PoolSpec("draft", local=True), "b": PoolSpec(str(other), local=True)}, "one draft"),
+                         ({"a": PoolSpec(str(tmp_path / "none"), local=True)}, "no model at")):
+        with pytest.raises(StackError, match=match):
+            local_draft_env(StackSpec(str(demo_pair_dir), "run", pools=pools))
