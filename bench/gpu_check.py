@@ -136,7 +136,11 @@ def identity(models: Path, device: torch.device, dtype: torch.dtype, n_prompts: 
 
         res["rounds"] = rounds_identity(pair, model, device, dtype_setting, prompts[:round_prompts or None],
                                         new_tokens, k, TOLERANCE[dtype])
-        res["ok"] = res["ok"] and res["rounds"]["ok"]
+        from gpu_local_draft import local_draft_identity  # the local:draft pool as a target builds it
+
+        res["local_draft"] = local_draft_identity(pair, model, device, dtype_setting, prompts[:round_prompts or None],
+                                                  new_tokens, k, TOLERANCE[dtype])
+        res["ok"] = res["ok"] and res["rounds"]["ok"] and res["local_draft"]["ok"]
     return res
 
 
@@ -587,6 +591,11 @@ def targets(res: dict, args) -> dict:
     if ident is not None:
         out["greedy identity, eagle-local rounds (chains, trees) on the demo pair"] = \
             (sum(len(v["failures"]) for v in ident.values() if isinstance(v, dict)), "0 failures", ident["ok"])
+    pool = res["identity"].get("local_draft")
+    if pool is not None:  # the product pool: settings -> the target's build -> the engine loop
+        out["greedy identity, the local:draft pool in the round on the demo pair"] = \
+            (f"{len(pool['failures'])} failures, {len(pool['near_ties'])} near-ties, {pool['source']}, "
+             f"rounds {pool['rounds']}", "0 failures", pool["ok"] and pool["source"] == "DeviceDraftModelDrafts")
     for mode, other in res["modes"].items():  # the other arms side by side (the fusions: issue 51 item 7)
         if mode != args.graphs[0]:
             for row, first in zip(other["speed"], m["speed"], strict=True):

@@ -251,34 +251,46 @@ def rounds_identity(pair, model, device: torch.device, dtype_setting: str, promp
     only at a near-tie of HF's top two logits (within `tolerance`)."""
     from specserve.drafters.eagle import load_head
 
-    refs = []
-    for ids in prompts:  # transformers' greedy tokens and logits, once for both shapes
-        with torch.inference_mode():
-            gen = model.generate(torch.tensor([ids], device=device), max_new_tokens=new_tokens, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device))
-        refs.append((gen.sequences[0, len(ids):].tolist(), [lg[0].float() for lg in gen.logits]))
+    refs = hf_greedy(model, device, prompts, new_tokens)  # (once for both shapes)
     out: dict = {}
     for width in (1, 2):
         t = BatchedTarget(TargetModel(model), Batching(device=str(device), dtype=dtype_setting, max_sessions=4,
                                                        max_len=512, fixed_step=True, max_batch=4, capture_budget_s=5.0,
                                                        capture_k=k, capture_tree_width=width))
         t.enable_head(load_head(pair / "eagle"))
-        compared, near, failures = 0, [], []
-        for i, (ids, (want, logits)) in enumerate(zip(prompts, refs, strict=True)):
-            got = _decode_rounds(t, ids, new_tokens, k, width)
-            j = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
-            compared += len(want) if j is None else j + 1
-            if j is not None:
-                top2 = logits[j].topk(2).values
-                gap = float(top2[0] - top2[1])
-                (near if gap <= tolerance else failures).append({"prompt": i, "token": j, "gap": gap})
+        got = [_decode_rounds(t, ids, new_tokens, k, width) for ids in prompts]
         ds = t.runner.device_step
         out["trees" if width > 1 else "chains"] = {
-            "tokens_compared": compared, "near_ties": near, "failures": failures, "ok": not failures,
+            **agreement(got, refs, tolerance),
             "replayed": ds.counts.replayed if ds is not None else 0, "eager": ds.counts.eager if ds is not None else 0}
     out["ok"] = all(v["ok"] for v in out.values())
     return out
+
+
+def hf_greedy(model, device: torch.device, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list]]:
+    """transformers' greedy tokens of each prompt and the logits of each step."""
+    refs = []
+    for ids in prompts:
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([ids], device=device), max_new_tokens=new_tokens, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device))
+        refs.append((gen.sequences[0, len(ids):].tolist(), [lg[0].float() for lg in gen.logits]))
+    return refs
+
+
+def agreement(got: list[list[int]], refs: list[tuple[list[int], list]], tolerance: float) -> dict:
+    """Each prompt's tokens against transformers' (`hf_greedy`): up to the first difference,
+    which is a near-tie where HF's top two logits there are within `tolerance`, else a failure."""
+    compared, near, failures = 0, [], []
+    for i, (tokens, (want, logits)) in enumerate(zip(got, refs, strict=True)):
+        j = next((j for j, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), None)
+        compared += len(want) if j is None else j + 1
+        if j is not None:
+            top2 = logits[j].topk(2).values
+            gap = float(top2[0] - top2[1])
+            (near if gap <= tolerance else failures).append({"prompt": i, "token": j, "gap": gap})
+    return {"tokens_compared": compared, "near_ties": near, "failures": failures, "ok": not failures}
 
 
 def _decode_rounds(t: BatchedTarget, ids: list[int], n: int, k: int, width: int) -> list[int]:

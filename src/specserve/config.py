@@ -10,17 +10,20 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Pools drafted inside the target's own process, on the engine's thread (no replica, no
 # network hop on any round): by prompt lookup (ADR 0014, "n-gram beside the target"), by an
-# EAGLE-style head from the target's own features (ADR 0020), or by suffix decoding over the
-# session and its class's outputs, shared by the fleet (ADR 0026). Each is its pool's only address.
+# EAGLE-style head from the target's own features (ADR 0020), by suffix decoding over the
+# session and its class's outputs, shared by the fleet (ADR 0026), or by a draft model with the
+# target's vocabulary, inside the target's round where the target runs the device step (ADR
+# 0025). Each is its pool's only address.
 LOCAL_NGRAM = "local:ngram"
 LOCAL_EAGLE = "local:eagle"
 LOCAL_SUFFIX = "local:suffix"
-LOCAL = (LOCAL_NGRAM, LOCAL_EAGLE, LOCAL_SUFFIX)
+LOCAL_DRAFT = "local:draft"
+LOCAL = (LOCAL_NGRAM, LOCAL_EAGLE, LOCAL_SUFFIX, LOCAL_DRAFT)
 
 
 def pools_have_replicas(v: dict[str, list[str]]) -> dict[str, list[str]]:
     """draft_pools (router and target): every pool names at least one replica, or is one local
-    drafter alone (`local:ngram`, `local:eagle`, `local:suffix`)."""
+    drafter alone (`local:ngram`, `local:eagle`, `local:suffix`, `local:draft`)."""
     for name, addrs in v.items():
         if not addrs:
             raise ValueError(f"draft pool {name!r} has no replica addresses")
@@ -144,6 +147,11 @@ class TargetSettings(WorkerSettings):
     # the EAGLE-style head of a `local:eagle` pool (ADR 0020): its directory; empty = `eagle/`
     # beside the target's model directory (the demo pair ships one)
     eagle_head: str = ""
+    # the draft model of a `local:draft` pool (ADR 0025): its directory, with the target's
+    # tokenizer and vocabulary; empty = `draft/` beside the target's model directory (the demo
+    # pair ships one). Inside the target's round where the target runs the device step, else
+    # on the engine's thread
+    local_draft_model: str = ""
     # remote pools whose replicas draft with that head (`model: eagle`): the target sends them
     # its features of the committed positions on the Link, ahead of each outcome
     eagle_pools: list[str] = Field(default_factory=list)

@@ -26,6 +26,7 @@ CHART_WIRED = {
                "num_gpus", "tls_dir",
                "draft_pools", "tls_server_name",  # the engine's links to the draft pools (ADR 0014)
                "eagle_pools",  # from the pools with model "eagle" (ADR 0020)
+               "local_draft_model",  # from the inTarget pool with a model directory (ADR 0025)
                "tensor_parallel"},  # from target.tensorParallel (ADR 0030: it sizes the pod's GPUs too)
 }
 CLASSES = {"router": RouterSettings, "draft": DraftSettings, "target": TargetSettings}
@@ -208,26 +209,56 @@ def test_an_in_target_ngram_pool_has_no_deployment_and_both_sides_name_it_local(
     assert set(seen) == {"SPECSERVE_ROUTER_DRAFT_POOLS", "SPECSERVE_TARGET_DRAFT_POOLS"}
     for var, pools_json in seen.items():
         assert pools_json["ngram"] == [LOCAL_NGRAM] and pools_json["small"] != [LOCAL_NGRAM], var
-    values["draft"]["pools"][0]["inTarget"] = True  # a model pool cannot
-    assert 'draft.pools "small": inTarget needs model "ngram", "eagle" or "suffix"' in \
+    values["draft"]["pools"][0].update(inTarget=True, model="org/some-hub-id")  # a hub id cannot (offline)
+    assert 'draft.pools "small": inTarget needs model "ngram", "eagle", "suffix" or a draft model\'s directory' in \
         rejected(helm, tmp_path, values)
+
+
+def _in_target_pool(render, tmp_path: Path, pool: dict) -> tuple[dict, list[dict]]:
+    """The default values with `pool` added inTarget, rendered: no Deployment, Service or PDB
+    of its own; (the values, every container's env)."""
+    from rendered import containers, env_of
+
+    values = default_values()
+    values["draft"]["pools"].append({**pool, "inTarget": True, "replicas": 1})
+    path = tmp_path / f"{pool['name']}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    manifests = render(path)
+    assert pool["name"] not in {m["metadata"]["labels"].get("specserve.io/pool") for m in manifests
+                                if m["kind"] in ("Deployment", "Service", "PodDisruptionBudget")}
+    return values, [env_of(c) for _, _, c in containers(manifests)]
+
+
+def test_an_in_target_draft_model_pool_is_local_draft_with_the_targets_draft_model(helm, render, tmp_path):
+    """ADR 0025: a pool with a model directory and inTarget is local:draft on both sides (no
+    Deployment), and the target is told the directory (SPECSERVE_TARGET_LOCAL_DRAFT_MODEL);
+    without such a pool the target gets no directory; two directories are refused."""
+    from rendered import containers, env_of
+
+    from specserve.config import LOCAL_DRAFT
+
+    values, envs = _in_target_pool(render, tmp_path, {"name": "draft-local", "model": "/models/draft"})
+    for var in ("SPECSERVE_ROUTER_DRAFT_POOLS", "SPECSERVE_TARGET_DRAFT_POOLS"):
+        pools = json.loads(next(e for e in envs if var in e)[var]["value"])
+        assert pools["draft-local"] == [LOCAL_DRAFT] and pools["small"] != [LOCAL_DRAFT], var
+    target = next(e for e in envs if "SPECSERVE_TARGET_DRAFT_POOLS" in e)
+    assert target["SPECSERVE_TARGET_LOCAL_DRAFT_MODEL"]["value"] == "/models/draft"
+    assert TargetSettings(model="/models/target", local_draft_model=target["SPECSERVE_TARGET_LOCAL_DRAFT_MODEL"][
+        "value"], draft_pools=json.loads(target["SPECSERVE_TARGET_DRAFT_POOLS"]["value"])).local_draft_model
+    plain = [env_of(c) for _, _, c in containers(render())]
+    assert not any("SPECSERVE_TARGET_LOCAL_DRAFT_MODEL" in e for e in plain)
+    values["draft"]["pools"].append({"name": "other-local", "model": "/models/other", "inTarget": True,
+                                     "replicas": 1})
+    assert "the target drafts inside itself with one draft model" in rejected(helm, tmp_path, values)
 
 
 def test_a_suffix_pool_is_drafted_inside_the_target_only(helm, render, tmp_path):
     """ADR 0026: `model: suffix` with inTarget is local:suffix on both sides (no Deployment);
     without inTarget the chart refuses it (there is no suffix replica to deploy)."""
-    from rendered import containers, env_of
 
     from specserve.config import LOCAL_SUFFIX
 
-    values = default_values()
-    values["draft"]["pools"].append({"name": "suffix", "model": "suffix", "inTarget": True, "replicas": 1})
-    path = tmp_path / "suffix.yaml"
-    path.write_text(yaml.safe_dump(values))
-    manifests = render(path)
-    assert "suffix" not in {m["metadata"]["labels"].get("specserve.io/pool") for m in manifests
-                            if m["kind"] in ("Deployment", "Service", "PodDisruptionBudget")}
-    envs = [env_of(c) for _, _, c in containers(manifests)]
+    values, envs = _in_target_pool(render, tmp_path, {"name": "suffix", "model": "suffix"})
     for var in ("SPECSERVE_ROUTER_DRAFT_POOLS", "SPECSERVE_TARGET_DRAFT_POOLS"):
         assert json.loads(next(e for e in envs if var in e)[var]["value"])["suffix"] == [LOCAL_SUFFIX], var
     values["draft"]["pools"][-1]["inTarget"] = False

@@ -87,8 +87,8 @@ def otlp_receiver():
 @pytest.fixture(scope="session")
 def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver):
     """The whole system on loopback: its own redis-server, a Ray head owned by the target
-    launcher, pools `small` (2 model replicas), `ngram` (1), `ngram-local`, `eagle-local` and
-    `suffix` (drafted inside the target: no replica) and `eagle` (1 replica of the pair's
+    launcher, pools `small` (2 model replicas), `ngram` (1), `ngram-local`, `eagle-local`,
+    `suffix` and `draft-local` (drafted inside the target: no replica) and `eagle` (1 replica of the pair's
     head), and the router; every service
     exports its spans to `otlp_receiver`."""
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
@@ -100,7 +100,9 @@ def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
                "ngram-local": PoolSpec("ngram", local=True),
                # the pair's EAGLE head, beside the target and on a replica fed its features
                "eagle-local": PoolSpec("eagle", local=True), "eagle": PoolSpec("eagle", replicas=1),
-               "suffix": PoolSpec("suffix", local=True)},  # suffix decoding (ADR 0026)
+               "suffix": PoolSpec("suffix", local=True),  # suffix decoding (ADR 0026)
+               # the pair's draft model inside the target (ADR 0025; on the engine's thread on this CPU)
+               "draft-local": PoolSpec("draft", local=True)},
         target_threads=1,
         # tests kill workers on purpose: fail over fast, and wait long enough for Ray's restart
         router_env={"SPECSERVE_ROUTER_TARGET_WAIT_S": "180",

@@ -56,17 +56,17 @@ def _prompts(eval_prompts, n_per_class: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local", "eagle-local", "eagle", "suffix"])
+@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local", "eagle-local", "eagle", "suffix", "draft-local"])
 def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts, pool):
     drafted = 0
-    # (the eagle pools: 2 prompts a class; the head's drafting on this CPU is the slow part)
-    for item in _prompts(eval_prompts, 2 if pool.startswith("eagle") else 4):
+    # (the eagle pools and draft-local: 2 prompts a class; their drafting on this CPU is the slow part)
+    for item in _prompts(eval_prompts, 2 if pool.startswith("eagle") or pool == "draft-local" else 4):
         resp = stub.Generate(_req(item["prompt"], draft_pool=pool, workload_class=item["workload_class"]), timeout=120)
         assert list(resp.token_ids) == reference(item["prompt"])[: len(resp.token_ids)], item["prompt"][:50]
         assert resp.finish_reason in ("eos", "length")
         assert resp.stats.draft_pool == pool and resp.stats.workload_class == item["workload_class"]
         drafted += resp.stats.draft_tokens
-        if pool in ("ngram-local", "suffix"):  # drafted inside the target at each outcome: never waited for
+        if pool in ("ngram-local", "suffix", "draft-local"):  # drafted inside the target at each outcome: no wait
             assert not [r for r in resp.stats.round if r.fallback_reason == "draft_late"]
         chunks = list(stub.GenerateStream(_req(item["prompt"], draft_pool=pool), timeout=120))
         assert [t for c in chunks for t in c.token_ids] == list(resp.token_ids)
@@ -77,7 +77,7 @@ def test_greedy_through_router_equals_target_only(stub, reference, eval_prompts,
     assert drafted > 0
 
 
-@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local"])
+@pytest.mark.parametrize("pool", ["small", "ngram", "ngram-local", "draft-local"])
 def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair, target_model, eval_prompts, pool):
     """Randomness is keyed by (seed, position, purpose) on every side of the wire, so the
     distributed rounds reproduce the in-process reference decoder's sampled tokens exactly.
@@ -87,7 +87,7 @@ def test_seeded_sampling_through_router_equals_in_process_engine(stub, demo_pair
     from specserve.algorithm.sampling import SamplingParams
     from specserve.drafters import HFDrafter
 
-    drafter = HFDrafter(demo_pair.draft) if pool == "small" else NgramDrafter(target_model.vocab_size)
+    drafter = HFDrafter(demo_pair.draft) if pool in ("small", "draft-local") else NgramDrafter(target_model.vocab_size)
     engine = ReferenceDecoder(target_model, drafter, demo_pair.tokenizer)
     for item in _prompts(eval_prompts, 1):
         want = engine.generate(item["prompt"], GenerationParams(

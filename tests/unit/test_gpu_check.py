@@ -51,11 +51,16 @@ def test_the_smoke_mode_runs_every_part_on_the_cpu(tmp_path):
     draft = res["modes"]["auto"]["draft_in_round"]  # the draft model inside the round (issue 51 item 3)
     assert [r["streams"] for r in draft["speed"]] == [1] and all(r["exact"] for r in draft["speed"][0]["rounds"])
     assert res["identity"]["rounds"]["ok"] and res["identity"]["rounds"]["trees"]["tokens_compared"] >= 2
+    # the local:draft pool as a target builds it (device step forced), a round launched ahead
+    pool = res["identity"]["local_draft"]
+    assert pool["ok"] and pool["source"] == "DeviceDraftModelDrafts" and pool["tokens_compared"] >= 2
+    assert pool["target_kv_bytes"] + pool["draft_kv_bytes"] <= 64 * 2**20 and sum(pool["rounds"].values()) >= 1
     fused = res["modes"]["auto+fused"]  # plain decoding only, side by side with the first arm
     assert [r["streams"] for r in fused["speed"]] == [1, 16] and "head" not in fused
     names = " ".join(res["targets"])
     for figure in ("plain TPOT at 1 stream", "EAGLE head in the round / plain at 16", "tree (2 first candidates",
                    "draft model in the round", "speculative rounds replayed", "greedy identity, eagle-local",
+                   "the local:draft pool in the round",
                    "EAGLE head's cost a position", "auto+fused / auto plain tok/s at 1"):
         assert figure in names, (figure, names)
 

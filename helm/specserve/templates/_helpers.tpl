@@ -301,8 +301,8 @@ affinity:
 {{- fail (printf "draft.pools: pool name %q is used twice" $p.name) -}}
 {{- end -}}
 {{- $_ := set $seen $p.name true -}}
-{{- if and $p.inTarget (not (has ($p.model | toString) (list "ngram" "eagle" "suffix"))) -}}
-{{- fail (printf "draft.pools %q: inTarget needs model \"ngram\", \"eagle\" or \"suffix\" (prompt lookup, the target's EAGLE head or suffix decoding: the only drafters inside the target)" $p.name) -}}
+{{- if and $p.inTarget (not (has ($p.model | toString) (list "ngram" "eagle" "suffix"))) (not (hasPrefix "/" ($p.model | toString))) -}}
+{{- fail (printf "draft.pools %q: inTarget needs model \"ngram\", \"eagle\", \"suffix\" or a draft model's directory (an absolute path under models.mountPath: local:draft, ADR 0025), got %q" $p.name ($p.model | toString)) -}}
 {{- end -}}
 {{- if and (eq ($p.model | toString) "suffix") (not $p.inTarget) -}}
 {{- fail (printf "draft.pools %q: a suffix pool is drafted inside the target only (inTarget: true; ADR 0026)" $p.name) -}}
@@ -333,8 +333,8 @@ affinity:
 {{- end -}}
 
 {{/* SPECSERVE_ROUTER_DRAFT_POOLS: pool -> [its headless Service's DNS name:port], or
-     ["local:<model>"] (local:ngram, local:eagle, local:suffix) for a pool drafted inside the
-     target (inTarget: no Deployment) */}}
+     ["local:<model>"] (local:ngram, local:eagle, local:suffix; local:draft for a model
+     directory) for a pool drafted inside the target (inTarget: no Deployment) */}}
 {{/* SPECSERVE_TARGET_EAGLE_POOLS: the remote pools whose replicas draft with an EAGLE head
      (model "eagle", not inTarget): the target sends them its features (ADR 0020) */}}
 {{- define "specserve.eaglePoolsJson" -}}
@@ -347,10 +347,27 @@ affinity:
 {{- toJson $out -}}
 {{- end -}}
 
+{{/* SPECSERVE_TARGET_LOCAL_DRAFT_MODEL: the directory of the inTarget pools with a model
+     directory (local:draft, ADR 0025); one directory a chart; empty: none */}}
+{{- define "specserve.localDraftModel" -}}
+{{- $dirs := list -}}
+{{- range $p := (include "specserve.draftPools" . | fromYaml).pools -}}
+{{- if and $p.inTarget (hasPrefix "/" ($p.model | toString)) -}}
+{{- $dirs = append $dirs ($p.model | toString) | uniq -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (len $dirs) 1 -}}
+{{- fail (printf "draft.pools: the target drafts inside itself with one draft model (local:draft), got %s" (join ", " $dirs)) -}}
+{{- end -}}
+{{- join "" $dirs -}}
+{{- end -}}
+
 {{- define "specserve.draftPoolsJson" -}}
 {{- $m := dict -}}
 {{- range $p := (include "specserve.draftPools" . | fromYaml).pools -}}
-{{- if $p.inTarget -}}
+{{- if and $p.inTarget (hasPrefix "/" ($p.model | toString)) -}}
+{{- $_ := set $m $p.name (list "local:draft") -}}
+{{- else if $p.inTarget -}}
 {{- $_ := set $m $p.name (list (printf "local:%s" ($p.model | toString))) -}}
 {{- else -}}
 {{- $host := include "specserve.svcHost" (dict "ctx" $ "name" (include "specserve.draftName" (dict "ctx" $ "pool" $p))) -}}

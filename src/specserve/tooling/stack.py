@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM, LOCAL_SUFFIX
+from specserve.config import LOCAL_DRAFT, LOCAL_EAGLE, LOCAL_NGRAM, LOCAL_SUFFIX
 from specserve.tooling.files import write_private
 from specserve.tooling.redis_server import LocalRedis
 
@@ -35,8 +35,9 @@ class PoolSpec:
     model: str
     replicas: int = 1
     env: dict[str, str] = field(default_factory=dict)  # e.g. SPECSERVE_DRAFT_SIMULATED_TOKEN_MS
-    # "ngram", "eagle" and "suffix" only: drafted inside the target (`local:ngram`,
-    # `local:eagle`, `local:suffix`), no replica process
+    # drafted inside the target, no replica process: "ngram", "eagle" and "suffix" as
+    # `local:ngram`, `local:eagle`, `local:suffix`; a model directory as `local:draft` (ADR 0025:
+    # the target's `local_draft_model`, one such directory a stack)
     local: bool = False
 
 
@@ -118,6 +119,18 @@ class StackInfo:
 
 class StackError(RuntimeError):
     pass
+
+
+def local_draft_env(spec: StackSpec) -> dict[str, str]:
+    """The target's `local_draft_model`: the directory of the stack's `local:draft` pools (a model
+    directory with `local=True`, relative to the pair or absolute); none: nothing set."""
+    dirs = sorted({str(Path(spec.pair_dir) / ps.model) for ps in spec.pools.values()
+                   if ps.local and ps.model not in ("ngram", "eagle", "suffix")})
+    if len(dirs) > 1:
+        raise StackError(f"the target drafts inside itself with one draft model (local_draft_model), got {dirs}")
+    if dirs and not (Path(dirs[0]) / "config.json").is_file():
+        raise StackError(f"a local draft pool's model: no model at {dirs[0]}")
+    return {"SPECSERVE_TARGET_LOCAL_DRAFT_MODEL": dirs[0]} if dirs else {}
 
 
 def _wait_file(path: Path, proc: subprocess.Popen, what: str, timeout_s: float, log: Path) -> str:
@@ -253,11 +266,8 @@ class Stack:
             if ps.model == "suffix" and not ps.local:
                 raise StackError(f"pool {pool!r}: a suffix pool drafts inside the target only (local=True)")
             if ps.local:
-                local = {"ngram": LOCAL_NGRAM, "eagle": LOCAL_EAGLE, "suffix": LOCAL_SUFFIX}.get(ps.model)
-                if local is None:
-                    raise StackError(f"pool {pool!r}: only an n-gram pool, an EAGLE head or a suffix pool drafts "
-                                     "inside the target")
-                self.info.pools[pool] = [local]
+                self.info.pools[pool] = [{"ngram": LOCAL_NGRAM, "eagle": LOCAL_EAGLE,
+                                          "suffix": LOCAL_SUFFIX}.get(ps.model, LOCAL_DRAFT)]
                 continue
             for i in range(ps.replicas):
                 name = f"draft-{pool}-{i}"
@@ -298,6 +308,7 @@ class Stack:
             # the remote pools of EAGLE heads: the target sends them its features on the Link
             "SPECSERVE_TARGET_EAGLE_POOLS": json.dumps(
                 [pool for pool, ps in spec.pools.items() if ps.model == "eagle" and not ps.local]),
+            **local_draft_env(spec),
         })
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
         self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"

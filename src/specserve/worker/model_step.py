@@ -105,6 +105,11 @@ class Batching:
     # the same rows (fed its own picks, on the device) before it returns, so the engine's
     # bookkeeping runs while the device computes. None: on where the CUDA graphs are
     lookahead: bool | None = None
+    # a drafter inside the device step's rounds beside the target's slots (ADR 0025: a draft
+    # model): its KV a position over the target's, and its parameters (on the device twice: the
+    # round's copy and the host drafter's). The KV budget then holds both KVs, the reserve the weights
+    drafter_kv_share: float = 0.0
+    drafter_params: int = 0
 
     @classmethod
     def from_settings(cls, s) -> Batching:
@@ -148,9 +153,11 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
     device = resolve_device(b.device)
     dtype = resolve_dtype(b.dtype, device)
 
-    def budget() -> int:  # called once the weights are on the device
+    def budget() -> int:  # called once the weights are on the device (the drafter's come after)
         reserve = activation_reserve_bytes(model.config, b.max_batch * b.prefill_chunk, b.max_batch * SHORT_ROW, dtype)
-        return kv_budget_bytes(device, b.kv_budget_mb, b.gpu_memory_utilization, reserve)
+        reserve += 2 * b.drafter_params * (torch.finfo(dtype).bits // 8)
+        total = kv_budget_bytes(device, b.kv_budget_mb, b.gpu_memory_utilization, reserve)
+        return int(total / (1 + b.drafter_kv_share))  # (the rest: the drafter's KV over the same slots)
 
     if b.cuda_graphs not in ("auto", "off"):
         raise ValueError(f"cuda_graphs must be auto or off, got {b.cuda_graphs!r}")
@@ -164,6 +171,13 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
         capture_startup(runner.enable_device_step(max_rows=b.max_batch, graphs=graphs,
                                                   compile=step_compile(b, graphs), fuse=b.fuse_step), b)
     return runner
+
+
+def runs_device_step(b: Batching) -> bool:
+    """A runner under these settings runs the device step (`make_runner`: the fixed step as
+    forced, else with the CUDA graphs on CUDA)."""
+    graphs = b.cuda_graphs == "auto" and resolve_device(b.device).type == "cuda"
+    return b.fixed_step if b.fixed_step is not None else graphs
 
 
 def capture_startup(step: Any, b: Batching) -> None:

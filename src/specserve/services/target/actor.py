@@ -167,7 +167,7 @@ class TargetWorker:
 def _build(s: TargetSettings):
     """(the target, its model step), warmed up; on the model thread. A tensor-parallel target:
     ranks 1..N-1 beside this one, each with its shard (ADR 0030)."""
-    from specserve.worker.model_step import Batching, make_target_step, warm_up
+    from specserve.worker.model_step import make_target_step, warm_up
 
     if s.tensor_parallel > 1:
         from specserve.services.target.tp_group import start_ranks
@@ -177,9 +177,10 @@ def _build(s: TargetSettings):
     else:
         from specserve.models.loading import load_model
         from specserve.models.verifier import TargetModel
+        from specserve.services.target.local_draft import target_batching
 
         target = TargetModel(load_model(s.model))
-        engine = make_target_step(target, Batching.from_settings(s))
+        engine = make_target_step(target, target_batching(s))  # (room for a draft model in its rounds)
     warm_up(engine)  # the batched step once, before the engine loop owns the model
     if s.tensor_parallel > 1:
         engine.check()  # every rank's pid and state, for the registry
@@ -244,15 +245,18 @@ def loop_host(s: TargetSettings, engine, metrics, target, store, tls, model_thre
 
 def draft_sources(s: TargetSettings, engine, target, store, tls, loop) -> tuple[dict, list]:
     """One draft source per configured pool: remote replicas, or drafting in this process for
-    a `local:ngram`, `local:eagle` or `local:suffix` pool; and the suffix pools' links to the
-    fleet's outputs (ADR 0026)."""
-    from specserve.config import LOCAL_EAGLE, LOCAL_NGRAM, LOCAL_SUFFIX
+    a `local:ngram`, `local:eagle`, `local:suffix` or `local:draft` pool; and the suffix pools'
+    links to the fleet's outputs (ADR 0026). One local pool's drafter runs inside the device
+    step's rounds (`device_pool`: an EAGLE head before a draft model, ADR 0025)."""
+    from specserve.config import LOCAL_DRAFT, LOCAL_EAGLE, LOCAL_NGRAM, LOCAL_SUFFIX
     from specserve.drafters.ngram import NgramDrafter
     from specserve.engine.drafting import LocalDrafts
     from specserve.engine.remote_drafts import RemoteDrafts
+    from specserve.services.target.local_draft import device_pool, draft_local
     from specserve.services.target.suffix import SuffixFleet
 
     fleets: list[SuffixFleet] = []
+    on_device = device_pool(s.draft_pools, engine)
 
     def source(name: str, addrs: list[str]):
         if addrs == [LOCAL_NGRAM]:  # drafted on the engine's thread at each outcome: no hop
@@ -261,7 +265,9 @@ def draft_sources(s: TargetSettings, engine, target, store, tls, loop) -> tuple[
             fleets.append(SuffixFleet(target.vocab_size, store.client, s.key_prefix, loop, ttl_s=s.stats_ttl_s))
             return fleets[-1].source
         if addrs == [LOCAL_EAGLE]:  # the head beside the target, from its features (ADR 0020)
-            return eagle_local(s, engine, target)
+            return eagle_local(s, engine, target, on_device=name == on_device)
+        if addrs == [LOCAL_DRAFT]:  # a draft model beside the target, in its round where it can (ADR 0025)
+            return draft_local(s, engine, target, on_device=name == on_device)
         return RemoteDrafts(addrs, loop, target.vocab_size, s.predraft_branches, tls=tls,
                             wants_features=name in s.eagle_pools).start()
 
@@ -283,11 +289,11 @@ def eagle_head_config(s: TargetSettings):
     return EagleConfig.from_json((directory / "config.json").read_text())
 
 
-def eagle_local(s: TargetSettings, engine, target):
+def eagle_local(s: TargetSettings, engine, target, on_device: bool = True):
     """The `local:eagle` pool: the head (`eagle_head`, or `eagle/` beside the target's model
     directory) drafting on the engine's thread from the features the target's step hands out;
-    where the target runs the device step (CUDA graphs), inside it (ADR 0025) for the sessions
-    it judges there."""
+    where the target runs the device step (CUDA graphs) and `on_device` (the pool holds the
+    step's one drafter), inside it (ADR 0025) for the sessions it judges there."""
     from pathlib import Path
 
     from specserve.drafters.eagle import TargetParts, load_head
@@ -306,7 +312,7 @@ def eagle_local(s: TargetSettings, engine, target):
         parts = TargetParts.from_weights(s.model, head.cfg.feature_layers)
     else:
         parts = TargetParts(target.model, head.cfg.feature_layers)
-    if getattr(engine, "runner", None) is not None and engine.runner.device_step is not None:
+    if on_device and getattr(engine, "runner", None) is not None and engine.runner.device_step is not None:
         engine.enable_head(head)  # the head's rounds in the device step, chained where the lookahead is on
         return DeviceHeadDrafts(head, parts)
     return EagleLocalDrafts(head, parts)

@@ -36,8 +36,10 @@ def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
                                "k_min": 2, "k_max": 32},
                 "agent": {"draft_pool": "suffix", "draft_pools": ["ngram", "small"], "adaptive_k": True, "k_min": 1,
                           "k_max": 32}}
+    # draft-local: the pair's draft model inside the target (ADR 0025; on this CPU it drafts on the
+    # engine's thread, the demo's table leaves it out: its drafts are `small`'s)
     pools = {"small": PoolSpec("draft", replicas=2), "ngram": PoolSpec("ngram", local=True),
-             "suffix": PoolSpec("suffix", local=True)}
+             "suffix": PoolSpec("suffix", local=True), "draft-local": PoolSpec("draft", local=True)}
     if (pair / "eagle" / "config.json").exists():  # the pair's EAGLE head (ADR 0020): beside the target,
         pools["eagle-local"] = PoolSpec("eagle", local=True)
         pools["eagle"] = PoolSpec("eagle", replicas=1)  # and on a replica fed the target's features
@@ -64,7 +66,7 @@ def up(
                                         "the CPU, NCCL on GPUs."),
 ) -> None:
     """Start Redis (unless SPECSERVE_REDIS_URL is set), Ray + the target, the draft pools
-    (small: 2 replicas, ngram, suffix and eagle-local inside the target, eagle: 1 replica) and
+    (small: 2 replicas, ngram, suffix, draft-local and eagle-local inside the target, eagle: 1 replica) and
     the router (gRPC, and the OpenAI HTTP API), all on loopback."""
     from specserve.serving.tls import make_local_ca
     from specserve.tooling.stack import Stack, StackError, down_from
