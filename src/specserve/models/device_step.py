@@ -244,7 +244,8 @@ class DeviceStep:
         if r is None or w is None:
             return None
         s = round_up(max(st + len(row.tokens) for row, st in zip(rows, starts, strict=True)), self.span_buckets)
-        return None if s is None else Bucket(r, w, s)
+        lora = self.r.lora is not None and any(self.r.lora.slot_of(row.session) for row in rows)  # (ADR 0029)
+        return None if s is None else Bucket(r, w, s, lora)
 
     def prepare(self, rows: Sequence[Row], slots: Sequence[int], starts: Sequence[int], b: Bucket,
                 masks: Sequence[torch.Tensor | None] | None = None,
@@ -255,7 +256,8 @@ class DeviceStep:
         causal; `depths`: per row its tokens' positions after the row's start (a tree's depths;
         None: 0, 1, 2, ...). Token i still takes slot position start + i: the mask says who
         sees it. `chain`: per row, the chain positions it drafts (`run_chain`)."""
-        self.inputs.write(rows, slots, starts, b, depths, chain)
+        lora = [self.r.lora.slot_of(r.session) for r in rows] if b.lora and self.r.lora is not None else None
+        self.inputs.write(rows, slots, starts, b, depths, chain, lora)
         self._head_rows = (max((r.head or 0 for r in rows), default=0), any(r.head is not None for r in rows),
                            max((r.head_width for r in rows if r.head), default=1))
         self._set_block_masks(masks)
@@ -292,18 +294,20 @@ class DeviceStep:
         width = w.embed.shape[1]
         rslot = self.field("rslot", b.rows)
         tp = None if self.r.tp.size == 1 else self.r.tp.reduce  # (ADR 0030: a rank's all-reduce)
+        lora = self.r.lora if b.lora else None  # the adapters' masked products (ADR 0029): uncompiled
+        pre, post = (attention_in, attention_out) if lora is not None else (self._pre, self._post)
         for li, layer in enumerate(w.layers):
-            if self._layer is not None:
+            if self._layer is not None and lora is None:
                 h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
                                 layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
                                 self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear, tp)
             else:
-                qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
-                                  w.eps, hq, hkv, d, linear)
+                lin = linear if lora is None else lora.linear(linear, li, layer, self.field("lora", t))
+                qk, v = pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
+                            w.eps, hq, hkv, d, lin)
                 self.r.kv.write(li, wslot, at, qk[:, hq:], v)
                 o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
-                h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
-                               linear, tp)
+                h = post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps, lin, tp)
             if li in kept:
                 j = kept.index(li)
                 self.features[:t, j * width:(j + 1) * width].copy_(h)
@@ -373,7 +377,7 @@ class DeviceStep:
         if self.head is not None and self._head_rows[1]:
             self.head.launch(b, self._head_rows[0], self._head_rows[2])
             return
-        self.step_graphs.launch(b, lambda: self._run(b))
+        self.step_graphs.launch(b, lambda: (self.run if b.lora else self._run)(b))
 
     def launch_chain(self, b: Bucket, steps: int) -> None:
         """`run_chain`, replayed from its graph (one per bucket and length) where graphs are on."""
