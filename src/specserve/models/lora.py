@@ -239,3 +239,20 @@ def stacked(adapter: Adapter, layer: int, proj: str, shapes: Shapes, rank: int) 
             b_all[row:row + out, i * rank:i * rank + r] = b
         row += out
     return a_all, b_all
+
+
+@torch.no_grad()
+def merge_adapter(model: torch.nn.Module, path: str | Path, name: str = "merged") -> Adapter:
+    """Add an adapter's B A into an HF Llama-family model's projections in place (a draft
+    replica serving an adapter's own drafter, ADR 0029); checked as a load is. Returns it."""
+    adapter = read_adapter(path, name)
+    cfg: Any = getattr(model, "config", None)
+    check_fits(adapter, Shapes.of(cfg), max(adapter.rank, 1),
+               base_fingerprint(str(getattr(model, "name_or_path", "") or "")))
+    layers: Any = model.model.layers  # type: ignore[union-attr]
+    for (layer, module), (a, b) in adapter.weights.items():
+        proj, _ = MODULE_NAMES[module]
+        parent = layers[layer].self_attn if proj in ("qkv", "o") else layers[layer].mlp
+        weight = getattr(parent, module).weight
+        weight += (b @ a).to(weight.dtype)
+    return adapter

@@ -2,8 +2,9 @@
 of a step whose rows belong to different adapters (and to none).
 
 Per decoder layer and fused projection (q/k/v, o, gate/up, down: `lora.PROJECTIONS`), `a[p][l]`
-is [slots + 1, parts x R, in] and `b[p][l]` [slots + 1, out, parts x R] (`lora.stacked`'s layout;
-slot 0 is the base: zeros). Two ways to add the products, each exact for every row whatever
+is [slots x parts x R, in] and `b[p][l]` [out, slots x parts x R]: slot s (1-based; 0 is the base)
+owns rows (s - 1) C .. s C - 1 of A and those columns of B, C = parts x R (`lora.stacked`'s
+layout for one adapter). Two ways to add the products, each exact for every row whatever
 the others hold:
 
 - `add_segmented` (the eager forward): the tokens of one GEMM run grouped by slot, each group's
@@ -29,14 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.errors import ResourceExhausted, SessionNotFound
+from specserve.errors import AdapterNotFound, ResourceExhausted
 from specserve.models.lora import PROJECTIONS, Adapter, Shapes, check_fits, stacked
 
 Runs = Callable[[int], list[slice]]  # the runner's GEMM runs over n (padded) tokens
-
-
-class AdapterNotFound(SessionNotFound):
-    """No adapter of that name is loaded here (gRPC NOT_FOUND; HTTP 404)."""
 
 
 @dataclass(frozen=True)
@@ -68,19 +65,16 @@ class LoraSet:
         self.names: dict[str, int] = {}
         self.session_slot: dict[Hashable, int] = {}  # an open session's adapter slot (its KV is tied to it)
         self._lock = threading.Lock()
-        n, r = max_loras + 1, max_rank
         self.a: dict[str, list[torch.Tensor]] = {}
         self.b: dict[str, list[torch.Tensor]] = {}
-        self.b_all: dict[str, list[torch.Tensor]] = {}
-        self.col_slot: dict[str, torch.Tensor] = {}
+        self.cols: dict[str, int] = {}  # C: a slot's columns in a projection
+        self.col_slot: dict[str, torch.Tensor] = {}  # each column's slot
         for p, mods in PROJECTIONS.items():
-            cols = len(mods) * r
-            self.a[p] = [torch.zeros(n, cols, self.shapes.in_features(p), device=device, dtype=dtype)
+            cols = self.cols[p] = len(mods) * max_rank
+            self.a[p] = [torch.zeros(max_loras * cols, self.shapes.in_features(p), device=device, dtype=dtype)
                          for _ in range(self.shapes.layers)]
-            self.b[p] = [torch.zeros(n, sum(self.shapes.out_features(p)), cols, device=device, dtype=dtype)
+            self.b[p] = [torch.zeros(sum(self.shapes.out_features(p)), max_loras * cols, device=device, dtype=dtype)
                          for _ in range(self.shapes.layers)]
-            self.b_all[p] = [torch.zeros(sum(self.shapes.out_features(p)), max_loras * cols, device=device,
-                                         dtype=dtype) for _ in range(self.shapes.layers)]
             self.col_slot[p] = torch.arange(max_loras * cols, device=device) // cols + 1
         # segmented GEMMs over several tiles at once where that keeps each row's bits (as the runner's)
         self.tile = tile
@@ -108,13 +102,10 @@ class LoraSet:
                 raise ResourceExhausted(f"all {self.max_loras} adapter slots are taken (max_loras): unload one first")
             slot = free[0]
             self.slots[slot] = SlotInfo(name, prepared.adapter.path, prepared.adapter.rank)
-        cols = None
         for (p, layer), (a, b) in prepared.weights.items():
-            self.a[p][layer][slot].copy_(a)
-            self.b[p][layer][slot].copy_(b)
-            cols = a.shape[0]
-            self.b_all[p][layer][:, (slot - 1) * cols:slot * cols].copy_(b)
-        assert cols is not None
+            a_s, b_s = self.of_slot(p, layer, slot)
+            a_s.copy_(a)
+            b_s.copy_(b)
         with self._lock:
             self.names[name] = slot
         return slot
@@ -155,11 +146,14 @@ class LoraSet:
         """Zero a slot's weights (a freed slot is the base's again) and forget it."""
         for p in PROJECTIONS:
             for layer in range(self.shapes.layers):
-                self.a[p][layer][slot].zero_()
-                self.b[p][layer][slot].zero_()
-                cols = self.a[p][layer].shape[1]
-                self.b_all[p][layer][:, (slot - 1) * cols:slot * cols].zero_()
+                for t in self.of_slot(p, layer, slot):
+                    t.zero_()
         del self.slots[slot]
+
+    def of_slot(self, proj: str, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's A [C, in] and B [out, C] in one layer's projection (views of the stacks)."""
+        c = self.cols[proj]
+        return self.a[proj][layer][(slot - 1) * c:slot * c], self.b[proj][layer][:, (slot - 1) * c:slot * c]
 
     def bind(self, session: Hashable, name: str) -> None:
         """Open `session` on adapter `name`: every row of it runs with its products."""
@@ -199,7 +193,7 @@ class LoraSet:
             pad = n if self.tile is None else -(-n // self.tile) * self.tile
             at = torch.tensor(idx + [idx[0]] * (pad - n), device=y.device)
             xg = x.index_select(0, at)
-            a, b = self.a[proj][layer][s], self.b[proj][layer][s]
+            a, b = self.of_slot(proj, layer, s)
             step = pad if self.group is None else self.group
             d = torch.cat([F.linear(F.linear(xg[i:i + step], a), b) for i in range(0, pad, step)])
             y.index_add_(0, at[:n], d[:n])
@@ -207,9 +201,8 @@ class LoraSet:
     def masked(self, x: torch.Tensor, layer: int, proj: str, token_slots: torch.Tensor) -> torch.Tensor:
         """Every token's adapter's product on x [T, in] -> [T, out], token_slots [T] a tensor
         (0: none): fixed shapes, no host read (the device step's)."""
-        a_all = self.a[proj][layer][1:].reshape(-1, x.shape[1])
         mask = (self.col_slot[proj].unsqueeze(0) == token_slots.unsqueeze(1)).to(x.dtype)
-        return F.linear(F.linear(x, a_all) * mask, self.b_all[proj][layer])
+        return F.linear(F.linear(x, self.a[proj][layer]) * mask, self.b[proj][layer])
 
     def linear(self, base: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor], index: int,
                layer: Any, token_slots: torch.Tensor) -> LoraLinear:
@@ -222,10 +215,11 @@ class LoraSet:
         g = torch.Generator().manual_seed(0)
         n = upto // tile * tile
         for p in PROJECTIONS:
-            a, b = self.a[p][0][0], self.b[p][0][0]
-            for m in (a, b):
-                w = torch.randn(m.shape, generator=g).to(self.device, self.dtype)
-                x = torch.randn(n, m.shape[1], generator=g).to(self.device, self.dtype)
+            c = self.cols[p]
+            a = torch.randn(self.a[p][0].shape, generator=g).to(self.device, self.dtype)[:c]
+            b = torch.randn(self.b[p][0].shape, generator=g).to(self.device, self.dtype)[:, :c]
+            for w in (a, b):  # (views laid out as the slots' are)
+                x = torch.randn(n, w.shape[1], generator=g).to(self.device, self.dtype)
                 ref = torch.cat([F.linear(x[i:i + tile], w) for i in range(0, n, tile)])
                 if not all(torch.equal(F.linear(x[:k], w), ref[:k]) for k in range(2 * tile, n + 1, tile)):
                     return False

@@ -98,6 +98,8 @@ class Batching:
     # the same rows (fed its own picks, on the device) before it returns, so the engine's
     # bookkeeping runs while the device computes. None: on where the CUDA graphs are
     lookahead: bool | None = None
+    max_loras: int = 0  # LoRA adapters (ADR 0029): room for this many, of rank up to max_lora_rank (0: none)
+    max_lora_rank: int = 16
 
     @classmethod
     def from_settings(cls, s) -> Batching:
@@ -107,7 +109,8 @@ class Batching:
                    gpu_memory_utilization=s.gpu_memory_utilization, max_batch=s.max_batch,
                    tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs,
                    compile_step="auto" if s.cuda_compile == "auto" else False,
-                   lookahead=False if getattr(s, "async_steps", "auto") == "off" else None)
+                   lookahead=False if getattr(s, "async_steps", "auto") == "off" else None,
+                   max_loras=getattr(s, "max_loras", 0), max_lora_rank=getattr(s, "max_lora_rank", 16))
 
 
 _handles = itertools.count()
@@ -152,6 +155,12 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
     runner = (load or ModelRunner.from_hf)(model, kv_budget_bytes=budget, max_sessions=b.max_sessions + int(fixed),
                                  max_len=b.max_len or None, device=device, dtype=dtype,
                                  tile=eager_tile(b, graphs and fixed), fuse_upto=b.fuse_upto)
+    if b.max_loras and runner.tp.size == 1:  # (ADR 0029; a tensor-parallel target has none)
+        from specserve.models.lora import base_fingerprint
+        from specserve.models.lora_set import enable_lora
+
+        path = str(getattr(model, "name_or_path", "") or "")
+        enable_lora(runner, model.config, b.max_loras, b.max_lora_rank, base_fingerprint(path) if path else "")
     if fixed:
         step = runner.enable_device_step(max_rows=b.max_batch, graphs=graphs, compile=step_compile(b, graphs))
         step.capture(step.startup_buckets(), b.capture_budget_s)  # logged; the rest when first met
@@ -170,10 +179,16 @@ class _RunnerSessions:
         self.runner = make_runner(model, b, load)
         self.max_positions = min(max_positions, self.runner.kv.max_len)
 
-    def open(self, session_id: str) -> Any:
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        """A session's KV slot, tied to its LoRA adapter (ADR 0029; "" = the base)."""
         handle = (session_id, next(_handles))  # unique: a reopened session never meets its old slot
-        self.runner.allocate(handle)
+        self.runner.allocate(handle, adapter)
         return handle
+
+    @property
+    def adapters(self) -> Any:
+        """The LoRA adapters this model step holds (models/lora_set.py: LoraSet), or None."""
+        return self.runner.lora
 
     def close(self, handle: Any) -> None:
         self.runner.free(handle)
@@ -297,8 +312,8 @@ class BatchedTarget(_RunnerSessions):
         self._recapture()
         self.heads.device.capture(4, self.capture_budget_s)  # (the policies' default K; logged)
 
-    def open(self, session_id: str) -> Any:
-        handle = super().open(session_id)
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        handle = super().open(session_id, adapter)
         if self.heads is not None:
             self.heads.opened(handle)
         return handle

@@ -16,7 +16,7 @@ import grpc
 
 from specserve.control.controller import ShadowLog
 from specserve.control.policy import (
-    CLASS_NAME,
+    POLICY_KEY,
     AuditEntry,
     Policy,
     PolicyCache,
@@ -89,7 +89,7 @@ def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:
 
 
 def _class_name(name: str) -> str:
-    if not CLASS_NAME.match(name):
+    if not POLICY_KEY.match(name):
         raise InvalidRequest(f"invalid workload class name {name!r}")
     return name
 

@@ -280,8 +280,8 @@ def evaluate(base_target, target, base_draft, draft, tokenizer, held: list[tuple
 def build_adapter(pair: Path, out: Path, recipe: AdapterRecipe, log=print) -> dict[str, Any]:
     """Train, save and evaluate the adapter pair for `pair` (a directory with target/ and draft/):
     writes out/{target,draft}/ (PEFT), out/eval_prompts.json and out/build.json."""
-    from specserve.models.lora import base_fingerprint
     from specserve.models.loading import load_model, load_tokenizer
+    from specserve.models.lora import base_fingerprint
 
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
