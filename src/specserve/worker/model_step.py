@@ -55,6 +55,7 @@ from specserve.drafters.hf import (
     pick_on_device,
     q_entries,
 )
+from specserve.errors import AdapterNotFound
 from specserve.models.kv_slots import common_prefix, prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
 from specserve.models.verifier import (
@@ -757,7 +758,9 @@ class _PerSession:
     def __init__(self, backend) -> None:
         self.backend = backend  # a TargetModel or a drafter: `start()` gives a session
 
-    def open(self, session_id: str) -> Any:
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        if adapter:  # (the per-session path serves the base model only; ADR 0029)
+            raise AdapterNotFound(f"no adapter {adapter!r}: LoRA adapters need the batched runner (batching on)")
         return self.backend.start()
 
     def close(self, handle: Any) -> None:
