@@ -169,6 +169,7 @@ class DeviceStep:
         self.chain_heads = torch.zeros(self.max_chain, r, 4, dtype=torch.float64, device=self.device)
         self.chain_base = torch.zeros(5, r, dtype=torch.long, device=self.device)
         self._run = self.run
+        self._whole = False  # the run compiled whole (compile True or "whole")
         self._pre, self._post = attention_in, attention_out
         self._layer: Callable[..., torch.Tensor] | None = None
         if compile:
@@ -202,7 +203,7 @@ class DeviceStep:
         elif how == "layer":  # a whole layer, KV scatter and attention in: one program for every layer
             self._layer = torch.compile(layer_forward, dynamic=True)
         else:
-            self._run = torch.compile(self.run, dynamic=True)
+            self._run, self._whole = torch.compile(self.run, dynamic=True), True
 
     @property
     def ints(self) -> torch.Tensor:
@@ -377,7 +378,8 @@ class DeviceStep:
         if self.head is not None and self._head_rows[1]:
             self.head.launch(b, self._head_rows[0], self._head_rows[2])
             return
-        self.step_graphs.launch(b, lambda: (self.run if b.lora else self._run)(b))
+        # (adapter rows run the uncompiled function: the whole-run program does not take them)
+        self.step_graphs.launch(b, lambda: (self.run if b.lora and self._whole else self._run)(b))
 
     def launch_chain(self, b: Bucket, steps: int) -> None:
         """`run_chain`, replayed from its graph (one per bucket and length) where graphs are on."""
