@@ -208,7 +208,7 @@ def test_through_the_device_step_a_mixed_step_gives_each_row_its_tokens_alone(de
     rows = _rows(names)
     ref = _runner(demo_pair.target, adapters)  # each row alone, eager
     dev = _runner(demo_pair.target, adapters, tile=None, device_step=True)
-    for sid, name, p in rows:
+    for sid, name, _ in rows:
         ref.allocate(sid, name)
         dev.allocate(sid, name)
     want = {sid: _greedy(ref, sid, p, 6) for sid, _, p in rows}
@@ -289,7 +289,7 @@ def test_device_step_rows_of_different_adapters_are_graph_safe_on_a_fake_cuda_de
         traces.clear()
         buckets = []
         for rows in steps:
-            runner.run_rows = runner.forward(rows)
+            runner.forward(rows)
             buckets.append(ds.last)
         assert buckets == [Bucket(4, 4, 64, True)] * 3 and len(traces) == 3
         allowed = _step_buffers(ds) | storages(lora.a, lora.b, lora.col_slot)

@@ -231,11 +231,12 @@ def enable_lora(runner: Any, config: Any, max_loras: int, max_rank: int, fingerp
     rank up to `max_rank` (ADR 0029); `fingerprint`: its weights' (`lora.base_fingerprint`)."""
     if runner.tp.size > 1:
         raise ValueError("LoRA adapters are not supported with tensor parallelism (ADR 0029)")
-    runner.lora = LoraSet(Shapes.of(config), max_loras, max_rank, runner.device, runner.w.embed.dtype, fingerprint,
-                          runner.tile, runner.fuse_upto)
+    lora = LoraSet(Shapes.of(config), max_loras, max_rank, runner.device, runner.w.embed.dtype, fingerprint,
+                   runner.tile, runner.fuse_upto)
+    runner.lora = lora
     if runner.device_step is not None:
         runner.device_step.graphs.clear()  # (the step's graphs now read the adapters' inputs too)
-    return runner.lora
+    return lora
 
 
 def bind_adapter(runner: Any, session: Hashable, name: str) -> None:

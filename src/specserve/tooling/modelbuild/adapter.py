@@ -257,7 +257,7 @@ def evaluate(base_target, target, base_draft, draft, tokenizer, held: list[tuple
     """The held-out measures (module docstring): style shift and the two drafters' acceptance."""
     style = {"base": 0, "adapter": 0}
     acc = {"base_draft": [0, 0], "adapter_draft": [0, 0]}
-    samples = []
+    samples: list[dict[str, str]] = []
     for prompt, _ in held:
         n = len(tokenizer.encode(prompt))
         base_out = tokenizer.decode(greedy(base_target, tokenizer, prompt, new_tokens)[n:])
