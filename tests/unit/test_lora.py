@@ -310,3 +310,71 @@ def read_adapter_stub(name: str):
 def _shapes(lora) -> dict:
     """(projection, layer) -> (A, B) of one slot's shapes."""
     return {(p, layer): lora.of_slot(p, layer, 1) for p in lora.a for layer in range(lora.shapes.layers)}
+
+
+# ---- 5. sampling: the adapter's distribution ----------------------------------------------------
+
+
+def _emitted_counts(engine, adapter: str, ids: list[int], draft: int, n: int):
+    """The first emitted token of a sampled verify row (T = 1, one draft `draft` with a one-hot
+    q: rejection sampling's accept-or-resample) over n fixed seeds, as counts over the vocabulary."""
+    import numpy as np
+
+    from specserve.params import SamplingParams
+    from specserve.step import Step, StepRow
+
+    counts = np.zeros(engine.runner.vocab_size)
+    handles = [engine.open(f"{adapter}-{i}", adapter) for i in range(8)]
+    for start in range(0, n, 8):
+        rows = [StepRow.verify(h, ids, [draft], None, SamplingParams(temperature=1.0), 20_000 + start + i)
+                for i, h in enumerate(handles)]
+        for r in engine.step(Step(rows)).rows:
+            counts[r.verdict.tokens[0]] += 1
+    for h in handles:
+        engine.close(h)
+    return counts
+
+
+def _chi2(counts, p) -> tuple[float, float]:
+    """Pearson's statistic over bins pooled to expected counts >= 5, and chi-squared's 0.999 quantile."""
+    import numpy as np
+    from scipy.stats import chi2
+
+    exp, obs, acc_e, acc_o = [], [], 0.0, 0.0
+    for t in np.argsort(-p):
+        acc_e += p[t] * counts.sum()
+        acc_o += counts[t]
+        if acc_e >= 5:
+            exp.append(acc_e)
+            obs.append(acc_o)
+            acc_e = acc_o = 0.0
+    exp[-1] += acc_e
+    obs[-1] += acc_o
+    return float(sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))), float(chi2.ppf(0.999, len(exp) - 1))
+
+
+@pytest.mark.parametrize("fixed_step", [False, True], ids=["eager", "device-step"])
+def test_sampled_rows_with_an_adapter_follow_its_merged_models_distribution(demo_pair, adapters, fixed_step,
+                                                                            one_thread):
+    """Chi-squared at T = 1, 2000 draws (8 rows a step, seeds fixed): the emitted token of
+    speculative rows of adapter `every` against softmax of PEFT's merged model's logits, the
+    draft being the base model's greedy token (which the adapter's distribution often rejects).
+    Threshold: the 0.999 quantile (p < 0.001 fails). The control, the same draws against the
+    base model's distribution, must fail: the adapter moved it and the test sees that."""
+    from specserve.models.verifier import TargetModel
+    from specserve.worker.model_step import BatchedTarget, Batching
+
+    engine = BatchedTarget(TargetModel(demo_pair.target), Batching(max_sessions=12, max_len=128, tile=None,
+                                                                   fuse_upto=0, fixed_step=fixed_step, max_loras=2,
+                                                                   max_lora_rank=8))
+    d, merged = adapters["every"]
+    engine.adapters.install(engine.adapters.prepare(read_adapter(d, "every")))
+    ids = demo_pair.tokenizer.encode("Extract the record as JSON.\nText: name: Ada, age: 36\nJSON:")
+    with torch.inference_mode():
+        base = demo_pair.target(input_ids=torch.tensor([ids])).logits[0, -1].double()
+        mine = merged(input_ids=torch.tensor([ids])).logits[0, -1].double()
+    counts = _emitted_counts(engine, "every", ids, int(base.argmax()), 2000)
+    stat, limit = _chi2(counts, torch.softmax(mine, -1).numpy())
+    assert stat < limit, (stat, limit)
+    control, control_limit = _chi2(counts, torch.softmax(base, -1).numpy())
+    assert control > control_limit, (control, control_limit)
