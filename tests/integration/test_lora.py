@@ -37,17 +37,19 @@ AUTH = [("authorization", f"Bearer {TOKEN}")]
 
 
 @pytest.fixture(scope="module")
-def stub(stack):
-    channel = grpc.insecure_channel(stack.info.router)
-    yield generation_pb2_grpc.GenerationStub(channel)
-    channel.close()
+def channel(stack):
+    with grpc.insecure_channel(stack.info.router) as ch:
+        yield ch
 
 
 @pytest.fixture(scope="module")
-def admin(stack):
-    channel = grpc.insecure_channel(stack.info.router)
-    yield adapter_pb2_grpc.AdapterAdminStub(channel)
-    channel.close()
+def stub(channel):
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+@pytest.fixture(scope="module")
+def admin(channel):
+    return adapter_pb2_grpc.AdapterAdminStub(channel)
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,9 @@ import json
 
 import pytest
 import torch
-from fakedevice import OpTrace, audit_runs, fake_cuda, storages
+from fakedevice import audit_runs, fake_cuda, storages
 from test_device_audit import ARCHITECTURES
-from test_device_step import _step_buffers
+from test_device_step import _record_runs, _step_buffers
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import specserve.device as device_module
@@ -266,14 +266,7 @@ def test_device_step_rows_of_different_adapters_are_graph_safe_on_a_fake_cuda_de
                                                 torch.randn(b.shape, device="cuda", dtype=torch.bfloat16))
                                             for k, (a, b) in _shapes(lora).items()}))
         ds = runner.enable_device_step(max_rows=4, graphs=False)
-        traces: list[OpTrace] = []
-
-        def traced(b: Bucket) -> None:
-            with OpTrace() as t:
-                ds.run(b)
-            traces.append(t)
-
-        ds._run = traced
+        traces = _record_runs(ds)
         with unset_fake_temporarily():
             pick = torch.tensor([9])
         for s, name, n in (("p", "a", 5), ("q", "b", 11), ("r", "", 17), ("u", "a", 23)):
@@ -336,21 +329,21 @@ def _emitted_counts(engine, adapter: str, ids: list[int], draft: int, n: int):
 
 
 def _chi2(counts, p) -> tuple[float, float]:
-    """Pearson's statistic over bins pooled to expected counts >= 5, and chi-squared's 0.999 quantile."""
+    """Pearson's statistic and chi-squared's 0.999 quantile, over bins of expected count >= 5:
+    the tokens in decreasing p, each bin the tokens whose cumulative expected count before them
+    falls in one band of 5 (so every bin but the last holds >= 5; the last joins the one before)."""
     import numpy as np
     from scipy.stats import chi2
 
-    exp, obs, acc_e, acc_o = [], [], 0.0, 0.0
-    for t in np.argsort(-p):
-        acc_e += p[t] * counts.sum()
-        acc_o += counts[t]
-        if acc_e >= 5:
-            exp.append(acc_e)
-            obs.append(acc_o)
-            acc_e = acc_o = 0.0
-    exp[-1] += acc_e
-    obs[-1] += acc_o
-    return float(sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))), float(chi2.ppf(0.999, len(exp) - 1))
+    order = np.argsort(-p)
+    expected, observed = p[order] * counts.sum(), counts[order]
+    group = np.floor((np.cumsum(expected) - expected) / 5).astype(int)
+    e, o = np.bincount(group, expected), np.bincount(group, observed)
+    keep = e > 0
+    e, o = e[keep], o[keep]
+    if e[-1] < 5:
+        e, o = np.append(e[:-2], e[-2:].sum()), np.append(o[:-2], o[-2:].sum())
+    return float(((o - e) ** 2 / e).sum()), float(chi2.ppf(0.999, len(e) - 1))
 
 
 @pytest.mark.parametrize("fixed_step", [False, True], ids=["eager", "device-step"])
