@@ -5,8 +5,8 @@ base model they are loaded on, and laid out for the runner's projections.
 An adapter adds (alpha / r) B A x to a projection W x. The runner fuses q/k/v into one
 projection and gate/up into another (models/runner.py: `Layer`), so an adapter's parts of a
 fused projection sit side by side: A is their A's stacked ([parts * R, in], each part's rank
-padded to the set's `max_rank` R with zero rows), B is block-diagonal ([out, parts * R]), with
-the scaling folded into B. A part the adapter leaves alone is zeros. `models/lora_set.py`
+padded to R, the adapter's largest, with zero rows), B is block-diagonal ([out, parts * R]),
+with the scaling folded into B. A part the adapter leaves alone is zeros. `models/lora_set.py`
 holds the loaded adapters' slots and the products.
 """
 

@@ -76,18 +76,19 @@ class LoraSet:
             self.b[p] = [torch.zeros(sum(self.shapes.out_features(p)), max_loras * cols, device=device, dtype=dtype)
                          for _ in range(self.shapes.layers)]
             self.col_slot[p] = torch.arange(max_loras * cols, device=device) // cols + 1
-        # segmented GEMMs over several tiles at once where that keeps each row's bits (as the runner's)
-        self.tile = tile
-        self.group = tile if tile is None or fuse_upto < 2 * tile or not self._fused_agree(tile, fuse_upto) \
-            else fuse_upto // tile * tile
+        # segmented GEMMs over several tiles at once where that keeps each row's bits (as the runner's),
+        # checked for each rank an installed adapter has (`_group_of`)
+        self.tile, self.fuse_upto = tile, fuse_upto
+        self.groups: dict[int, int | None] = {}
 
     # ---- the table ----------------------------------------------------------------------------
 
     def prepare(self, adapter: Adapter) -> Prepared:
         """Check `adapter` against this base and stack it (host; raises InvalidAdapter)."""
         check_fits(adapter, self.shapes, self.max_rank, self.fingerprint)
-        weights = {(p, layer): stacked(adapter, layer, p, self.shapes, self.max_rank)
+        weights = {(p, layer): stacked(adapter, layer, p, self.shapes, adapter.rank)
                    for p in PROJECTIONS for layer in range(self.shapes.layers)}
+        self._group_of(adapter.rank)
         return Prepared(adapter, weights)
 
     def install(self, prepared: Prepared) -> int:
@@ -102,10 +103,10 @@ class LoraSet:
                 raise ResourceExhausted(f"all {self.max_loras} adapter slots are taken (max_loras): unload one first")
             slot = free[0]
             self.slots[slot] = SlotInfo(name, prepared.adapter.path, prepared.adapter.rank)
-        for (p, layer), (a, b) in prepared.weights.items():
+        for (p, layer), (a, b) in prepared.weights.items():  # (packed at the adapter's rank: the slot's first columns)
             a_s, b_s = self.of_slot(p, layer, slot)
-            a_s.copy_(a)
-            b_s.copy_(b)
+            a_s[:a.shape[0]].copy_(a)
+            b_s[:, :b.shape[1]].copy_(b)
         with self._lock:
             self.names[name] = slot
         return slot
@@ -194,7 +195,11 @@ class LoraSet:
             at = torch.tensor(idx + [idx[0]] * (pad - n), device=y.device)
             xg = x.index_select(0, at)
             a, b = self.of_slot(proj, layer, s)
-            step = pad if self.group is None else self.group
+            rank = self.slots[s].rank  # (its columns: the parts packed at its own rank, then zeros)
+            c = len(PROJECTIONS[proj]) * rank
+            a, b = a[:c], b[:, :c]
+            group = self._group_of(rank)
+            step = pad if group is None else group
             d = torch.cat([F.linear(F.linear(xg[i:i + step], a), b) for i in range(0, pad, step)])
             y.index_add_(0, at[:n], d[:n])
 
@@ -209,13 +214,22 @@ class LoraSet:
         """Layer `index`'s projections with the masked products of tokens whose slots are `token_slots`."""
         return LoraLinear(base, self, index, layer, token_slots=token_slots)
 
-    def _fused_agree(self, tile: int, upto: int) -> bool:
-        """The runner's `fused_tiles_agree` for the LoRA shapes: one call over k tiles gives each
-        row the bits of k one-tile calls, for every k (then a group's GEMMs run as one call)."""
+    def _group_of(self, rank: int) -> int | None:
+        """Tokens per segmented GEMM call for adapters of `rank`: a run of several tiles where
+        `_fused_agree` says that keeps each row's bits, else one tile (None: the plain forward)."""
+        if rank not in self.groups:
+            tile, upto = self.tile, self.fuse_upto
+            fused = tile is not None and upto >= 2 * tile and self._fused_agree(tile, upto, rank)
+            self.groups[rank] = upto // tile * tile if fused and tile is not None else tile
+        return self.groups[rank]
+
+    def _fused_agree(self, tile: int, upto: int, rank: int) -> bool:
+        """The runner's `fused_tiles_agree` for the LoRA shapes of one rank: one call over k tiles
+        gives each row the bits of k one-tile calls, for every k (then a group's GEMMs run as one)."""
         g = torch.Generator().manual_seed(0)
         n = upto // tile * tile
         for p in PROJECTIONS:
-            c = self.cols[p]
+            c = len(PROJECTIONS[p]) * rank
             a = torch.randn(self.a[p][0].shape, generator=g).to(self.device, self.dtype)[:c]
             b = torch.randn(self.b[p][0].shape, generator=g).to(self.device, self.dtype)[:, :c]
             for w in (a, b):  # (views laid out as the slots' are)
