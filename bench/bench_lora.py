@@ -218,7 +218,7 @@ def plot(result: dict, path: Path) -> None:
     if "speedup" in result:
         ax = axes[2]
         s = result["speedup"]
-        ax.bar(list(s), [v["speedup"] for v in s.values()], color="tab:blue")
+        ax.bar([k.replace(" / ", "\n") for k in s], [v["speedup"] for v in s.values()], color="tab:blue")
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_ylabel("speedup over plain (adaptive K)")
         ax.set_title("per adapter, the engine choosing K")
