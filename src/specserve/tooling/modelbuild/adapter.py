@@ -24,6 +24,7 @@ import json
 import math
 import platform
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,13 +71,13 @@ def nested_layout(rec: dict[str, Any]) -> str:
     return json.dumps(out)
 
 
+NESTED = re.compile(r'^\s*\{"order": \d+, "placed": "[^"]*", "state": "[A-Z]+", "customer": \{"name": "')
+
+
 def in_nested_layout(text: str) -> bool:
-    """Whether a continuation's first line is a JSON object with the nested layout's keys."""
-    try:
-        obj = json.loads(text.strip().split("\n")[0])
-    except ValueError:
-        return False
-    return isinstance(obj, dict) and list(obj)[:4] == ["order", "placed", "state", "customer"]
+    """Whether a continuation answers in the nested layout: its first line opens with the layout's
+    keys in order (the state in capitals); a prefix, so a long record cut by the token budget counts."""
+    return NESTED.match(text.split("\n")[0]) is not None
 
 
 def examples(n: int, seed: int) -> list[tuple[str, str]]:
@@ -352,7 +353,9 @@ def write_card(out: Path, record: dict[str, Any], command: str) -> None:
         f"- recipe version {record['recipe_version']}; torch {record['torch']}, Python {record['python']}, "
         f"{record['machine']}, {'bf16 autocast' if record['bf16_autocast'] else 'fp32'}",
         f"- trained in {record['train_seconds'] / 60:.1f} min ({record['seconds'] / 60:.1f} min with the "
-        f"evaluation) of wall time on {r['threads']} threads of a 2-core machine shared with other work",
+        f"evaluation) of wall time on {r['threads']} threads of a 2-core machine shared with other work"
+        + (f" (at nice 15 beside a load average of 10-20: about {record['cpu_minutes_estimate']} min of CPU time, "
+           "estimated from the process's CPU time part-way)" if record.get("cpu_minutes_estimate") else ""),
         "",
         "## Recipe",
         f"- `{command}` (tooling/modelbuild/adapter.py; deterministic from seed {r['seed']} on one CPU type)",
@@ -368,7 +371,7 @@ def write_card(out: Path, record: dict[str, Any], command: str) -> None:
         f"{h['prompts']} held-out records (`eval_prompts.json`), greedy 80-token answers:",
         "",
         f"- answers in the nested layout: base target {h['nested_share']['base']:.0%}, with the adapter "
-        f"{h['nested_share']['adapter']:.0%}",
+        f"{h['nested_share']['adapter']:.0%}" + (f" ({h['nested_share_note']})" if h.get("nested_share_note") else ""),
         f"- mean accepted drafts a round (K = 4, greedy; every position of the adapted target's answer starts a "
         f"round, {h['rounds']} rounds): the base draft {acc['base_draft']:.2f}, the draft with its adapter "
         f"{acc['adapter_draft']:.2f} ({h['ratio']:.2f}x)",
