@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from specserve.errors import AdapterNotFound, ResourceExhausted
 from specserve.models.lora import PROJECTIONS, Adapter, Shapes, check_fits, stacked
 
-Runs = Callable[[int], list[slice]]  # the runner's GEMM runs over n (padded) tokens
+PAD = -1  # a padding token's slot in the eager forward (its outputs are dropped)
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class LoraSet:
         # checked for each rank an installed adapter has (`_group_of`)
         self.tile, self.fuse_upto = tile, fuse_upto
         self.groups: dict[int, int | None] = {}
+        self._plans: dict[tuple[int, ...], list[tuple[int, torch.Tensor | None, int]]] = {}
 
     # ---- the table ----------------------------------------------------------------------------
 
@@ -169,13 +170,13 @@ class LoraSet:
         return self.session_slot.get(session, 0)
 
     def token_slots(self, sessions: Sequence[Hashable], sizes: Sequence[int], total: int) -> list[int] | None:
-        """Each token's slot (rows of `sizes` tokens, then padding to `total`: 0); None when no
-        row has an adapter (the forward then runs no products)."""
+        """Each token's slot (rows of `sizes` tokens: 0 for the base; then padding to `total`:
+        PAD); None when no row has an adapter (the forward then runs no products)."""
         per_row = [self.session_slot.get(s, 0) for s in sessions]
         if not any(per_row):
             return None
         out = [s for s, n in zip(per_row, sizes, strict=True) for _ in range(n)]
-        return out + [0] * (total - len(out))
+        return out + [PAD] * (total - len(out))
 
     def loaded(self) -> list[SlotInfo]:
         with self._lock:
@@ -184,24 +185,48 @@ class LoraSet:
     # ---- the products -------------------------------------------------------------------------
 
     def add_segmented(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str, slots: Sequence[int]) -> None:
-        """y [n, out] += each token's adapter's product on x [n, in]; `slots` per token (0: none)."""
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(slots):
-            if s:
-                groups.setdefault(s, []).append(i)
-        for s, idx in groups.items():
-            n = len(idx)
-            pad = n if self.tile is None else -(-n // self.tile) * self.tile
-            at = torch.tensor(idx + [idx[0]] * (pad - n), device=y.device)
-            xg = x.index_select(0, at)
+        """y [n, out] += each token's adapter's product on x [n, in]; `slots` per token (0: the
+        base, PAD: padding, whose outputs are dropped)."""
+        for s, at, n in self._groups(slots, y.device):
             a, b = self.of_slot(proj, layer, s)
             rank = self.slots[s].rank  # (its columns: the parts packed at its own rank, then zeros)
             c = len(PROJECTIONS[proj]) * rank
             a, b = a[:c], b[:, :c]
             group = self._group_of(rank)
-            step = pad if group is None else group
-            d = torch.cat([F.linear(F.linear(xg[i:i + step], a), b) for i in range(0, pad, step)])
-            y.index_add_(0, at[:n], d[:n])
+            xg = x if at is None else x.index_select(0, at)
+            m = xg.shape[0]
+            step = m if group is None else group
+            d = torch.cat([F.linear(F.linear(xg[i:i + step], a), b) for i in range(0, m, step)]) if m > step \
+                else F.linear(F.linear(xg, a), b)
+            if at is None:
+                y += d
+            else:
+                y.index_add_(0, at[:n], d[:n])
+
+    def _groups(self, slots: Sequence[int], device: torch.device) -> list[tuple[int, torch.Tensor | None, int]]:
+        """A GEMM run's segments, one per adapter: (slot, its tokens' places padded to whole tiles,
+        how many are its), or (slot, None, n) where the run holds one adapter's tokens and padding
+        only (its products then run over the whole run, with no gather). Kept per run of slots:
+        every layer and projection of a forward asks the same."""
+        key = tuple(slots)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            if s > 0:
+                groups.setdefault(s, []).append(i)
+        whole = len(groups) == 1 and 0 not in key
+        plan = []
+        for s, idx in groups.items():
+            n = len(idx)
+            pad = n if self.tile is None else -(-n // self.tile) * self.tile
+            plan.append((s, None, len(slots)) if whole else
+                        (s, torch.tensor(idx + [idx[0]] * (pad - n), device=device), n))
+        if len(self._plans) >= 256:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def masked(self, x: torch.Tensor, layer: int, proj: str, token_slots: torch.Tensor) -> torch.Tensor:
         """Every token's adapter's product on x [T, in] -> [T, out], token_slots [T] a tensor
