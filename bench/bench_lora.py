@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -239,7 +240,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     pair = find_pair(Path(args.models))
     parts = set(args.parts.split(","))
-    result: dict = {"command": "python bench/bench_lora.py " + " ".join(argv or []), "load_before": load,
+    result: dict = {"command": " ".join(["python bench/bench_lora.py", *(sys.argv[1:] if argv is None else argv)]),
+                    "load_before": load,
                     "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                     "threads": args.threads}
     t0 = time.time()
