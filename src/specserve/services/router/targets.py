@@ -119,7 +119,7 @@ class TargetDirectory:
         if adapter in await self.adapters() or adapter in await self.adapters(fresh=True):
             return
         known = sorted(await self.adapters())
-        raise AdapterNotFound(f"no target has adapter {adapter!r} loaded; loaded: "
+        raise AdapterNotFound(f"the adapter (model) {adapter!r} does not exist: no target has it loaded; loaded: "
                               f"{', '.join(known) if known else 'none'} (specserve adapter list)")
 
     async def start(self, session_id: str, adapter: str = "") -> str:
