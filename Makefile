@@ -109,6 +109,7 @@ bench: setup
 	$(PY) bench/bench_rollout.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_overload.py --models $(MODELS_DIR) --out bench/results
 	$(PY) bench/bench_failover.py --models $(MODELS_DIR) --out bench/results
+	$(PY) bench/bench_lora.py --models $(MODELS_DIR) --out bench/results/lora
 	cd bench && ../$(PY) bench_engine_loop.py --out results
 
 lint: setup

@@ -111,6 +111,9 @@ class DraftSettings(WorkerSettings):
     grace_s: float = Field(5.0, ge=0)  # SIGTERM drain
     # benchmarks/tests on CPU: extra time per proposed token, as a slower draft device would take
     simulated_token_ms: float = Field(0.0, ge=0)
+    # a LoRA adapter (PEFT's format) merged into the draft model at load (ADR 0029): the pool of an
+    # adapter's own drafter (its draft-side adapter); empty = the draft as it is
+    lora: str = ""
 
 
 class TargetSettings(WorkerSettings):
@@ -189,6 +192,12 @@ class TargetSettings(WorkerSettings):
     # sharded; it must divide the model's attention and KV heads. 1: one device
     tensor_parallel: int = Field(1)
     tp_placement_timeout_s: float = Field(60.0, gt=0)  # a group Ray cannot place by then is refused
+    # LoRA adapters (ADR 0029): name -> a PEFT adapter directory, loaded at start (more, and
+    # unloads, at run time through the router's AdapterAdmin); room for max_loras adapters of rank
+    # up to max_lora_rank (0: no adapters; the room is allocated at start, as vLLM's max_loras)
+    adapters: dict[str, str] = Field(default_factory=dict)
+    max_loras: int = Field(4, ge=0, le=64)
+    max_lora_rank: int = Field(16, ge=1, le=256)
 
     @field_validator("tensor_parallel")
     @classmethod

@@ -48,6 +48,10 @@ class SessionNotFound(SpecserveError, LookupError):
     """No such session, or it expired (gRPC NOT_FOUND)."""
 
 
+class AdapterNotFound(SessionNotFound):
+    """No LoRA adapter of that name is loaded (gRPC NOT_FOUND; HTTP 404 `model_not_found`; ADR 0029)."""
+
+
 class RequestIdConflict(InvalidRequest):
     """A request_id was reused for a different prompt: a retry must resend the same request."""
 

@@ -194,8 +194,9 @@ class ModelStep(Protocol):
     # algorithm/tree.py) says so with a class attribute `verifies_trees = True`; the engine
     # gives any other step chains.
 
-    def open(self, session_id: str) -> Any:
-        """A slot for a new session (its KV slot or its own state)."""
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        """A slot for a new session (its KV slot or its own state), tied to its LoRA adapter
+        (ADR 0029; "" = the base; a step that serves none refuses one: AdapterNotFound)."""
         ...
 
     def close(self, slot: Any) -> None:

@@ -88,8 +88,9 @@ def otlp_receiver():
 def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver):
     """The whole system on loopback: its own redis-server, a Ray head owned by the target
     launcher, pools `small` (2 model replicas), `ngram` (1), `ngram-local`, `eagle-local`,
-    `suffix` and `draft-local` (drafted inside the target: no replica) and `eagle` (1 replica of the pair's
-    head), and the router; every service
+    `suffix` and `draft-local` (drafted inside the target: no replica), `eagle` (1 replica of the
+    pair's head) and `small-records` (the demo LoRA adapter's drafter), the adapter loaded on the
+    target, and the router; every service
     exports its spans to `otlp_receiver`."""
     from specserve.tooling.stack import PoolSpec, Stack, StackSpec
 
@@ -102,11 +103,15 @@ def stack(demo_pair_dir, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
                "eagle-local": PoolSpec("eagle", local=True), "eagle": PoolSpec("eagle", replicas=1),
                "suffix": PoolSpec("suffix", local=True),  # suffix decoding (ADR 0026)
                # the pair's draft model inside the target (ADR 0025; on the engine's thread on this CPU)
-               "draft-local": PoolSpec("draft", local=True)},
+               "draft-local": PoolSpec("draft", local=True),
+               # the demo adapter's own drafter: the draft with its draft-side LoRA merged (ADR 0029)
+               "small-records": PoolSpec("draft", replicas=1, lora="adapters/records-nested/draft")},
+        adapters={"records-nested": "adapters/records-nested/target"},  # loaded at start (ADR 0029)
         target_threads=1,
         # tests kill workers on purpose: fail over fast, and wait long enough for Ray's restart
         router_env={"SPECSERVE_ROUTER_TARGET_WAIT_S": "180",
-                    "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "256"},
+                    "SPECSERVE_ROUTER_MAX_TOKENS_LIMIT": "256",
+                    "SPECSERVE_ROUTER_ADMIN_TOKEN": "lora-admin"},  # (tests/integration/test_lora.py)
         env={"SPECSERVE_TRACING": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
              "OTEL_TRACES_SAMPLER": "always_on"},
     )

@@ -127,7 +127,8 @@ def test_errors_are_typed(client, prompt):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens must be in"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=100_000)
-    assert [m.id for m in client.models.list()] == [MODEL]  # and the router still serves
+    # and the router still serves: the base, and the LoRA adapter the stack loads (ADR 0029)
+    assert [m.id for m in client.models.list()] == [MODEL, "records-nested"]
 
 
 def test_http_requests_are_traced_like_grpc_ones(client, otlp_receiver, prompt):

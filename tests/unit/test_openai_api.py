@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from specserve.errors import InvalidRequest, ResourceExhausted, Unavailable
+from specserve.errors import AdapterNotFound, InvalidRequest, ResourceExhausted, Unavailable
 from specserve.services.router.openai_api import OpenAIApp
 from specserve.serving.chat import CHAT_TEMPLATE, ChatTemplate
 from specserve.v1 import generation_pb2
@@ -16,11 +16,26 @@ from specserve.v1 import generation_pb2
 MODEL = "specserve"
 
 
+class FakeTargets:
+    """The targets' LoRA adapters (ADR 0029): `sql-v2` is loaded."""
+
+    loaded = {"sql-v2"}
+
+    async def adapters(self, fresh: bool = False) -> set[str]:
+        return set(self.loaded)
+
+    async def require_adapter(self, adapter: str) -> None:
+        if adapter not in self.loaded:
+            raise AdapterNotFound(f"no target has adapter {adapter!r} loaded")
+
+
 class FakeService:
-    """Answers every request with the tokens 7 8 9 ("a", "b", "c"), or raises `fail`."""
+    """Answers every request with the tokens 7 8 9 ("a", "b", "c"), or raises `fail`; a request
+    naming an adapter no target has gets AdapterNotFound, as the service's."""
 
     def __init__(self) -> None:
         self.settings = SimpleNamespace(max_tokens_limit=64)
+        self.sessions = SimpleNamespace(targets=FakeTargets())
         self.model = SimpleNamespace(encode=lambda text: list(range(len(text.split()))))
         self.requests: list[generation_pb2.GenerateRequest] = []
         self.fail: Exception | None = None
@@ -31,6 +46,8 @@ class FakeService:
 
     async def generate(self, req):
         self.requests.append(req)
+        if req.adapter:
+            await self.sessions.targets.require_adapter(req.adapter)
         if self.fail:
             raise self.fail
         return generation_pb2.GenerateResponse(session_id="s1", text="abc", token_ids=[7, 8, 9],
@@ -183,9 +200,23 @@ def test_saturated_router_answers_429():
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
 
 
+def test_the_model_field_names_a_lora_adapter():
+    """ADR 0029, as vLLM: `model` is the base's name or a loaded adapter's (echoed back)."""
+    fake, _, client = make()
+    r = client.post("/v1/completions", json={"model": "sql-v2", "prompt": "x"})
+    assert r.status_code == 200 and r.json()["model"] == "sql-v2" and fake.requests[-1].adapter == "sql-v2"
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert fake.requests[-1].adapter == ""
+    r = client.post("/v1/chat/completions", json={"model": "Not An Adapter!", "messages": [{"role": "user",
+                                                                                           "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    card = client.get("/v1/models/sql-v2").json()
+    assert card["id"] == "sql-v2" and card["parent"] == MODEL
+
+
 def test_models_and_health():
     _, _, client = make()
-    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL, "sql-v2"]
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert client.get("/health").json() == {"status": "ok"}
     _, _, starting = make(ready=False)

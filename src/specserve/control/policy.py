@@ -39,6 +39,10 @@ log = logging.getLogger("specserve.control.policy")
 MODES = ("enabled", "shadow", "off", "slice")  # slice: a rollout stage between shadow and enabled (ADR 0022)
 DEFAULT_CLASS = "default"
 CLASS_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+# a LoRA adapter's name (ADR 0029), and a policy's key: a class, or a class and an adapter
+ADAPTER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+POLICY_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,63}(@[a-z0-9][a-z0-9._-]{0,63})?$")
+ADAPTER_SEP = "@"
 AUDIT_MAXLEN = 10_000
 MAX_MARGIN = 10.0
 MAX_PROBE = 0.5
@@ -113,9 +117,10 @@ class Policy:
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(f"invalid policy for {self.workload_class!r}: {msg}")
 
-        if not CLASS_NAME.match(self.workload_class):
+        if not POLICY_KEY.match(self.workload_class):
             raise InvalidRequest(f"invalid workload class name {self.workload_class!r}: use lower-case letters, "
-                                 "digits, '_' or '-', starting with a letter, at most 64 characters")
+                                 "digits, '_' or '-', starting with a letter, at most 64 characters; for one LoRA "
+                                 "adapter's requests of the class, CLASS@ADAPTER (ADR 0029)")
         if self.mode not in MODES:
             raise bad(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode != "off":
@@ -431,8 +436,11 @@ class PolicyCache:
                     await pubsub.aclose()
 
     def effective(self, workload_class: str) -> tuple[Policy, str]:
-        """(policy, source): the class's own, else `default`, else the built-in default."""
+        """(policy, source): the class's own, else `default`, else the built-in default. A key
+        CLASS@ADAPTER (ADR 0029) takes its own policy, else its class's (source "class" both)."""
         own = self.policies.get(workload_class)
+        if own is None and ADAPTER_SEP in workload_class:
+            own = self.policies.get(workload_class.partition(ADAPTER_SEP)[0])
         if own is not None:
             return own, "class"
         default = self.policies.get(DEFAULT_CLASS)

@@ -287,10 +287,10 @@ class EngineLoop:
                 for sid in payload:
                     if (s := self.sessions.get(sid)) is not None and s.unacked > 0:
                         s.unacked -= 1
-            elif kind == "cancel":
-                s = self.sessions.get(payload[0])
-                if s is not None and s.running:
-                    self._end(s, Status.CANCELLED, payload[1])
+            elif kind == "cancel" and (s := self.sessions.get(payload[0])) is not None and s.running:
+                self._end(s, Status.CANCELLED, payload[1])
+            elif kind == "call":  # (`on_loop`)
+                _run(*payload)
 
     def _open(self, session_id: str, prompt_ids: list[int], plan: EnginePlan, generated: list[int], epoch: int,
               done: Future[EngineSession]) -> None:
@@ -309,7 +309,7 @@ class EngineLoop:
                     raise ValueError("this engine has no grammar compiler: constrained output is off")
                 s.grammar = self.constrain(plan.constraint)
                 s.grammar.advance(s.generated)  # adopted: the matcher picks up where the commits are
-            s.handle = self.model.open(session_id)
+            s.handle = self.model.open(session_id, plan.adapter) if plan.adapter else self.model.open(session_id)
         except Exception as exc:
             done.set_exception(exc)
             return
@@ -407,6 +407,21 @@ class EngineLoop:
             self.ended[s.id] = s
         while len(self.ended) > self.keep_ended:
             self.ended.pop(next(iter(self.ended)))
+
+
+def on_loop(engine: EngineLoop, fn: Callable[[], Any]) -> Future[Any]:
+    """Run `fn` on the engine's loop thread between two steps (the model's thread: a LoRA
+    adapter's weights copied in, ADR 0029); the future gives its result or its error."""
+    done: Future[Any] = Future()
+    engine._post("call", (fn, done))
+    return done
+
+
+def _run(fn: Callable[[], Any], done: Future[Any]) -> None:
+    try:
+        done.set_result(fn())
+    except Exception as exc:  # handed to the caller: the loop steps on
+        done.set_exception(exc)
 
 
 def drafted_on_device(row: Row, result: RowResult) -> Row:

@@ -49,6 +49,8 @@ class EnginePlan:
     draft_priority: int = 0  # its class's (ADR 0021): a saturated draft replica sheds the lowest first
     # its class's suffix settings (ADR 0026: the policy's suffix_* fields), as stored; None = the defaults
     suffix: dict[str, Any] | None = None
+    adapter: str = ""  # its LoRA adapter (ADR 0029; "" = the base): its KV slot is tied to it
+    adapter_label: str = "none"  # the `adapter` label of its metrics (bounded: serving/metrics.py)
 
     def __post_init__(self) -> None:
         # every row of the session (verify, local and remote drafting) carries its sampling
@@ -68,7 +70,8 @@ class EnginePlan:
                    d.get("shadow_pool") or None, seeded=bool(d.get("seeded")),
                    k_min=int(d.get("k_min") or 1), k_max=int(d.get("k_max") or 0),
                    constraint=Constraint.decode(d.get("constraint")),
-                   draft_priority=int(d.get("draft_priority") or 0), suffix=d.get("suffix") or None)
+                   draft_priority=int(d.get("draft_priority") or 0), suffix=d.get("suffix") or None,
+                   adapter=str(d.get("adapter") or ""))
 
     @property
     def exact(self) -> bool:
@@ -83,9 +86,9 @@ class EnginePlan:
         return (self.stats_class or self.workload_class).partition("+")[0]
 
     @property
-    def labels(self) -> tuple[str, str]:
-        """(class, pool) of its metrics: `none` for a plain session."""
-        return self.workload_class, self.pool or "none"
+    def labels(self) -> tuple[str, str, str]:
+        """(class, pool, adapter) of its metrics: `none` for a plain session and for the base."""
+        return self.workload_class, self.pool or "none", self.adapter_label
 
     @property
     def seed(self) -> int:

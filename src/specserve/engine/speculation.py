@@ -351,8 +351,10 @@ class Speculation:
 
 
 def _class_pool(s: EngineSession) -> ClassPool:
-    return s.plan.workload_class, s.plan.pool or ""
+    """The statistics' key: the class (and its LoRA adapter, ADR 0029: CLASS@ADAPTER) and the pool."""
+    cls = f"{s.plan.workload_class}@{s.plan.adapter}" if s.plan.adapter else s.plan.workload_class
+    return cls, s.plan.pool or ""
 
 
 def _k_key(s: EngineSession) -> tuple[str, str, int, int]:
-    return s.plan.workload_class, s.plan.pool or "", s.plan.k_min, s.plan.k
+    return *_class_pool(s), s.plan.k_min, s.plan.k

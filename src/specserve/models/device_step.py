@@ -181,6 +181,7 @@ class DeviceStep:
         self.chain_heads = torch.zeros(self.max_chain, r, 4, dtype=torch.float64, device=self.device)
         self.chain_base = torch.zeros(5, r, dtype=torch.long, device=self.device)
         self._run = self.run
+        self._whole = False  # the run compiled whole (compile True or "whole")
         self._pre, self._post = attention_in, attention_out
         self._layer: Callable[..., torch.Tensor] | None = None
         self._fused: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = fused_layer if fuse else None
@@ -220,7 +221,7 @@ class DeviceStep:
             if self._fused is not None:  # (and the next layer's norm)
                 self._fused = torch.compile(fused_layer, dynamic=True)
         else:
-            self._run = torch.compile(self.run, dynamic=True)
+            self._run, self._whole = torch.compile(self.run, dynamic=True), True
 
     @property
     def ints(self) -> torch.Tensor:
@@ -262,7 +263,8 @@ class DeviceStep:
         if r is None or w is None:
             return None
         s = round_up(max(st + len(row.tokens) for row, st in zip(rows, starts, strict=True)), self.span_buckets)
-        return None if s is None else Bucket(r, w, s)
+        lora = self.r.lora is not None and any(self.r.lora.slot_of(row.session) for row in rows)  # (ADR 0029)
+        return None if s is None else Bucket(r, w, s, lora)
 
     def prepare(self, rows: Sequence[Row], slots: Sequence[int], starts: Sequence[int], b: Bucket,
                 masks: Sequence[torch.Tensor | None] | None = None,
@@ -273,7 +275,8 @@ class DeviceStep:
         causal; `depths`: per row its tokens' positions after the row's start (a tree's depths;
         None: 0, 1, 2, ...). Token i still takes slot position start + i: the mask says who
         sees it. `chain`: per row, the chain positions it drafts (`run_chain`)."""
-        self.inputs.write(rows, slots, starts, b, depths, chain)
+        lora = [self.r.lora.slot_of(r.session) for r in rows] if b.lora and self.r.lora is not None else None
+        self.inputs.write(rows, slots, starts, b, depths, chain, lora)
         self._head_rows = (max((r.head or 0 for r in rows), default=0), any(r.head is not None for r in rows),
                            max((r.head_width for r in rows if r.head), default=1))
         self.sampled = flags_of([r.sampling for r in rows], self.r.vocab_size)
@@ -301,38 +304,14 @@ class DeviceStep:
         """The forward of a prepared bucket: a tensor function of the step buffers, the
         weights and the KV; writes `logits[:T]` and `verdicts[:R]`."""
         w, linear = self.r.w, self.r.linear
-        from specserve.models.runner import rms_norm
-
         t = b.tokens
         ids, pos, at, wslot = self.field("ids", t), self.field("pos", t), self.field("at", t), self.field("wslot", t)
-        hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
         cos, sin = w.cos.index_select(0, pos).unsqueeze(1), w.sin.index_select(0, pos).unsqueeze(1)
         mask = self._mask(b)
         h = w.embed.index_select(0, ids)  # [T, H]
-        kept = self.r.feature_layers
-        width = w.embed.shape[1]
         rslot = self.field("rslot", b.rows)
         tp = None if self.r.tp.size == 1 else self.r.tp.reduce  # (ADR 0030: a rank's all-reduce)
-        if self._fused is not None:  # each layer ends with the next one's norm (models/step_fusion.py)
-            x = fused_layers(self, self._fused, h, wslot, at, rslot, mask, cos, sin, tp)
-        else:
-            for li, layer in enumerate(w.layers):
-                if self._layer is not None:
-                    h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
-                                    layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
-                                    self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear,
-                                    tp)
-                else:
-                    qk, v = self._pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos,
-                                      sin, w.eps, hq, hkv, d, linear)
-                    self.r.kv.write(li, wslot, at, qk[:, hq:], v)
-                    o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
-                    h = self._post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps,
-                                   linear, tp)
-                if li in kept:
-                    j = kept.index(li)
-                    self.features[:t, j * width:(j + 1) * width].copy_(h)
-            x = rms_norm(h, w.norm, w.eps)
+        x = self._layers(b, h, wslot, at, rslot, mask, cos, sin, tp)
         logits = self.logits[:t]
         logits.copy_(self.r.tp.gather(linear(x, w.lm_head, None)))
         jpos = self.field("jpos", t).view(b.rows, b.width)
@@ -394,6 +373,36 @@ class DeviceStep:
         add = torch.zeros(r, w, s, dtype=self.r.w.embed.dtype, device=self.device).masked_fill_(~seen, float("-inf"))
         return add.unsqueeze(1).expand(r, g, w, s).reshape(r, 1, g * w, s)
 
+    def _layers(self, b: Bucket, h: torch.Tensor, wslot: torch.Tensor, at: torch.Tensor, rslot: torch.Tensor,
+                mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tp: Any) -> torch.Tensor:
+        """The decoder layers over the bucket's tokens `h` [T, H], the kept features copied out;
+        the final norm's output. Rows of LoRA adapters (ADR 0029) run the masked products,
+        uncompiled and unfused; otherwise the fused layers where on (models/step_fusion.py)."""
+        from specserve.models.runner import rms_norm
+
+        w, linear, t = self.r.w, self.r.linear, b.tokens
+        lora = self.r.lora if b.lora else None
+        if self._fused is not None and lora is None:  # each layer ends with the next one's norm
+            return fused_layers(self, self._fused, h, wslot, at, rslot, mask, cos, sin, tp)
+        hq, hkv, d, kept, width = w.num_heads, w.num_kv_heads, w.head_dim, self.r.feature_layers, w.embed.shape[1]
+        pre, post = (attention_in, attention_out) if lora is not None else (self._pre, self._post)
+        for li, layer in enumerate(w.layers):
+            if self._layer is not None and lora is None:
+                h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
+                                layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
+                                self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear, tp)
+            else:
+                lin = linear if lora is None else lora.linear(linear, li, layer, self.field("lora", t))
+                qk, v = pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
+                            w.eps, hq, hkv, d, lin)
+                self.r.kv.write(li, wslot, at, qk[:, hq:], v)
+                o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
+                h = post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps, lin, tp)
+            if li in kept:
+                j = kept.index(li)
+                self.features[:t, j * width:(j + 1) * width].copy_(h)
+        return rms_norm(h, w.norm, w.eps)
+
     # ---- graphs ----------------------------------------------------------------------------
 
     def launch(self, b: Bucket) -> None:
@@ -403,10 +412,12 @@ class DeviceStep:
         if self.head is not None and self._head_rows[1]:
             self.head.launch(b, self._head_rows[0], self._head_rows[2])
             return
+        # (adapter rows run the uncompiled function: the whole-run program does not take them)
+        run = self.run if b.lora and self._whole else self._run
         if self.sampled.any:  # (a graph per bucket and what its sampled rows need)
-            self.step_graphs.launch_variant(("sampled", *self.sampled.key()), b, lambda: self._run(b))
+            self.step_graphs.launch_variant(("sampled", *self.sampled.key()), b, lambda: run(b))
             return
-        self.step_graphs.launch(b, lambda: self._run(b))
+        self.step_graphs.launch(b, lambda: run(b))
 
     def launch_chain(self, b: Bucket, steps: int) -> None:
         """`run_chain`, replayed from its graph (one per bucket and length) where graphs are on."""

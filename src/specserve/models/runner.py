@@ -34,6 +34,7 @@ from specserve.params import SamplingParams
 
 if TYPE_CHECKING:
     from specserve.models.device_step import DeviceStep
+    from specserve.models.lora_set import LoraSet
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +300,28 @@ def fused_tiles_agree(w: Weights, tile: int, upto: int, linear: Linear) -> bool:
     return True
 
 
+def token_ids(rows: Sequence[Row], pad: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The rows' tokens and `pad` zeros as one [Mp] tensor on the device. Host tokens are
+    checked against the vocabulary and go in as runs; device ones (picked from this
+    model's logits) are spliced in where they stand, never read back."""
+    parts: list[torch.Tensor] = []
+    run: list[int] = []
+    for r in rows:
+        if isinstance(r.tokens, torch.Tensor):
+            if run:
+                parts.append(to_device(run, device))
+                run = []
+            parts.append(r.tokens.to(device=device, dtype=torch.long).view(-1))
+            continue
+        ids = [int(t) for t in r.tokens]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequest(f"a token id is outside the vocabulary (size {vocab})")
+        run.extend(ids)
+    if run or pad:
+        parts.append(to_device(run + [0] * pad, device, torch.long))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 class Collectives:
     """What a forward asks of its tensor-parallel group (ADR 0030): on one device, nothing.
     `reduce` sums a row-parallel projection's partial outputs over the ranks (after the
@@ -336,6 +359,7 @@ class ModelRunner:
         self.last_features: list[torch.Tensor] = []
         self.device = weights.embed.device
         self.tp = Collectives()  # a tensor-parallel rank's group (ADR 0030; models/sharding.py)
+        self.lora: LoraSet | None = None  # the LoRA adapters it holds (ADR 0029; `enable_lora`)
         # tile=None ("fast"): the short rows attend in one padded call where that pays, on CUDA
         # (one kernel launch, not one per row); on the CPU gathering every row's keys into one
         # padded tensor costs more than the calls it saves (ADR 0016), so rows attend alone
@@ -374,10 +398,17 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.w.vocab_size
 
-    def allocate(self, session: Hashable) -> None:
+    def allocate(self, session: Hashable, adapter: str = "") -> None:
+        """A KV slot for `session`, tied to `adapter` (ADR 0029; "" = the base) for its life."""
         self.kv.allocate(session)
+        if adapter:
+            from specserve.models.lora_set import bind_adapter
+
+            bind_adapter(self, session, adapter)
 
     def free(self, session: Hashable) -> bool:
+        if self.lora is not None:
+            self.lora.unbind(session)
         return self.kv.free(session)
 
     def length(self, session: Hashable) -> int:
@@ -515,7 +546,7 @@ class ModelRunner:
         m = sum(sizes)
         mp = self._padded(m)
         # Padding tokens (id 0 at position 0) fill the last tile; their KV is never written.
-        ids = self._token_ids(rows, mp - m)  # [Mp]
+        ids = token_ids(rows, mp - m, self.vocab_size, self.device)  # [Mp]
         at_host = [p for s, n in zip(starts, sizes, strict=True) for p in range(s, s + n)]
         rot = list(at_host)
         for r, s, off in zip(rows, starts, offsets, strict=True):
@@ -534,8 +565,9 @@ class ModelRunner:
 
         h = self.w.embed[ids]  # [Mp, H]
         kept: dict[int, torch.Tensor] = {}
+        lora = None if self.lora is None else self.lora.token_slots(sessions, sizes, mp)  # (ADR 0029)
         for li, layer in enumerate(self.w.layers):
-            qkv = self._qkv(layer, h, cos, sin)  # [Mp, Hq + 2 Hkv, D], RoPE applied
+            qkv = self._qkv(layer, h, cos, sin, li, lora)  # [Mp, Hq + 2 Hkv, D], RoPE applied
             q, k, v = qkv.split([hq, hkv, hkv], dim=1)
             self.kv.write(li, slot_of_token, at[:m], k[:m], v[:m])
             o = torch.zeros(mp, hq * self.w.head_dim, dtype=h.dtype, device=self.device)
@@ -545,7 +577,7 @@ class ModelRunner:
             if short is not None:
                 o.index_copy_(0, short.tokens, attend_short_rows(self.kv, li, short, q))
             for t in self._tiles(mp):
-                self._mlp_block(layer, h[t], o[t])
+                self._mlp_block(layer, h[t], o[t], self._linear(li, lora, t))
             if li in self.feature_layers:
                 kept[li] = h[:m].clone()
 
@@ -555,34 +587,23 @@ class ModelRunner:
             if self.feature_layers else []
         return self._logits(h, rows, offsets, sizes)
 
-    def _token_ids(self, rows: Sequence[Row], pad: int) -> torch.Tensor:
-        """The rows' tokens and `pad` zeros as one [Mp] tensor on the device. Host tokens are
-        checked against the vocabulary and go in as runs; device ones (picked from this
-        model's logits) are spliced in where they stand, never read back."""
-        parts: list[torch.Tensor] = []
-        run: list[int] = []
-        for r in rows:
-            if isinstance(r.tokens, torch.Tensor):
-                if run:
-                    parts.append(to_device(run, self.device))
-                    run = []
-                parts.append(r.tokens.to(device=self.device, dtype=torch.long).view(-1))
-                continue
-            ids = [int(t) for t in r.tokens]
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise InvalidRequest(f"a token id is outside the vocabulary (size {self.vocab_size})")
-            run.extend(ids)
-        if run or pad:
-            parts.append(to_device(run + [0] * pad, self.device, torch.long))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    def _linear(self, li: int, lora: list[int] | None, t: slice) -> Linear:
+        """The projection for layer `li`'s GEMM run `t`: with its tokens' LoRA products (ADR 0029)."""
+        if lora is None or self.lora is None:
+            return self.linear
+        from specserve.models.lora_set import LoraLinear
 
-    def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """h [Mp, H] -> q, k, v stacked [Mp, Hq + 2 Hkv, D], tile by tile."""
+        return LoraLinear(self.linear, self.lora, li, self.w.layers[li], slots=lora[t])
+
+    def _qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, li: int = 0,
+             lora: list[int] | None = None) -> torch.Tensor:
+        """h [Mp, H] -> q, k, v stacked [Mp, Hq + 2 Hkv, D], tile by tile; `lora`: each token's
+        adapter slot (ADR 0029; None: none has one)."""
         w, hq, hkv = self.w, self.w.num_heads, self.w.num_kv_heads
         out = torch.empty(h.shape[0], hq + 2 * hkv, w.head_dim, dtype=h.dtype, device=self.device)
         for t in self._tiles(h.shape[0]):
             x = rms_norm(h[t], layer.attn_norm, w.eps)
-            qkv = self.linear(x, layer.wqkv, layer.bqkv).view(x.shape[0], hq + 2 * hkv, w.head_dim)
+            qkv = self._linear(li, lora, t)(x, layer.wqkv, layer.bqkv).view(x.shape[0], hq + 2 * hkv, w.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 qkv = torch.cat([rms_norm(qkv[:, :hq], layer.q_norm, w.eps),
                                  rms_norm(qkv[:, hq:hq + hkv], layer.k_norm, w.eps), qkv[:, hq + hkv:]], 1)
@@ -590,13 +611,14 @@ class ModelRunner:
             out[t, hq + hkv:] = qkv[:, hq + hkv:]
         return out
 
-    def _mlp_block(self, layer: Layer, h: torch.Tensor, o: torch.Tensor) -> None:
+    def _mlp_block(self, layer: Layer, h: torch.Tensor, o: torch.Tensor, linear: Linear | None = None) -> None:
         """h [T, H] (a view of the residual stream, updated in place), o [T, Hq D]."""
-        h += self.tp.reduce(self.linear(o, layer.wo, layer.bo))
+        linear = linear or self.linear
+        h += self.tp.reduce(linear(o, layer.wo, layer.bo))
         x = rms_norm(h, layer.mlp_norm, self.w.eps)
-        gate, up = self.linear(x, layer.w_gate_up, None).chunk(2, dim=-1)
+        gate, up = linear(x, layer.w_gate_up, None).chunk(2, dim=-1)
         act = silu_rows(gate) if self.tile else F.silu(gate)
-        h += self.tp.reduce(self.linear(act * up, layer.w_down, None))
+        h += self.tp.reduce(linear(act * up, layer.w_down, None))
 
     def _logits(self, h: torch.Tensor, rows: Sequence[Row], offsets: list[int],
                 sizes: list[int]) -> list[torch.Tensor]:

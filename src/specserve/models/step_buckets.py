@@ -19,6 +19,7 @@ class Bucket:
     rows: int  # R
     width: int  # W: tokens per row
     span: int  # S: key positions each row attends over
+    lora: bool = False  # some row runs with a LoRA adapter (ADR 0029): the step adds their products
 
     @property
     def tokens(self) -> int:

@@ -39,10 +39,10 @@ class StepInputs:
         # differ in a token tree, whose tokens sit in order but rotate by depth)
         # hdraft, hfeed: a row's drafts by the target's own head and whether it feeds the head (ADR 0025)
         # mode, seed, topk, temp, topp: a row's sampling, judged on the device (models/step_judge.py;
-        # temp and topp as float64 bit patterns)
+        # temp and topp as float64 bit patterns); lora: each token's adapter slot (ADR 0029; 0: none)
         sizes = {"ids": t, "pos": t, "at": t, "wslot": t, "dst": t, "rslot": r, "start": r, "jpos": t,
                  "ndraft": r, "kleft": r, "hdraft": r, "hfeed": r, "hwidth": r,
-                 "mode": r, "seed": r, "topk": r, "temp": r, "topp": r}
+                 "mode": r, "seed": r, "topk": r, "temp": r, "topp": r, "lora": t}
         self.offsets: dict[str, int] = {}
         at = 0
         for name, n in sizes.items():
@@ -57,11 +57,14 @@ class StepInputs:
         return self.buffer[at:at + n]
 
     def write(self, rows: Sequence[Row], slots: Sequence[int], starts: Sequence[int], b: Bucket,
-              depths: Sequence[Sequence[int] | None] | None = None, chain: Sequence[int] | None = None) -> None:
+              depths: Sequence[Sequence[int] | None] | None = None, chain: Sequence[int] | None = None,
+              lora: Sequence[int] | None = None) -> None:
         """The step's numbers (`numbers`) into the buffer in one copy, then the rows' tokens that
         are on the device into their places. A token outside the vocabulary raises before
-        anything is written."""
+        anything is written. `lora`: each row's adapter slot (ADR 0029), where any has one."""
         fields, on_device = self.numbers(rows, slots, starts, b, depths, chain)
+        if lora is not None:  # every lane of a row takes its adapter (padding rows: none)
+            fields = {**fields, "lora": np.repeat(np.asarray(list(lora) + [0] * (b.rows - len(lora))), b.width)}
         host = np.zeros(self.buffer.shape[0], dtype=np.int64)
         for name, values in fields.items():
             arr = np.asarray(values, dtype=np.int64).reshape(-1)

@@ -1,6 +1,7 @@
-"""Prometheus metrics (DESIGN §6), names prefixed `specserve_`, labelled by workload class
-and draft pool. Each service owns a registry (no global state); the Grafana dashboard in
-deploy/grafana/ queries exactly these names (a test parses it)."""
+"""Prometheus metrics (DESIGN §6), names prefixed `specserve_`, labelled by workload class,
+draft pool and LoRA adapter (ADR 0029: bounded by `AdapterLabels`). Each service owns a
+registry (no global state); the Grafana dashboard in deploy/grafana/ queries exactly these
+names (a test parses it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,47 @@ from prometheus_client.registry import Collector
 
 from specserve.serving.busy import BusyMeter, DeviceCollector
 
-LABELS = ("workload_class", "draft_pool")
+LABELS = ("workload_class", "draft_pool", "adapter")
+NO_ADAPTER, OTHER_ADAPTERS = "none", "other"
+
+
+class AdapterLabels:
+    """The `adapter` label's values (ADR 0029), bounded: the `top` adapters with the most
+    traffic (sessions counted as they start, halved at each re-ranking, every `every` of them)
+    keep their names, the rest share `other`; the base is `none`. A session takes its label
+    once, so its series' increments and decrements meet."""
+
+    def __init__(self, top: int = 8, every: int = 256) -> None:
+        self.top, self.every = top, every
+        self.counts: dict[str, float] = {}
+        self.kept: set[str] = set()
+        self._seen = 0
+
+    def label(self, adapter: str, count: bool = True) -> str:
+        if not adapter:
+            return NO_ADAPTER
+        if count:
+            self.counts[adapter] = self.counts.get(adapter, 0.0) + 1
+            self._seen += 1
+            if self._seen % self.every == 0:
+                ranked = sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))
+                self.kept = {a for a, _ in ranked[:self.top]}
+                self.counts = {a: n / 2 for a, n in ranked[:4 * self.top]}
+        if adapter not in self.kept and len(self.kept) < self.top and count:
+            self.kept.add(adapter)
+        return adapter if adapter in self.kept else OTHER_ADAPTERS
+
+    def of_class(self, stats_class: str, count: bool = False) -> tuple[str, str]:
+        """(class, adapter label) of a statistics class `CLASS@ADAPTER[+suffix]` (ADR 0029)."""
+        cls, adapter = split_class(stats_class)
+        return cls, self.label(adapter, count)
+
+
+def split_class(stats_class: str) -> tuple[str, str]:
+    """A statistics class `CLASS@ADAPTER[+suffix]` (ADR 0029) as (`CLASS[+suffix]`, `ADAPTER`)."""
+    head, plus, suffix = stats_class.partition("+")
+    cls, _, adapter = head.partition("@")
+    return cls + plus + suffix, adapter
 _MS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 

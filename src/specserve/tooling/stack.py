@@ -39,6 +39,9 @@ class PoolSpec:
     # `local:ngram`, `local:eagle`, `local:suffix`; a model directory as `local:draft` (ADR 0025:
     # the target's `local_draft_model`, one such directory a stack)
     local: bool = False
+    # a model pool's draft-side LoRA adapter, merged at load (ADR 0029: an adapter's own drafter);
+    # relative to the pair, or absolute
+    lora: str = ""
 
 
 def local_target_threads(cores: int | None = None, reserved: int = 1) -> int:
@@ -87,6 +90,8 @@ class StackSpec:
     tls_dir: str = ""  # tls.crt/tls.key/ca.crt: TLS on every hop, mTLS to workers (ADR 0011)
     http_port: int = 0  # router 0's HTTP API port (0 = a free one; the others always take a free one)
     tensor_parallel: int = 1  # the target over this many ranks (ADR 0030), target_threads each
+    # LoRA adapters the target loads at start (ADR 0029): name -> directory (relative to the pair, or absolute)
+    adapters: dict[str, str] = field(default_factory=dict)
     # False: the target in a plain process, without Ray (`services/target/plain.py`): for a node
     # that has no Ray, such as the GPU check's (ADR 0028); nobody restarts it there
     target_ray: bool = True
@@ -284,7 +289,8 @@ class Stack:
                     # the pair's tokenizer: an n-gram replica masks its drafts under a constraint too
                     "SPECSERVE_DRAFT_TOKENIZER": str(pair / "target"),
                     "SPECSERVE_DRAFT_PORT_FILE": str(port_file), "SPECSERVE_DRAFT_METRICS_PORT": "0",
-                    "SPECSERVE_DRAFT_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"), **ps.env})
+                    "SPECSERVE_DRAFT_METRICS_PORT_FILE": str(self.run_dir / f"{name}.metrics"),
+                    **({"SPECSERVE_DRAFT_LORA": str(pair / ps.lora)} if ps.lora else {}), **ps.env})
                 ports.append((pool, name, p, lg, port_file))
         for pool, name, p, lg, port_file in ports:
             port = _wait_file(port_file, p, name, timeout_s, lg)
@@ -309,6 +315,7 @@ class Stack:
             "SPECSERVE_TARGET_EAGLE_POOLS": json.dumps(
                 [pool for pool, ps in spec.pools.items() if ps.model == "eagle" and not ps.local]),
             **local_draft_env(spec),
+            "SPECSERVE_TARGET_ADAPTERS": json.dumps({name: str(pair / path) for name, path in spec.adapters.items()}),
         })
         self.info.target = json.loads(_wait_file(target_info, proc, "target", timeout_s, log))
         self.info.metrics["target"] = f"127.0.0.1:{self.info.target.get('metrics_port', -1)}"

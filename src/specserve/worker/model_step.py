@@ -53,6 +53,7 @@ from specserve.drafters.hf import (
     pick_on_device,
     q_entries,
 )
+from specserve.errors import AdapterNotFound
 from specserve.models.kv_slots import prefill_chunks
 from specserve.models.runner import SHORT_ROW, ModelRunner, Row, choose_path
 from specserve.models.verifier import (
@@ -110,6 +111,8 @@ class Batching:
     # round's copy and the host drafter's). The KV budget then holds both KVs, the reserve the weights
     drafter_kv_share: float = 0.0
     drafter_params: int = 0
+    max_loras: int = 0  # LoRA adapters (ADR 0029): room for this many, of rank up to max_lora_rank (0: none)
+    max_lora_rank: int = 16
 
     @classmethod
     def from_settings(cls, s) -> Batching:
@@ -120,7 +123,8 @@ class Batching:
                    tile=None if s.exact_batching == "fast" else cls.tile, cuda_graphs=s.cuda_graphs,
                    compile_step="auto" if s.cuda_compile == "auto" else False,
                    lookahead=False if getattr(s, "async_steps", "auto") == "off" else None,
-                   capture_tree_width=getattr(s, "tree_width", 1))
+                   capture_tree_width=getattr(s, "tree_width", 1),
+                   max_loras=getattr(s, "max_loras", 0), max_lora_rank=getattr(s, "max_lora_rank", 16))
 
 
 _handles = itertools.count()
@@ -167,6 +171,12 @@ def make_runner(model: torch.nn.Module, b: Batching, load: Callable[..., ModelRu
     runner = (load or ModelRunner.from_hf)(model, kv_budget_bytes=budget, max_sessions=b.max_sessions + int(fixed),
                                  max_len=b.max_len or None, device=device, dtype=dtype,
                                  tile=eager_tile(b, graphs and fixed), fuse_upto=b.fuse_upto)
+    if b.max_loras and runner.tp.size == 1:  # (ADR 0029; a tensor-parallel target has none)
+        from specserve.models.lora import base_fingerprint
+        from specserve.models.lora_set import enable_lora
+
+        path = str(getattr(model, "name_or_path", "") or "")
+        enable_lora(runner, model.config, b.max_loras, b.max_lora_rank, base_fingerprint(path) if path else "")
     if fixed:
         capture_startup(runner.enable_device_step(max_rows=b.max_batch, graphs=graphs,
                                                   compile=step_compile(b, graphs), fuse=b.fuse_step), b)
@@ -198,10 +208,16 @@ class _RunnerSessions:
         self.runner = make_runner(model, b, load)
         self.max_positions = min(max_positions, self.runner.kv.max_len)
 
-    def open(self, session_id: str) -> Any:
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        """A session's KV slot, tied to its LoRA adapter (ADR 0029; "" = the base)."""
         handle = (session_id, next(_handles))  # unique: a reopened session never meets its old slot
-        self.runner.allocate(handle)
+        self.runner.allocate(handle, adapter)
         return handle
+
+    @property
+    def adapters(self) -> Any:
+        """The LoRA adapters this model step holds (models/lora_set.py: LoraSet), or None."""
+        return self.runner.lora
 
     def close(self, handle: Any) -> None:
         self.runner.free(handle)
@@ -254,8 +270,8 @@ class BatchedTarget(_RunnerSessions):
         b = self.settings
         self.heads.device.capture(b.capture_k, b.capture_budget_s, b.capture_tree_width)  # (logged)
 
-    def open(self, session_id: str) -> Any:
-        handle = super().open(session_id)
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        handle = super().open(session_id, adapter)
         if self.heads is not None:
             self.heads.opened(handle)
         return handle
@@ -602,7 +618,9 @@ class _PerSession:
     def __init__(self, backend) -> None:
         self.backend = backend  # a TargetModel or a drafter: `start()` gives a session
 
-    def open(self, session_id: str) -> Any:
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        if adapter:  # (the per-session path serves the base model only; ADR 0029)
+            raise AdapterNotFound(f"no adapter {adapter!r}: LoRA adapters need the batched runner (batching on)")
         return self.backend.start()
 
     def close(self, handle: Any) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from specserve.errors import AdapterNotFound
 from specserve.models.runner import ModelRunner
 from specserve.models.sharding import GroupCollectives, ShardedTarget, ShardLoader, control_group, start_group
 from specserve.step import Step, StepResult, StepRow
@@ -160,7 +161,9 @@ class LeaderTarget:
     def runner(self) -> ModelRunner:
         return self.local.runner
 
-    def open(self, session_id: str) -> Any:
+    def open(self, session_id: str, adapter: str = "") -> Any:
+        if adapter:  # (ADR 0029: not under tensor parallelism)
+            raise AdapterNotFound(f"no adapter {adapter!r}: a tensor-parallel target serves no LoRA adapters")
         handle = self.local.open(session_id)
         self._ops.append(("open", handle))
         return handle

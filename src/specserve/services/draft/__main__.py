@@ -36,8 +36,13 @@ def load_drafter(settings: DraftSettings):
 
     # on the model thread (main): OpenMP takes the count in the thread that sets it (threads.py)
     torch.set_num_threads(settings.torch_threads)
-    return HFDrafter(load_model(settings.model), name=settings.pool, q_mass=settings.q_mass,
-                     q_max_entries=settings.q_max_entries)
+    model = load_model(settings.model)
+    if settings.lora:  # an adapter's own drafter: its draft-side LoRA merged in (ADR 0029)
+        from specserve.models.lora import merge_adapter
+
+        merge_adapter(model, settings.lora, settings.pool)
+        log.info("draft pool %s: adapter %s merged into %s", settings.pool, settings.lora, settings.model)
+    return HFDrafter(model, name=settings.pool, q_mass=settings.q_mass, q_max_entries=settings.q_max_entries)
 
 
 def load_eagle_drafter(settings: DraftSettings):

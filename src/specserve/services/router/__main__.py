@@ -20,6 +20,7 @@ from specserve.control.controller import Controller, ShadowLog
 from specserve.control.policy import DEFAULT_CLASS, Policy, PolicyCache, PolicyConflict, PolicyStore
 from specserve.errors import InvalidRequest
 from specserve.model_info import ModelInfo
+from specserve.services.router.adapter_admin import AdapterAdminServicer
 from specserve.services.router.admin import PolicyAdminServicer
 from specserve.services.router.classifier import Classifier, Rule
 from specserve.services.router.openai_api import OpenAIApp, start_http
@@ -38,8 +39,9 @@ from specserve.serving.telemetry import (
     shutdown_tracing,
 )
 from specserve.serving.tls import load as load_tls
+from specserve.state.adapters import AdapterRegistry
 from specserve.state.store import REDIS_DOWN, SessionStore, connect
-from specserve.v1 import generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
+from specserve.v1 import adapter_pb2, adapter_pb2_grpc, generation_pb2, generation_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 log = logging.getLogger("specserve.router")
 
@@ -136,6 +138,7 @@ class Router:
             tokens.setdefault("admin", settings.admin_token.get_secret_value())
         self.admin = PolicyAdminServicer(self.policy_store, self.policies, planner, tokens,
                                          ShadowLog(redis, settings.key_prefix, settings.stats_ttl_s))
+        self.adapters = AdapterAdminServicer(self.targets, AdapterRegistry(redis, settings.key_prefix), tokens)
         self.serving = False  # the HTTP API's /health follows it as gRPC health does
         self.http: tuple[Any, asyncio.Task, int] | None = None  # uvicorn's server, its task, its port
 
@@ -145,9 +148,11 @@ class Router:
         def add(server) -> None:
             generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
             policy_pb2_grpc.add_PolicyAdminServicer_to_server(self.admin, server)
+            adapter_pb2_grpc.add_AdapterAdminServicer_to_server(self.adapters, server)  # (ADR 0029)
 
         self.server = GrpcServer([generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-                                  policy_pb2.DESCRIPTOR.services_by_name["PolicyAdmin"].full_name],
+                                  policy_pb2.DESCRIPTOR.services_by_name["PolicyAdmin"].full_name,
+                                  adapter_pb2.DESCRIPTOR.services_by_name["AdapterAdmin"].full_name],
                                  s.host, s.port, s.grace_s, add, interceptors=[TracingServerInterceptor()],
                                  limits=ServerLimits(s.max_message_bytes, s.max_concurrent_rpcs),
                                  credentials=self.tls.server(require_client_cert=False) if self.tls else None)

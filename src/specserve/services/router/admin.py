@@ -16,7 +16,7 @@ import grpc
 
 from specserve.control.controller import ShadowLog
 from specserve.control.policy import (
-    CLASS_NAME,
+    POLICY_KEY,
     AuditEntry,
     Policy,
     PolicyCache,
@@ -88,8 +88,28 @@ def audit_to_pb(e: AuditEntry) -> policy_pb2.AuditEntry:
     return msg
 
 
+async def authorize(tokens: dict[str, str], context, service: str, what: str) -> str:
+    """The admin token's name (the audit log's "who"), or the call aborted: no token ->
+    UNAUTHENTICATED, one this router does not know -> PERMISSION_DENIED."""
+    header = next((v for k, v in (context.invocation_metadata() or ()) if k == "authorization"), "")
+    if not header:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            f"{service} needs an admin token: metadata 'authorization: Bearer <token>'")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "malformed authorization: use 'Bearer <token>'")
+    if not tokens:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"{what} is disabled on this router: no admin token is configured")
+    for name, expected in tokens.items():
+        if hmac.compare_digest(token.encode(), expected.encode()):
+            return name
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED, "the admin token is not valid")
+    raise AssertionError("unreachable")
+
+
 def _class_name(name: str) -> str:
-    if not CLASS_NAME.match(name):
+    if not POLICY_KEY.match(name):
         raise InvalidRequest(f"invalid workload class name {name!r}")
     return name
 
@@ -104,21 +124,7 @@ class PolicyAdminServicer(policy_pb2_grpc.PolicyAdminServicer):
         self.shadow_log = shadow_log
 
     async def _who(self, context) -> str:
-        header = next((v for k, v in (context.invocation_metadata() or ()) if k == "authorization"), "")
-        if not header:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "PolicyAdmin needs an admin token: metadata 'authorization: Bearer <token>'")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "malformed authorization: use 'Bearer <token>'")
-        if not self.tokens:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "policy administration is disabled on this router: no admin token is configured")
-        for name, expected in self.tokens.items():
-            if hmac.compare_digest(token.encode(), expected.encode()):
-                return name
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "the admin token is not valid")
-        raise AssertionError("unreachable")
+        return await authorize(self.tokens, context, "PolicyAdmin", "policy administration")
 
     async def GetPolicy(self, request, context):
         await self._who(context)

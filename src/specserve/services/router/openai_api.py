@@ -24,7 +24,9 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from redis.exceptions import RedisError
 
+from specserve.control.policy import ADAPTER_NAME
 from specserve.errors import (
+    AdapterNotFound,
     InvalidRequest,
     ResourceExhausted,
     SessionLost,
@@ -69,6 +71,8 @@ def api_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), "invalid_request_error")
+    if isinstance(exc, AdapterNotFound):  # the request's `model`, an adapter no target has (ADR 0029)
+        return APIError(404, str(exc), "invalid_request_error", "model_not_found", "model")
     if isinstance(exc, SessionNotFound):
         return APIError(404, str(exc), "invalid_request_error", "not_found")
     if isinstance(exc, ResourceExhausted):  # the target had no KV room within admission_wait_s
@@ -124,23 +128,37 @@ class OpenAIApp:
         self._count(request, err.status)
         return JSONResponse(err.body(), err.status)
 
-    def _check_model(self, model_id: str) -> None:
-        if model_id != self.model_id:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {self.model_id!r}",
-                           "invalid_request_error", "model_not_found", "model")
+    def _adapter_of(self, model_id: str) -> str:
+        """The LoRA adapter a request's `model` names (ADR 0029, as vLLM: an adapter's name), or
+        "" for the base model; whether a target has it loaded is the service's to check."""
+        if model_id == self.model_id:
+            return ""
+        if not ADAPTER_NAME.match(model_id):
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {self.model_id!r} and "
+                           "its LoRA adapters (GET /v1/models)", "invalid_request_error", "model_not_found", "model")
+        return model_id
 
     async def health(self) -> JSONResponse:
         ok = self.ready()
         return JSONResponse({"status": "ok" if ok else "starting"}, 200 if ok else 503)
 
     async def models(self, request: Request) -> ModelList:
+        """The base model, and every LoRA adapter a live target has loaded (ADR 0029)."""
         self._authorize(request)
-        return ModelList(data=[ModelCard(id=self.model_id)])
+        adapters = sorted(await self.service.sessions.targets.adapters())
+        return ModelList(data=[ModelCard(id=self.model_id),
+                               *(ModelCard(id=a, root=self.model_id, parent=self.model_id) for a in adapters)])
 
     async def model(self, model_id: str, request: Request) -> ModelCard:
         self._authorize(request)
-        self._check_model(model_id)
-        return ModelCard(id=self.model_id)
+        adapter = self._adapter_of(model_id)
+        if not adapter:
+            return ModelCard(id=self.model_id)
+        try:
+            await self.service.sessions.targets.require_adapter(adapter)
+        except AdapterNotFound as exc:
+            raise api_error(exc) from exc
+        return ModelCard(id=adapter, root=self.model_id, parent=self.model_id)
 
     async def completions(self, body: CompletionRequest, request: Request):
         req = self._generate_request(body, request, COMPLETION_DEFAULT_TOKENS)
@@ -173,8 +191,7 @@ class OpenAIApp:
     def _generate_request(self, body: CompletionRequest | ChatRequest, request: Request,
                           default_tokens: int) -> generation_pb2.GenerateRequest:
         self._authorize(request)
-        self._check_model(body.model)
-        req = generation_pb2.GenerateRequest(
+        req = generation_pb2.GenerateRequest(adapter=self._adapter_of(body.model),
             max_tokens=body.budget(default_tokens), temperature=body.temperature, top_k=body.top_k,
             stop=body.stops(), workload_class=body.workload_class, draft_pool=body.draft_pool,
             request_id=request.headers.get("idempotency-key", ""),
@@ -240,7 +257,7 @@ class OpenAIApp:
             choice["message"] = {"role": "assistant", "content": resp.text}
         else:
             choice["text"] = resp.text
-        return {"id": f"{prefix}-{resp.session_id}", "object": kind, "created": now(), "model": self.model_id,
+        return {"id": f"{prefix}-{resp.session_id}", "object": kind, "created": now(), "model": body.model,
                 "choices": [choice], "usage": _usage(prompt_tokens, len(resp.token_ids), resp.stats).model_dump(),
                 "system_fingerprint": None}
 
@@ -269,7 +286,7 @@ class OpenAIApp:
         created = now()
 
         def event(choices: list, usage: dict | None = None) -> str:
-            out = {"id": sid, "object": obj, "created": created, "model": self.model_id, "choices": choices}
+            out = {"id": sid, "object": obj, "created": created, "model": body.model, "choices": choices}
             if usage is not None or (body.stream_options and body.stream_options.include_usage):
                 out["usage"] = usage
             return f"data: {json.dumps(out)}\n\n"

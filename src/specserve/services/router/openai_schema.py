@@ -199,6 +199,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "specserve"
+    root: str | None = None  # a LoRA adapter's base model (ADR 0029, as vLLM lists them)
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

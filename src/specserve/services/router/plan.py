@@ -37,6 +37,7 @@ class SessionPlan:
     # the class's suffix index and drafting settings (ADR 0026: its policy's suffix_*), where
     # they are not the defaults: the target's suffix pool keeps and drafts the class's index by them
     suffix: dict[str, Any] | None = None
+    adapter: str = ""  # the LoRA adapter it runs on (ADR 0029; "" = the base)
 
     @property
     def seed(self) -> int:
@@ -66,7 +67,8 @@ class SessionPlan:
                 **({"adaptive": True, "k_min": self.k_bounds[0], "k_max": self.k_bounds[1]} if self.k_bounds else {}),
                 **({"constraint": self.constraint.encode()} if self.constraint else {}),
                 **({"draft_priority": self.draft_priority} if self.draft_priority else {}),
-                **({"suffix": self.suffix} if self.suffix else {})}
+                **({"suffix": self.suffix} if self.suffix else {}),
+                **({"adapter": self.adapter} if self.adapter else {})}
 
     @classmethod
     def decode(cls, d: dict[str, Any]) -> SessionPlan:
@@ -81,11 +83,12 @@ class SessionPlan:
                    d.get("decision_reason", ""), tuple(d.get("prediction") or ()), bool(d.get("seeded")),
                    (int(d["k_min"]), int(d["k_max"])) if d.get("adaptive") else None,
                    Constraint.decode(d.get("constraint")), draft_priority=int(d.get("draft_priority") or 0),
-                   suffix=d.get("suffix") or None)
+                   suffix=d.get("suffix") or None, adapter=str(d.get("adapter") or ""))
 
     def span_attributes(self) -> dict[str, Any]:
         return {"specserve.workload_class": self.workload_class, "specserve.class_reason": self.class_reason,
                 "specserve.policy_class": self.policy_class, "specserve.policy_version": self.policy_version,
                 "specserve.decision": self.choice.decision.value, "specserve.decision_reason": self.decision_reason,
                 "specserve.draft_pool": self.pool or "none", "specserve.shadow_pool": self.shadow_pool or "",
-                "specserve.k": self.params.num_draft_tokens, "specserve.seed": str(self.seed)}
+                "specserve.k": self.params.num_draft_tokens, "specserve.seed": str(self.seed),
+                "specserve.adapter": self.adapter}

@@ -34,12 +34,12 @@ from specserve.control.guards import (
     rolled_back,
     settling,
 )
-from specserve.control.policy import Policy, PolicyCache, PolicyConflict
+from specserve.control.policy import ADAPTER_SEP, Policy, PolicyCache, PolicyConflict
 from specserve.drafters.prediction import PREDICTION_K, PREDICTION_POOL, drafts_from_prediction
 from specserve.services.router.classifier import CLASSES
 from specserve.services.router.plan import SessionPlan
 from specserve.services.router.validation import ValidRequest
-from specserve.serving.metrics import RouterMetrics
+from specserve.serving.metrics import AdapterLabels, RouterMetrics, split_class
 from specserve.structured.constraint import Constraint
 
 log = logging.getLogger("specserve.router")
@@ -57,15 +57,19 @@ class Planner:
         self._warned: set[str] = set()
         self._moving: set[str] = set()  # classes whose stage change (rollback, promotion) is being written
         self._tasks: set[asyncio.Task] = set()
+        self.adapter_labels = AdapterLabels()  # the metrics' adapter label (ADR 0029)
 
-    def stats_class(self, workload_class: str) -> str:
+    def stats_class(self, workload_class: str, adapter: str = "") -> str:
         """Statistics and metrics labels per known class; unknown ones share `other`, so a
-        client cannot grow Redis or Prometheus without bound."""
-        return workload_class if workload_class in CLASSES or self.policies.known(workload_class) else "other"
+        client cannot grow Redis or Prometheus without bound. A LoRA adapter's requests count
+        apart, as CLASS@ADAPTER (ADR 0029; adapters are the operators' to load: bounded too)."""
+        cls = workload_class if workload_class in CLASSES or self.policies.known(workload_class) else "other"
+        return f"{cls}{ADAPTER_SEP}{adapter}" if adapter else cls
 
     async def plan(self, req: ValidRequest) -> SessionPlan:
-        policy, source = self.policies.effective(req.workload_class)
-        stats_class = self.stats_class(req.workload_class)
+        key = f"{req.workload_class}{ADAPTER_SEP}{req.adapter}" if req.adapter else req.workload_class
+        policy, source = self.policies.effective(key)  # CLASS@ADAPTER's own, else the class's (ADR 0029)
+        stats_class = self.stats_class(req.workload_class, req.adapter)
         if req.constraint is None and not req.free_text and policy.output_format == "json_object":
             req = replace(req, constraint=Constraint.json_object())  # the class's default output (ADR 0017)
         if req.constraint is not None:  # acceptance under a constraint is its own statistic (ADR 0017)
@@ -86,24 +90,25 @@ class Planner:
                         policy.workload_class, ", ".join(policy.pools))
         if assessment is not None:
             self._gauges(stats_class, assessment)
-            if source == "class" and policy.mode in GUARDED_STAGES:  # a rollout stage: its guards (ADR 0022)
-                self._stage(policy, stats_class, assessment)
+            if source == "class" and policy.mode in GUARDED_STAGES and policy.workload_class == key:
+                self._stage(policy, stats_class, assessment)  # a rollout stage: its guards (ADR 0022), per adapter
         seed = req.params.seed if req.params.seed is not None else fresh_seed()
         params = replace(req.params, num_draft_tokens=choice.k, seed=seed)
-        self.metrics.classified.labels(stats_class, req.class_reason.split(":")[0]).inc()
-        self.metrics.decisions.labels(stats_class, choice.pool or "none", choice.decision.value, choice.arm).inc()
+        self.metrics.classified.labels(split_class(stats_class)[0], req.class_reason.split(":")[0]).inc()
+        self.metrics.decisions.labels(*self._labels(stats_class, choice.pool or "none", True), choice.decision.value,
+                                      choice.arm).inc()
         self.metrics.policy_version.labels(stats_class).set(policy.version)
         # the engine picks K where the policy lets it (not for a pinned K or a probe; a seeded
         # request too: its tokens do not depend on K, ADR 0027)
         adaptive = policy.adaptive_k and choice.decision is Decision.SPECULATE and not choice.probe \
             and not choice.shadow
-        arm = guard_arm(policy, choice) if source == "class" else ""
+        arm = guard_arm(policy, choice) if source == "class" and policy.workload_class == key else ""
         return SessionPlan(params, req.workload_class, req.class_reason, stats_class, choice, policy.workload_class,
                            policy.version, source, request_reason(choice, assessment),
                            req.prediction_ids if choice.pool == PREDICTION_POOL else (),
                            seeded=req.params.seed is not None, k_bounds=policy.k_range if adaptive else None,
                            constraint=req.constraint, guard_arm=arm,
-                           draft_priority=policy.draft_priority, suffix=suffix_settings(policy))
+                           draft_priority=policy.draft_priority, suffix=suffix_settings(policy), adapter=req.adapter)
 
     def outcome(self, plan: SessionPlan, tpot_s: float | None, failed: bool) -> None:
         """How a request of a class in a guarded stage ended (the service reports it): its TPOT
@@ -128,10 +133,17 @@ class Planner:
         elif why := promotion_due(policy, assessment, self.controller.min_rounds, time.time()):
             self._promote(policy, stats_class, why)
 
+    def _labels(self, stats_class: str, pool: str, count: bool = False) -> tuple[str, str, str]:
+        """(class, pool, adapter) of the metrics (ADR 0029: the adapter label bounded)."""
+        cls, adapter = self.adapter_labels.of_class(stats_class, count)
+        return cls, pool, adapter
+
     async def effective(self, workload_class: str) -> tuple[Policy, str, str, Assessment]:
-        """(policy, source, stats class, the controller's assessment from fresh statistics)."""
+        """(policy, source, stats class, the controller's assessment from fresh statistics);
+        `workload_class`: a class, or CLASS@ADAPTER (ADR 0029)."""
         policy, source = self.policies.effective(workload_class)
-        stats_class = self.stats_class(workload_class)
+        cls, _, adapter = workload_class.partition(ADAPTER_SEP)
+        stats_class = self.stats_class(cls, adapter)
         pools = [p for p in policy.pools if p in self.pools] or list(policy.pools)
         await self.controller.refresh({(stats_class, p) for p in pools})
         estimates = self.controller.estimates(stats_class, pools, policy.k_range[1], policy.adaptive_k)
@@ -186,9 +198,10 @@ class Planner:
         speculating = a.decision in (Decision.SPECULATE, Decision.LEARN)
         for pool, est in a.estimates.items():
             k, s = (a.k, a.speedup) if pool == a.pool else est.best(1, max(est.speedup, default=1))
-            m.expected_speedup.labels(stats_class, pool).set(s)
-            m.speculating.labels(stats_class, pool).set(1 if speculating and pool == a.pool else 0)
-            m.chosen_k.labels(stats_class, pool).set(k if pool == a.pool else 0)
+            labels = self._labels(stats_class, pool)
+            m.expected_speedup.labels(*labels).set(s)
+            m.speculating.labels(*labels).set(1 if speculating and pool == a.pool else 0)
+            m.chosen_k.labels(*labels).set(k if pool == a.pool else 0)
 
 
 def prediction_choice(pinned_k: int | None) -> Choice:

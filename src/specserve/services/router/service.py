@@ -118,6 +118,8 @@ class GenerationService:
                      s.max_prompt_tokens)
 
     async def _open(self, req: ValidRequest, span) -> tuple[Opened, SessionPlan]:
+        if req.adapter:  # NOT_FOUND before a session exists (ADR 0029)
+            await self.sessions.targets.require_adapter(req.adapter)
         plan = await self.planner.plan(req)
         span.set_attributes({**plan.span_attributes(), "specserve.api": API.get()})
         opened = await self.sessions.open(req.request_id, req.prompt_ids, plan)

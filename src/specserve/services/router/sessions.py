@@ -64,7 +64,7 @@ class Sessions:
             await self.follow_hook(handle.session_id)
             return Opened(handle.session_id, True)
         try:
-            await self.targets.start(handle.session_id)
+            await self.targets.start(handle.session_id, plan.adapter)
         except SpecserveError as exc:  # no target took it: the session ends with the reason
             with contextlib.suppress(*REDIS_DOWN):
                 await self.store.fail(handle.session_id, handle.epoch, str(exc))
@@ -77,7 +77,8 @@ class Sessions:
         if not await self.store.claim(session_id, self.owner, self.ownership.claim_s):
             return False
         try:
-            await self.targets.start(session_id)
+            info = await self.store.get(session_id)
+            await self.targets.start(session_id, str((info.params if info else {}).get("adapter") or ""))
         except (SessionNotFound, SessionClosed):
             return False
         log.info("re-placed session %s after its driver's lease lapsed", session_id)

@@ -22,6 +22,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from specserve.errors import (
+    AdapterNotFound,
     InvalidRequest,
     ResourceExhausted,
     SessionClosed,
@@ -45,6 +46,7 @@ class Target:
     name: str
     address: str
     load: int  # sessions it drives, as its last heartbeat said, plus those placed here since
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it has loaded (ADR 0029)
 
 
 def _text(v: bytes | str) -> str:
@@ -87,7 +89,8 @@ class TargetDirectory:
                 await self.redis.srem(f"{self.prefix}:targets", name)  # (no-op where it is not there)
                 continue
             e = json.loads(raw)
-            found[e["address"]] = Target(e.get("name", name), e["address"], int(e.get("sessions", 0)))
+            found[e["address"]] = Target(e.get("name", name), e["address"], int(e.get("sessions", 0)),
+                                         frozenset(e.get("adapters") or ()))
         self.targets = found
         for a in found:
             if a not in self.stubs:
@@ -96,15 +99,31 @@ class TargetDirectory:
         self._read_at = asyncio.get_running_loop().time()
         return list(found.values())
 
-    def ranked(self, session_id: str) -> list[Target]:
-        """Least loaded first; equal loads in the session id's hash order."""
+    def ranked(self, session_id: str, adapter: str = "") -> list[Target]:
+        """Least loaded first; equal loads in the session id's hash order. With a LoRA adapter:
+        only the targets that have it loaded (ADR 0029)."""
         def tie(t: Target) -> bytes:
             return hashlib.blake2b(f"{session_id}|{t.address}".encode(), digest_size=8).digest()
 
-        return sorted(self.targets.values(), key=lambda t: (t.load, tie(t)))
+        return sorted((t for t in self.targets.values() if not adapter or adapter in t.adapters),
+                      key=lambda t: (t.load, tie(t)))
 
-    async def start(self, session_id: str) -> str:
-        """Start the session on a target; returns the target's name."""
+    async def adapters(self, fresh: bool = False) -> set[str]:
+        """The LoRA adapters some live target has loaded (the registry at most REFRESH_S old)."""
+        if fresh or not self.targets or asyncio.get_running_loop().time() - self._read_at > REFRESH_S:
+            await self.refresh()
+        return {a for t in self.targets.values() for a in t.adapters}
+
+    async def require_adapter(self, adapter: str) -> None:
+        """AdapterNotFound unless some live target has `adapter` loaded (read again before refusing)."""
+        if adapter in await self.adapters() or adapter in await self.adapters(fresh=True):
+            return
+        known = sorted(await self.adapters())
+        raise AdapterNotFound(f"the adapter (model) {adapter!r} does not exist: no target has it loaded; loaded: "
+                              f"{', '.join(known) if known else 'none'} (specserve adapter list)")
+
+    async def start(self, session_id: str, adapter: str = "") -> str:
+        """Start the session on a target (one with its LoRA adapter); returns the target's name."""
         loop = asyncio.get_running_loop()
         appear_by = loop.time() + self.wait_s
         admitted_by: float | None = None
@@ -114,8 +133,10 @@ class TargetDirectory:
             while True:
                 if not self.targets or loop.time() - self._read_at > REFRESH_S:
                     await self.refresh()
-                candidates = self.ranked(session_id)
+                candidates = self.ranked(session_id, adapter)
                 if not candidates and loop.time() >= appear_by:
+                    if adapter and self.targets:
+                        raise AdapterNotFound(f"no live target has adapter {adapter!r} loaded")
                     raise Unavailable("no target worker is registered; retry later")
                 for t in candidates:
                     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.control.arms import NO_SPECULATION, RequestFacts
-from specserve.control.policy import CLASS_NAME
+from specserve.control.policy import ADAPTER_NAME, CLASS_NAME
 from specserve.drafters.prediction import PREDICTION_POOL, check_prediction
 from specserve.errors import InvalidRequest
 from specserve.model_info import ModelInfo
@@ -30,6 +30,7 @@ class ValidRequest:
     prediction_ids: tuple[int, ...] = ()  # Predicted Outputs: the expected output, tokenized
     constraint: Constraint | None = None  # structured output (ADR 0017), compiled once here to check it
     free_text: bool = False  # the request asked for free text: the class's default output does not apply
+    adapter: str = ""  # the LoRA adapter it runs on (ADR 0029; "" = the base)
 
     @property
     def facts(self) -> RequestFacts:
@@ -82,8 +83,12 @@ def parse(req: generation_pb2.GenerateRequest, model: ModelInfo, pools: list[str
     params = GenerationParams(
         max_tokens=int(req.max_tokens), sampling=sampling, num_draft_tokens=0,
         stop=tuple(req.stop), seed=int(req.seed) if req.HasField("seed") else None)
+    if req.adapter and not ADAPTER_NAME.match(req.adapter):
+        raise InvalidRequest(f"invalid adapter {req.adapter!r}: lower-case letters, digits, '.', '_' or '-' (at most "
+                             "64), or leave it empty for the base model")
     constraint = Constraint.from_proto(req.constraint) if req.HasField("constraint") else None
     if constraint is not None:
         model.grammars().compile(constraint)  # InvalidRequest with the compiler's message
     return ValidRequest(ids, text, params, cls, reason, pinned_pool, pinned_k, req.request_id or None, prediction,
-                        constraint, req.HasField("constraint") and req.constraint.WhichOneof("kind") == "text")
+                        constraint, req.HasField("constraint") and req.constraint.WhichOneof("kind") == "text",
+                        adapter=req.adapter)

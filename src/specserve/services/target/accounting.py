@@ -39,9 +39,9 @@ class RoundTelemetry:
         self.metrics = metrics
         self.controller = controller
         self.kv_bytes_per_token = kv_bytes_per_token
-        # (class, pool) -> the every-round series' children: `labels()` is a locked lookup a
-        # call, and every round of every step paid four (ADR 0028)
-        self._every: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
+        # (class, pool, adapter) -> the every-round series' children: `labels()` is a locked lookup
+        # a call, and every round of every step paid four (ADR 0028)
+        self._every: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
 
     def count(self, plan: EnginePlan, r: RoundStats) -> None:
         m, labels = self.metrics, plan.labels

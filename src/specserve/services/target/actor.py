@@ -126,6 +126,7 @@ class TargetWorker:
                                 credentials=tls.server(require_client_cert=True) if tls else None)
             await server.start()
             host.start_loop()
+            await host.adapters.load_at_start(s.adapters, redis, s.key_prefix)  # (ADR 0029)
             await server.set_serving()
             self.metrics_port = start_metrics_server(metrics.registry, s.metrics_port, s.host)
         self.address = f"{s.host}:{server.port}"
@@ -140,7 +141,7 @@ class TargetWorker:
         def entry() -> str:
             return json.dumps({"address": self.address, "pid": os.getpid(), "name": s.name,
                                "metrics_port": self.metrics_port, "incarnation": host.incarnation,
-                               "sessions": host.load, **group_entry(self.group)})
+                               "sessions": host.load, "adapters": host.adapters.names(), **group_entry(self.group)})
 
         async def beat() -> None:
             async with redis.pipeline(transaction=False) as pipe:
@@ -150,6 +151,7 @@ class TargetWorker:
                 await pipe.execute()
 
         await beat()
+        host.adapters.on_change = beat  # a load or unload is in the registry at once (ADR 0029)
         log.info("target %s serving on %s (pid %d)", s.name, self.address, os.getpid())
         self._ready.set()
         try:  # a restarted incarnation drives its sessions on (they were in its index)

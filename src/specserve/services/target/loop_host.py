@@ -50,8 +50,9 @@ from specserve.engine.speculation import SpeculationSettings
 from specserve.errors import ResourceExhausted, SessionClosed, SessionNotFound
 from specserve.params import GenerationParams
 from specserve.services.target.accounting import Driven, RoundTelemetry, worker_step
+from specserve.services.target.adapters import TargetAdapters
 from specserve.services.target.shadow import SHADOW_SUFFIX, record_shadow, twins_ended
-from specserve.serving.metrics import RoundMetrics, WorkerMetrics
+from specserve.serving.metrics import AdapterLabels, RoundMetrics, WorkerMetrics
 from specserve.serving.telemetry import tracer
 from specserve.state.store import REDIS_DOWN, CommitStatus, SessionStatus, SessionStore, ride_out
 from specserve.step import ModelStep
@@ -124,6 +125,7 @@ class LoopHost:
                                  on_step=self._on_step, summarize=lambda s: run_summary(self.incarnation, s),
                                  constrain=constrain)
         self.committer.on_acked = self.engine.acked
+        self.adapters, self.adapter_labels = TargetAdapters(self.engine, name), AdapterLabels()  # (ADR 0029)
         self.committer.on_wake = self._drain_rounds  # (one wake of the event loop a step, with the commits)
         self.driving: dict[str, Driven] = {}  # event-loop side: the sessions this incarnation drives
         self._starting: dict[str, asyncio.Lock] = {}
@@ -197,6 +199,7 @@ class LoopHost:
         if info.status is not SessionStatus.RUNNING:
             raise SessionClosed(f"session {session_id} is {info.status.value}: nothing to drive")
         plan = EnginePlan.from_stored(info.params)
+        plan = replace(plan, adapter_label=self.adapter_labels.label(plan.adapter))  # (ADR 0029: bounded)
         if plan.constraint is not None and self.engine.constrain is not None:
             # compile the constraint here, on a thread of its own: the engine thread (every
             # session's steps) and this event loop (the draft links, the commits) would stall
@@ -287,8 +290,9 @@ class LoopHost:
     # ---- the event loop ----
     def _drain_rounds(self) -> None:
         for (cls, pool), estimates in list(self.engine.speculation.estimates.items()):  # written by the engine thread
+            c, adapter = self.adapter_labels.of_class(cls)
             for k, s in list(estimates.items()):
-                self.metrics.arm_estimate.labels(cls, pool or "none", str(k)).set(s)
+                self.metrics.arm_estimate.labels(c, pool or "none", adapter, str(k)).set(s)
         while self._rounds:
             session, stats, at, prefix_len = self._rounds.popleft()
             d = self.driving.get(session.id)

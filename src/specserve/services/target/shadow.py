@@ -11,7 +11,7 @@ from typing import Any
 from specserve.control.controller import ShadowLog
 from specserve.engine.session import EngineSession, Status
 from specserve.services.target.accounting import Driven
-from specserve.serving.metrics import RoundMetrics
+from specserve.serving.metrics import RoundMetrics, split_class
 from specserve.state.store import SessionStore
 
 log = logging.getLogger("specserve.target")
@@ -65,9 +65,10 @@ async def record_shadow(served: Driven, twin: Driven, metrics: RoundMetrics, sto
         "acceptance_rate": accepted / max(drafted, 1), "plain_seconds": plain_s, "shadow_seconds": shadow_s,
         "would_be_speedup": plain_s / shadow_s if shadow_s > 0 and plain_s > 0 else 0.0}
     labels = (shadow.plan.stats_class or shadow.plan.workload_class, shadow.plan.pool or "none")
-    metrics.shadow_requests.labels(*labels, outcome).inc()
+    metric_labels = (split_class(labels[0])[0], labels[1], shadow.plan.adapter_label)  # (ADR 0029)
+    metrics.shadow_requests.labels(*metric_labels, outcome).inc()
     if record["would_be_speedup"]:
-        metrics.shadow_speedup.labels(*labels).observe(record["would_be_speedup"])
+        metrics.shadow_speedup.labels(*metric_labels).observe(record["would_be_speedup"])
     if outcome == "disagree":
         log.error("shadow twin of %s disagrees with the served output at token %s", run.id, divergence)
     try:

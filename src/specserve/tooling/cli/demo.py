@@ -70,6 +70,7 @@ def demo(
             code = demo_choice(prompts, "code", 1)[0]["prompt"]
             _demo_openai(console, run_dir, code, call(code, "code", "none")[0], max_tokens)
         _demo_policies(console, channel, prompts, prompts_per_class, max_tokens)
+        _demo_adapters(console, stub, pair_path, max_tokens, k, prompts_per_class)
 
 
 def _eagle_pools(pair_path: Path, router: str | None, run_dir: Path) -> list[str]:
@@ -128,6 +129,49 @@ def _demo_openai(console, run_dir: Path, prompt: str, plain, max_tokens: int) ->
     console.print(f"{usage.completion_tokens} tokens in {ms:.0f} ms; prediction tokens accepted "
                   f"{d.accepted_prediction_tokens}, rejected {d.rejected_prediction_tokens}; same text as plain "
                   f"decoding over gRPC: {got.choices[0].text == plain.text}", highlight=False)
+
+
+def _demo_adapters(console, stub, pair_path: Path, max_tokens: int, k: int, n: int) -> None:
+    """Each of the pair's LoRA adapters (ADR 0029) on its own held-out prompts: one answer of the
+    base model and of the adapter (its style), then the adapter's requests with speculation off,
+    drafted by the base draft (`small`) and by the adapter's own drafter (`small-<adapter>`), side
+    by side: accepted drafts a round, time per token, and the same tokens as off."""
+    import time
+
+    from rich.table import Table
+
+    from specserve.v1 import generation_pb2
+
+    for held in sorted((pair_path / "adapters").glob("*/eval_prompts.json")):
+        name = held.parent.name
+        chosen = [p["prompt"] for p in json.loads(held.read_text())["prompts"][:n]]
+        table = Table(title=f"LoRA adapter {name!r} (OpenAI model={name!r}, gRPC adapter): greedy, K={k}, "
+                            f"{max_tokens} tokens, {len(chosen)} of its held-out prompts")
+        for col in ("drafter", "ms/token", "speedup", "accepted drafts a round", "same tokens as off"):
+            table.add_column(col)
+
+        def call(prompt: str, adapter: str, pool: str):
+            req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, workload_class="extraction",
+                                                 adapter=adapter, draft_pool=pool, num_draft_tokens=k)
+            t = time.perf_counter()
+            resp = stub.Generate(req, timeout=600)
+            return resp, time.perf_counter() - t
+
+        console.rule(f"[bold]adapter {name}[/bold]")
+        console.print(f"[dim]prompt:[/dim] {chosen[0][-120:]!r}")
+        console.print(f"[dim]base model:[/dim] {call(chosen[0], '', 'none')[0].text!r}")
+        runs = {arm: [call(p, name, pool) for p in chosen] for arm, pool in
+                (("off", "none"), ("base draft (small)", "small"), (f"its own (small-{name})", f"small-{name}"))}
+        console.print(f"[dim]adapter {name}:[/dim] {runs['off'][0][0].text!r}")
+        plain = runs["off"]
+        base = sum(s for _, s in plain) / max(sum(len(r.token_ids) for r, _ in plain), 1)
+        for arm, results in runs.items():
+            per_token = sum(s for _, s in results) / max(sum(len(r.token_ids) for r, _ in results), 1)
+            rounds = [rd for r, _ in results for rd in r.stats.round if rd.k > 0]
+            same = all(list(r.token_ids) == list(p.token_ids) for (r, _), (p, _) in zip(results, plain, strict=True))
+            table.add_row(arm, f"{per_token * 1e3:.1f}", f"{base / per_token:.2f}x",
+                          f"{sum(rd.accepted for rd in rounds) / len(rounds):.2f}" if rounds else "-", str(same))
+        console.print(table)
 
 
 def _demo_notice(console, pair_path: Path) -> None:

@@ -25,6 +25,7 @@ def generate(
     predict: Path | None = typer.Option(None, "--predict", help="Predicted Outputs: a file holding the text "
                                         "the output is expected to mostly repeat (it drafts; the output is "
                                         "exact)."),
+    adapter: str = typer.Option("", help="A LoRA adapter to run on (ADR 0029; empty: the base model)."),
     router: str | None = typer.Option(None, help="host:port of a router (default: the local stack)."),
     run_dir: Path = typer.Option(RUN_DIR),
 ) -> None:
@@ -34,7 +35,8 @@ def generate(
     from specserve.v1 import generation_pb2, generation_pb2_grpc
 
     req = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                         top_k=top_k, workload_class=workload_class, draft_pool=pool)
+                                         top_k=top_k, workload_class=workload_class, draft_pool=pool,
+                                         adapter=adapter)
     if top_p < 1.0:
         req.top_p = top_p
     if seed is not None:

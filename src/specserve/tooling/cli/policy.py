@@ -22,15 +22,15 @@ def _admin_token(token: str | None, router: str | None, run_dir: Path) -> str:
     return token or ""
 
 
-def _admin(router: str | None, token: str | None, run_dir: Path = RUN_DIR):
-
+def _admin(router: str | None, token: str | None, run_dir: Path = RUN_DIR, stub=None):
+    """A stub of the router's admin service (PolicyAdmin, or `stub`'s) and the token's metadata."""
     from specserve.v1 import policy_pb2_grpc
 
     token = _admin_token(token, router, run_dir)
     if not token:
         raise typer.BadParameter("an admin token is needed: --token or SPECSERVE_ADMIN_TOKEN")
     channel = router_channel(router_address(router, run_dir), run_dir)
-    return policy_pb2_grpc.PolicyAdminStub(channel), [("authorization", f"Bearer {token}")]
+    return (stub or policy_pb2_grpc.PolicyAdminStub)(channel), [("authorization", f"Bearer {token}")]
 
 
 def _call(fn, request, metadata):

@@ -43,11 +43,29 @@ def _stack_spec(models: Path, run_dir: Path, http_port: int = 8000):
     if (pair / "eagle" / "config.json").exists():  # the pair's EAGLE head (ADR 0020): beside the target,
         pools["eagle-local"] = PoolSpec("eagle", local=True)
         pools["eagle"] = PoolSpec("eagle", replicas=1)  # and on a replica fed the target's features
+    adapters = demo_adapters(pair, pools, policies)
     return StackSpec(pair_dir=str(pair.resolve()), run_dir=str(run_dir.resolve()),
-                     pools=pools,
+                     pools=pools, adapters=adapters,
                      redis_url=os.environ.get("SPECSERVE_REDIS_URL", ""), http_port=http_port,
                      router_env={"SPECSERVE_ROUTER_ADMIN_TOKEN": token,
                                  "SPECSERVE_ROUTER_POLICIES": json.dumps(policies)})
+
+
+def demo_adapters(pair: Path, pools: dict, policies: dict) -> dict[str, str]:
+    """The pair's LoRA adapters (ADR 0029: `adapters/<name>/target`), loaded by the target; an
+    adapter with a draft-side adapter (`draft/`) gets a pool of its own drafter (one replica of
+    the draft with it merged), and its class's policy for it (`extraction@<name>`) drafts there."""
+    from specserve.tooling.stack import PoolSpec
+
+    out = {}
+    for d in sorted((pair / "adapters").glob("*/target/adapter_config.json")):
+        name = d.parent.parent.name
+        out[name] = f"adapters/{name}/target"
+        if (d.parent.parent / "draft" / "adapter_config.json").exists():
+            pools[f"small-{name}"] = PoolSpec("draft", replicas=1, lora=f"adapters/{name}/draft")
+            policies[f"extraction@{name}"] = {"draft_pool": f"small-{name}", "draft_pools": ["small", "suffix"],
+                                              "adaptive_k": True, "k_min": 2, "k_max": 16}
+    return out
 
 
 @app.command("up")
