@@ -311,7 +311,7 @@ class DeviceStep:
         h = w.embed.index_select(0, ids)  # [T, H]
         rslot = self.field("rslot", b.rows)
         tp = None if self.r.tp.size == 1 else self.r.tp.reduce  # (ADR 0030: a rank's all-reduce)
-        x = self._layers(b, h, wslot, at, rslot, mask, cos, sin, tp)
+        x = decoder_layers(self, b, h, wslot, at, rslot, mask, cos, sin, tp)
         logits = self.logits[:t]
         logits.copy_(self.r.tp.gather(linear(x, w.lm_head, None)))
         jpos = self.field("jpos", t).view(b.rows, b.width)
@@ -373,36 +373,6 @@ class DeviceStep:
         add = torch.zeros(r, w, s, dtype=self.r.w.embed.dtype, device=self.device).masked_fill_(~seen, float("-inf"))
         return add.unsqueeze(1).expand(r, g, w, s).reshape(r, 1, g * w, s)
 
-    def _layers(self, b: Bucket, h: torch.Tensor, wslot: torch.Tensor, at: torch.Tensor, rslot: torch.Tensor,
-                mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tp: Any) -> torch.Tensor:
-        """The decoder layers over the bucket's tokens `h` [T, H], the kept features copied out;
-        the final norm's output. Rows of LoRA adapters (ADR 0029) run the masked products,
-        uncompiled and unfused; otherwise the fused layers where on (models/step_fusion.py)."""
-        from specserve.models.runner import rms_norm
-
-        w, linear, t = self.r.w, self.r.linear, b.tokens
-        lora = self.r.lora if b.lora else None
-        if self._fused is not None and lora is None:  # each layer ends with the next one's norm
-            return fused_layers(self, self._fused, h, wslot, at, rslot, mask, cos, sin, tp)
-        hq, hkv, d, kept, width = w.num_heads, w.num_kv_heads, w.head_dim, self.r.feature_layers, w.embed.shape[1]
-        pre, post = (attention_in, attention_out) if lora is not None else (self._pre, self._post)
-        for li, layer in enumerate(w.layers):
-            if self._layer is not None and lora is None:
-                h = self._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
-                                layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, self.r.kv.keys[li],
-                                self.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear, tp)
-            else:
-                lin = linear if lora is None else lora.linear(linear, li, layer, self.field("lora", t))
-                qk, v = pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
-                            w.eps, hq, hkv, d, lin)
-                self.r.kv.write(li, wslot, at, qk[:, hq:], v)
-                o = attend(qk[:, :hq], self.r.kv.keys[li], self.r.kv.values[li], rslot, mask)
-                h = post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps, lin, tp)
-            if li in kept:
-                j = kept.index(li)
-                self.features[:t, j * width:(j + 1) * width].copy_(h)
-        return rms_norm(h, w.norm, w.eps)
-
     # ---- graphs ----------------------------------------------------------------------------
 
     def launch(self, b: Bucket) -> None:
@@ -446,3 +416,35 @@ class DeviceStep:
         ws = sorted({round_up(x, self.width_buckets) or self.max_width for x in widths})
         spans = [s for s in self.span_buckets if max_span is None or s <= max(max_span, self.span_buckets[0])]
         return [Bucket(r, w, s) for r in self.row_buckets for w in ws for s in spans]
+
+
+def decoder_layers(ds: DeviceStep, b: Bucket, h: torch.Tensor, wslot: torch.Tensor, at: torch.Tensor,
+                   rslot: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   tp: Any) -> torch.Tensor:
+    """The decoder layers over the bucket's tokens `h` [T, H], the kept features copied out;
+    the final norm's output. Rows of LoRA adapters (ADR 0029) run the masked products,
+    uncompiled and unfused; otherwise the fused layers where on (models/step_fusion.py)."""
+    from specserve.models.runner import rms_norm
+
+    w, linear, t = ds.r.w, ds.r.linear, b.tokens
+    lora = ds.r.lora if b.lora else None
+    if ds._fused is not None and lora is None:  # each layer ends with the next one's norm
+        return fused_layers(ds, ds._fused, h, wslot, at, rslot, mask, cos, sin, tp)
+    hq, hkv, d, kept, width = w.num_heads, w.num_kv_heads, w.head_dim, ds.r.feature_layers, w.embed.shape[1]
+    pre, post = (attention_in, attention_out) if lora is not None else (ds._pre, ds._post)
+    for li, layer in enumerate(w.layers):
+        if ds._layer is not None and lora is None:
+            h = ds._layer(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, layer.wo,
+                          layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, ds.r.kv.keys[li],
+                          ds.r.kv.values[li], wslot, at, rslot, mask, cos, sin, w.eps, hq, hkv, d, linear, tp)
+        else:
+            lin = linear if lora is None else lora.linear(linear, li, layer, ds.field("lora", t))
+            qk, v = pre(h, layer.attn_norm, layer.wqkv, layer.bqkv, layer.q_norm, layer.k_norm, cos, sin,
+                        w.eps, hq, hkv, d, lin)
+            ds.r.kv.write(li, wslot, at, qk[:, hq:], v)
+            o = attend(qk[:, :hq], ds.r.kv.keys[li], ds.r.kv.values[li], rslot, mask)
+            h = post(h, o, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.w_down, w.eps, lin, tp)
+        if li in kept:
+            j = kept.index(li)
+            ds.features[:t, j * width:(j + 1) * width].copy_(h)
+    return rms_norm(h, w.norm, w.eps)
