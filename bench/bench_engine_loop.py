@@ -375,7 +375,8 @@ def main() -> None:
                 prof = PROFILES["h100" if real else pname]
                 if real and a.real_draft_ms is not None:  # the drafts timed as this device's own draft
                     prof = replace(prof, draft_step_ms=a.real_draft_ms, draft_token_ms=0.0)
-                r = {"profile": pname, **cell(target, prompts, refs, prof, arm,
+                r = {"profile": pname, "draft_step_ms": prof.draft_step_ms, "draft_token_ms": prof.draft_token_ms,
+                     **cell(target, prompts, refs, prof, arm,
                                               a.tokens, a.alpha, tile, a.gather == "on", a.device, real, a.beta)}
                 rows.append(r)
                 _write(a, rows)
